@@ -1,0 +1,36 @@
+"""Errors that lora-rl raises for bad input.
+
+Every error names the field, file or object at fault and says how to fix it,
+so the CLI can print it as one line (``lora-rl: error: <message>``) instead of
+a traceback.
+"""
+
+from __future__ import annotations
+
+
+class LoraRLError(Exception):
+    """Base class: a user-facing error whose message is one clear line."""
+
+
+class ConfigError(LoraRLError):
+    """A run config is malformed: unknown key, bad value, bad override."""
+
+
+class DataError(LoraRLError):
+    """A dataset file is missing or a row is malformed."""
+
+
+class ModelError(LoraRLError):
+    """A model cannot be found, fetched or loaded."""
+
+
+class RewardError(LoraRLError):
+    """A reward function cannot be imported or returned a bad value."""
+
+
+class StoreError(LoraRLError):
+    """An adapter store object is missing, malformed or fails its checksum."""
+
+
+class EngineError(LoraRLError):
+    """An inference engine rejected a request (unknown adapter, bad params)."""
