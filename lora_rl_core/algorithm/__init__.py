@@ -1,0 +1,37 @@
+"""Pure tensor functions of the RL algorithm: advantages and losses.
+
+No model, no config object, no ``torch.distributed``: the trainer passes
+tensors in and gets tensors (and metric floats) back.
+"""
+
+from lora_rl_core.algorithm.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    drgrpo_advantages,
+    group_has_signal,
+    grpo_advantages,
+    rloo_advantages,
+)
+from lora_rl_core.algorithm.losses import (
+    LOSS_AGGREGATIONS,
+    aggregate,
+    entropy_from_logits,
+    kl_k3,
+    ppo_clip_loss,
+    selective_log_softmax,
+    truncated_importance_weights,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "aggregate",
+    "drgrpo_advantages",
+    "entropy_from_logits",
+    "group_has_signal",
+    "grpo_advantages",
+    "kl_k3",
+    "ppo_clip_loss",
+    "rloo_advantages",
+    "selective_log_softmax",
+    "truncated_importance_weights",
+]

@@ -1,0 +1,130 @@
+"""Group-relative advantage estimators: one scalar advantage per completion.
+
+Rewards arrive grouped: ``rewards_NG`` is a float tensor ``[N, G]`` with N
+groups (one per prompt) of G = ``group_size`` completions each. Every
+estimator returns float advantages ``[N, G]``; the loss broadcasts each
+completion's advantage over its tokens.
+
+Choices made here:
+
+* GRPO divides by the *unbiased* (Bessel, G - 1) standard deviation of the
+  group, as TRL's ``GRPOTrainer`` does with ``torch.std``. DeepSeekMath
+  (Shao et al. 2024, sec. 4.1.2) writes "std" without saying which.
+* A group whose rewards are all equal gets zero advantages from every
+  estimator (GRPO's ``eps`` keeps 0 / 0 finite), so it adds no policy
+  gradient; ``group_has_signal`` finds such groups so the trainer can drop
+  them.
+* GRPO and RLOO need ``group_size >= 2`` (the std and the leave-one-out mean
+  are undefined for one completion) and raise ``ValueError`` otherwise.
+  Dr. GRPO is defined for ``group_size == 1`` and gives zeros.
+* A new estimator is a new function plus an entry in
+  ``ADVANTAGE_ESTIMATORS``, never a branch.
+
+Left out: learned value baselines (PPO with GAE), per-token rewards, and
+batch-level (rather than group-level) std normalisation as in REINFORCE++.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+
+def _check_grouped(rewards_NG: Tensor, *, min_group_size: int = 1) -> Tensor:
+    """Return ``rewards_NG`` as a floating tensor; raise ``ValueError`` unless it is ``[N, G]`` with G >= min."""
+    if rewards_NG.dim() != 2:
+        raise ValueError(f"rewards_NG must be 2-D [num_groups, group_size], got shape {tuple(rewards_NG.shape)}")
+    if rewards_NG.shape[1] < min_group_size:
+        raise ValueError(
+            f"group_size must be >= {min_group_size} for this estimator, "
+            f"got rewards_NG of shape {tuple(rewards_NG.shape)}"
+        )
+    return rewards_NG if rewards_NG.is_floating_point() else rewards_NG.float()
+
+
+def grpo_advantages(rewards_NG: Tensor, *, eps: float = 1e-6) -> Tensor:
+    """GRPO advantages: ``(r - mean_g) / (std_g + eps)`` within each group.
+
+    DeepSeekMath (Shao et al. 2024), sec. 4.1.2, outcome supervision:
+    ``A_i = (r_i - mean(r)) / std(r)``. ``std_g`` is unbiased (divides by
+    G - 1), matching TRL's ``GRPOTrainer``; ``eps`` keeps groups with equal
+    rewards at exactly zero instead of NaN.
+
+    Args:
+        rewards_NG: ``[N, G]`` rewards, N groups of G >= 2 completions.
+        eps: added to the std before dividing.
+
+    Returns:
+        ``[N, G]`` advantages, same floating dtype as the rewards
+        (integer rewards become float32).
+    """
+    rewards_NG = _check_grouped(rewards_NG, min_group_size=2)
+    mean_N1 = rewards_NG.mean(dim=1, keepdim=True)
+    std_N1 = rewards_NG.std(dim=1, keepdim=True, correction=1)
+    return (rewards_NG - mean_N1) / (std_N1 + eps)
+
+
+def drgrpo_advantages(rewards_NG: Tensor) -> Tensor:
+    """Dr. GRPO advantages: ``r - mean_g``, with no std division.
+
+    Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+    Perspective": dividing by the group std up-weights groups whose
+    rewards barely differ (too easy or too hard prompts), so Dr. GRPO drops it.
+
+    Args:
+        rewards_NG: ``[N, G]`` rewards.
+
+    Returns:
+        ``[N, G]`` advantages, floating dtype of the rewards.
+    """
+    rewards_NG = _check_grouped(rewards_NG)
+    return rewards_NG - rewards_NG.mean(dim=1, keepdim=True)
+
+
+def rloo_advantages(rewards_NG: Tensor) -> Tensor:
+    """RLOO advantages: ``r_i - mean of the other G - 1 rewards in the group``.
+
+    Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
+    Optimization for Learning from Human Feedback in LLMs" (the
+    leave-one-out baseline of Kool et al. 2019). Equal to
+    ``G / (G - 1) * (r_i - mean_g)``.
+
+    Args:
+        rewards_NG: ``[N, G]`` rewards with G >= 2 (else ``ValueError``).
+
+    Returns:
+        ``[N, G]`` advantages, floating dtype of the rewards.
+    """
+    rewards_NG = _check_grouped(rewards_NG, min_group_size=2)
+    group_size = rewards_NG.shape[1]
+    others_mean_NG = (rewards_NG.sum(dim=1, keepdim=True) - rewards_NG) / (group_size - 1)
+    return rewards_NG - others_mean_NG
+
+
+def group_has_signal(rewards_NG: Tensor, *, atol: float = 1e-8) -> Tensor:
+    """Which groups carry a learning signal: rewards not all equal.
+
+    A group whose rewards span no more than ``atol`` (max - min) gets zero
+    advantage from every estimator here, so training on it only adds
+    padding to the batch (the "dynamic sampling" filter of DAPO, Yu et al.
+    2025, sec. 3.2).
+
+    Args:
+        rewards_NG: ``[N, G]`` rewards.
+        atol: largest spread still counted as "all equal".
+
+    Returns:
+        ``[N]`` bool, True where the group's rewards differ.
+    """
+    rewards_NG = _check_grouped(rewards_NG)
+    spread_N = rewards_NG.amax(dim=1) - rewards_NG.amin(dim=1)
+    return spread_N > atol
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "grpo": grpo_advantages,
+    "drgrpo": drgrpo_advantages,
+    "rloo": rloo_advantages,
+}
+"""Estimator name (the config's ``advantage`` choice) -> function ``[N, G] -> [N, G]``."""

@@ -1,0 +1,334 @@
+"""Token-level policy losses: log-probs from logits, PPO-clip, k3 KL, aggregation.
+
+Every ``[B, T]`` tensor is over completion tokens: B completions, T the
+padded completion length. ``mask_BT`` is 1.0 on real completion tokens and
+0.0 on padding; log-probs are float32 nats.
+
+Choices made here:
+
+* Log-probs and entropies are computed in float32 whatever the logits dtype,
+  one batch row at a time, so bf16 logits never need a full float32
+  ``[B, T, V]`` copy under ``torch.no_grad`` (old / reference log-probs).
+  With autograd on, each row's float32 copy is still kept for backward.
+* Padding never leaks: values on padding are replaced by 0 with
+  ``torch.where`` (not multiplied by the mask), and the log-ratio is zeroed
+  there before ``exp``, so inf / NaN in padded positions reach neither the
+  loss nor the gradient.
+* "Sequences" in the ``seq-mean-*`` aggregations are rows with at least one
+  real token; all-padding rows are padding.
+* The k3 log-ratio is clamped to [-20, 20] so ``exp`` cannot overflow.
+* Gradients flow only through ``logprobs_BT``: old / reference log-probs,
+  advantages and importance weights are detached.
+* A new aggregation is a new function plus a registry entry, not a branch.
+
+Left out: value-function loss, entropy bonus, dual-clip PPO (Ye et al.
+2020), sequence-level ratios (GSPO), and the gradient-bias question of the
+k3 estimator used as a loss term (Tang & Munos 2025). Aggregation is per
+call: token-mean over micro-batches is not the token-mean of the whole batch
+unless the caller rescales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+"""Aggregation modes a run config may pick; ``aggregate`` also takes
+``"seq-mean-token-sum-norm"``, which needs ``max_tokens``."""
+
+_KL_LOG_RATIO_CLAMP = 20.0
+
+
+def _check_same_shape(mask_BT: Tensor, **tensors_BT: Tensor) -> None:
+    """Raise ``ValueError`` unless ``mask_BT`` is 2-D and every tensor has its shape."""
+    if mask_BT.dim() != 2:
+        raise ValueError(f"mask_BT must be 2-D [B, T], got shape {tuple(mask_BT.shape)}")
+    for name, tensor in tensors_BT.items():
+        if tensor.shape != mask_BT.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, expected {tuple(mask_BT.shape)} "
+                "(the shape of mask_BT, [B, T])"
+            )
+
+
+def _map_rows_float32(fn: Callable[[Tensor], Tensor], logits_BTV: Tensor) -> Tensor:
+    """Apply ``fn`` (``[T, V]`` float32 -> ``[T]``) to each batch row; returns ``[B, T]`` float32."""
+    if logits_BTV.dim() != 3:
+        raise ValueError(f"logits_BTV must be 3-D [B, T, V], got shape {tuple(logits_BTV.shape)}")
+    return torch.stack([fn(row_TV.float()) for row_TV in logits_BTV])
+
+
+def selective_log_softmax(logits_BTV: Tensor, token_ids_BT: Tensor) -> Tensor:
+    """Log-probability of the chosen token at each position.
+
+    ``log p(y_t) = logits[y_t] - logsumexp(logits)``, equal to
+    ``log_softmax(logits).gather(-1, y)`` without keeping the full
+    ``[B, T, V]`` log-softmax.
+
+    Args:
+        logits_BTV: ``[B, T, V]`` logits, any floating dtype.
+        token_ids_BT: ``[B, T]`` int64 token ids whose log-prob to take.
+
+    Returns:
+        ``[B, T]`` float32 log-probs (nats, <= 0), differentiable in the logits.
+    """
+    if token_ids_BT.shape != logits_BTV.shape[:2]:
+        raise ValueError(
+            f"token_ids_BT has shape {tuple(token_ids_BT.shape)}, expected {tuple(logits_BTV.shape[:2])} "
+            "(the first two dims of logits_BTV)"
+        )
+    logsumexp_BT = _map_rows_float32(lambda row_TV: torch.logsumexp(row_TV, dim=-1), logits_BTV)
+    chosen_BT = logits_BTV.gather(-1, token_ids_BT.unsqueeze(-1)).squeeze(-1).float()
+    return chosen_BT - logsumexp_BT
+
+
+def _entropy_TV(logits_TV: Tensor) -> Tensor:
+    """Entropy ``-sum_v p log p`` of each row of float32 ``[T, V]`` logits -> ``[T]``."""
+    logp_TV = torch.log_softmax(logits_TV, dim=-1)
+    return -(logp_TV.exp() * logp_TV).sum(dim=-1)
+
+
+def entropy_from_logits(logits_BTV: Tensor) -> Tensor:
+    """Entropy of the next-token distribution at each position.
+
+    ``H_t = -sum_v p_v log p_v`` with ``p = softmax(logits_t)``; assumes
+    finite logits (a ``-inf`` logit gives NaN).
+
+    Args:
+        logits_BTV: ``[B, T, V]`` logits, any floating dtype.
+
+    Returns:
+        ``[B, T]`` float32 entropies in nats, in ``[0, log V]``.
+    """
+    return _map_rows_float32(_entropy_TV, logits_BTV)
+
+
+def _mean_over_sequences(per_seq_B: Tensor, mask_BT: Tensor) -> Tensor:
+    """Mean of ``per_seq_B`` over rows with at least one real token (0 if none)."""
+    has_tokens_B = (mask_BT.sum(dim=-1) > 0).to(per_seq_B.dtype)
+    return (per_seq_B * has_tokens_B).sum() / has_tokens_B.sum().clamp(min=1.0)
+
+
+def _token_mean(values_BT: Tensor, mask_BT: Tensor, max_tokens: int | None) -> Tensor:
+    """DAPO (Yu et al. 2025, sec. 3.3): every token in the batch weighs the same."""
+    return values_BT.sum() / mask_BT.sum().clamp(min=1.0)
+
+
+def _seq_mean_token_sum(values_BT: Tensor, mask_BT: Tensor, max_tokens: int | None) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025): sum over tokens, mean over sequences; no length normalisation."""
+    return _mean_over_sequences(values_BT.sum(dim=-1), mask_BT)
+
+
+def _seq_mean_token_mean(values_BT: Tensor, mask_BT: Tensor, max_tokens: int | None) -> Tensor:
+    """Original GRPO (Shao et al. 2024, eq. 3): per-sequence token mean, then mean over sequences."""
+    per_seq_B = values_BT.sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1.0)
+    return _mean_over_sequences(per_seq_B, mask_BT)
+
+
+def _seq_mean_token_sum_norm(values_BT: Tensor, mask_BT: Tensor, max_tokens: int | None) -> Tensor:
+    """Dr. GRPO with a constant normaliser: ``sum / (num_sequences * max_tokens)``."""
+    if max_tokens is None or max_tokens <= 0:
+        raise ValueError(f"aggregation 'seq-mean-token-sum-norm' needs max_tokens > 0, got {max_tokens!r}")
+    num_seqs = (mask_BT.sum(dim=-1) > 0).sum().clamp(min=1)
+    return values_BT.sum() / (num_seqs * max_tokens)
+
+
+_AGGREGATORS: dict[str, Callable[[Tensor, Tensor, int | None], Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate(values_BT: Tensor, mask_BT: Tensor, mode: str, *, max_tokens: int | None = None) -> Tensor:
+    """Reduce per-token values over real tokens to a scalar.
+
+    Modes (a "sequence" is a row with at least one real token):
+
+    * ``"token-mean"``: ``sum(v * m) / sum(m)`` over the batch (DAPO, Yu et al. 2025, sec. 3.3).
+    * ``"seq-mean-token-sum"``: mean over sequences of the token sum (Dr. GRPO, Liu et al. 2025).
+    * ``"seq-mean-token-mean"``: mean over sequences of the token mean (GRPO, Shao et al. 2024, eq. 3).
+    * ``"seq-mean-token-sum-norm"``: ``sum(v * m) / (num_sequences * max_tokens)``
+      (Dr. GRPO with a constant length, e.g. the generation limit).
+
+    Args:
+        values_BT: ``[B, T]`` per-token values; whatever sits on padding is ignored.
+        mask_BT: ``[B, T]`` 1.0 on real tokens, 0.0 on padding (bool or int also work).
+        mode: one of the modes above.
+        max_tokens: the constant length, only for ``"seq-mean-token-sum-norm"``.
+
+    Returns:
+        Scalar tensor in the dtype of ``values_BT``; 0 when the mask is empty.
+    """
+    aggregator = _AGGREGATORS.get(mode)
+    if aggregator is None:
+        raise ValueError(f"unknown loss aggregation {mode!r}; valid modes: {', '.join(_AGGREGATORS)}")
+    _check_same_shape(mask_BT, values_BT=values_BT)
+    mask_BT = mask_BT.to(values_BT.dtype)
+    masked_values_BT = torch.where(mask_BT > 0, values_BT, 0.0)
+    return aggregator(masked_values_BT, mask_BT, max_tokens)
+
+
+def kl_k3(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(policy || reference).
+
+    Schulman 2020, "Approximating KL Divergence": with ``r = p_ref / p`` and
+    tokens sampled from the policy, ``k3 = (r - 1) - log r``, unbiased and
+    ``>= 0``. Here ``log r = ref_logprobs - logprobs``, clamped to [-20, 20]
+    so ``exp`` stays finite.
+
+    Args:
+        logprobs_BT: ``[B, T]`` policy log-probs of the sampled tokens.
+        ref_logprobs_BT: ``[B, T]`` reference-model log-probs of the same tokens.
+
+    Returns:
+        ``[B, T]`` float32 per-token estimates (nats), differentiable in both inputs.
+    """
+    _check_same_shape(logprobs_BT, ref_logprobs_BT=ref_logprobs_BT)
+    log_ratio_BT = (ref_logprobs_BT.float() - logprobs_BT.float()).clamp(-_KL_LOG_RATIO_CLAMP, _KL_LOG_RATIO_CLAMP)
+    return torch.exp(log_ratio_BT) - log_ratio_BT - 1.0
+
+
+def truncated_importance_weights(
+    old_logprobs_BT: Tensor, inference_logprobs_BT: Tensor, mask_BT: Tensor, *, cap: float
+) -> Tensor:
+    """Truncated importance weights correcting the trainer / inference-engine mismatch.
+
+    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training" (TIS): ``w = min(pi_trainer / pi_engine, C)``, i.e.
+    ``min(exp(old_logprobs - inference_logprobs), cap)``. Multiply the
+    per-token policy-gradient loss by ``w``.
+
+    Args:
+        old_logprobs_BT: ``[B, T]`` trainer log-probs of the rollout tokens under the rollout policy.
+        inference_logprobs_BT: ``[B, T]`` log-probs the inference engine reported for the same tokens.
+        mask_BT: ``[B, T]`` 1.0 on real tokens, 0.0 on padding.
+        cap: truncation C > 0.
+
+    Returns:
+        ``[B, T]`` float32 weights in ``[0, cap]``, 0 on padding, detached.
+    """
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    _check_same_shape(mask_BT, old_logprobs_BT=old_logprobs_BT, inference_logprobs_BT=inference_logprobs_BT)
+    with torch.no_grad():
+        real_BT = mask_BT > 0
+        log_w_BT = torch.where(real_BT, old_logprobs_BT.float() - inference_logprobs_BT.float(), 0.0)
+        return torch.where(real_BT, torch.exp(log_w_BT).clamp(max=cap), 0.0)
+
+
+def _check_ppo_inputs(
+    mask_BT: Tensor, advantages_B: Tensor, clip_eps_low: float, clip_eps_high: float, kl_coef: float, **tensors_BT
+) -> None:
+    """Raise ``ValueError`` on mismatched shapes or out-of-range coefficients."""
+    _check_same_shape(mask_BT, **{k: v for k, v in tensors_BT.items() if v is not None})
+    if advantages_B.shape != mask_BT.shape[:1]:
+        raise ValueError(
+            f"advantages_B has shape {tuple(advantages_B.shape)}, expected {tuple(mask_BT.shape[:1])} "
+            "(one advantage per completion, [B])"
+        )
+    if not (0.0 <= clip_eps_low < 1.0 and clip_eps_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_eps_high}")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+
+
+def ppo_clip_loss(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_B: Tensor,
+    mask_BT: Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    aggregation: str = "token-mean",
+    importance_weights_BT: Tensor | None = None,
+    ref_logprobs_BT: Tensor | None = None,
+    kl_coef: float = 0.0,
+    max_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate loss per token, optionally importance-weighted and KL-penalised.
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7,
+    negated to a loss, with the asymmetric "clip-higher" range of DAPO
+    (Yu et al. 2025, sec. 3.1)::
+
+        ratio = exp(logprobs - old_logprobs)
+        pg    = -min(ratio * A, clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A)
+        loss_tok = pg * importance_weights + kl_coef * k3(logprobs, ref_logprobs)
+        loss  = aggregate(loss_tok, mask, aggregation)
+
+    The KL term is added only when ``ref_logprobs_BT`` is given and
+    ``kl_coef > 0`` (GRPO, Shao et al. 2024, eq. 3-4); it is not importance-weighted.
+
+    Args:
+        logprobs_BT: ``[B, T]`` current-policy log-probs of the completion tokens; the only input with gradient.
+        old_logprobs_BT: ``[B, T]`` log-probs under the policy that sampled the rollouts.
+        advantages_B: ``[B]`` one advantage per completion, broadcast over its tokens.
+        mask_BT: ``[B, T]`` 1.0 on real completion tokens, 0.0 on padding.
+        clip_eps_low: ratio floor is ``1 - clip_eps_low``.
+        clip_eps_high: ratio ceiling is ``1 + clip_eps_high``.
+        aggregation: a mode of ``aggregate`` (see ``LOSS_AGGREGATIONS``).
+        importance_weights_BT: optional ``[B, T]`` weights on the policy-gradient term,
+            e.g. from ``truncated_importance_weights``.
+        ref_logprobs_BT: optional ``[B, T]`` reference-model log-probs.
+        kl_coef: weight of the k3 KL penalty.
+        max_tokens: constant length, only for aggregation ``"seq-mean-token-sum-norm"``.
+
+    Returns:
+        ``(loss, metrics)``: scalar float32 loss, and python floats, each a
+        mean over real tokens unless said: ``clip_fraction`` (tokens where
+        the clipped term is the active one, so their gradient is zero),
+        ``ratio_mean``, ``ratio_max`` (max over real tokens; 0.0 if none),
+        ``kl`` (k3; 0.0 without ``ref_logprobs_BT``), ``pg_loss`` (the
+        aggregated loss without the KL term).
+    """
+    _check_ppo_inputs(
+        mask_BT,
+        advantages_B,
+        clip_eps_low,
+        clip_eps_high,
+        kl_coef,
+        logprobs_BT=logprobs_BT,
+        old_logprobs_BT=old_logprobs_BT,
+        importance_weights_BT=importance_weights_BT,
+        ref_logprobs_BT=ref_logprobs_BT,
+    )
+    mask_BT = mask_BT.float()
+    log_ratio_BT = torch.where(mask_BT > 0, logprobs_BT.float() - old_logprobs_BT.detach().float(), 0.0)
+    ratio_BT = torch.exp(log_ratio_BT)
+    advantages_B1 = advantages_B.detach().float().unsqueeze(-1)  # [B, 1], broadcasts over T
+    clipped_ratio_BT = ratio_BT.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    pg_BT = -torch.minimum(ratio_BT * advantages_B1, clipped_ratio_BT * advantages_B1)
+    if importance_weights_BT is not None:
+        pg_BT = pg_BT * importance_weights_BT.detach().float()
+    kl_BT = None if ref_logprobs_BT is None else kl_k3(logprobs_BT, ref_logprobs_BT.detach())
+    loss_BT = pg_BT + kl_coef * kl_BT if kl_BT is not None and kl_coef > 0 else pg_BT
+    loss = aggregate(loss_BT, mask_BT, aggregation, max_tokens=max_tokens)
+    clipped_BT = ((ratio_BT < 1.0 - clip_eps_low) & (advantages_B1 < 0)) | (
+        (ratio_BT > 1.0 + clip_eps_high) & (advantages_B1 > 0)
+    )
+    pg_loss = aggregate(pg_BT.detach(), mask_BT, aggregation, max_tokens=max_tokens)
+    return loss, _ppo_metrics(mask_BT, ratio_BT, clipped_BT, kl_BT, pg_loss)
+
+
+def _ppo_metrics(
+    mask_BT: Tensor, ratio_BT: Tensor, clipped_BT: Tensor, kl_BT: Tensor | None, pg_loss: Tensor
+) -> dict[str, float]:
+    """Token-mean diagnostics of one PPO loss call as python floats (one device sync)."""
+    with torch.no_grad():
+        zero = ratio_BT.new_zeros(())
+        values = {
+            "clip_fraction": aggregate(clipped_BT.float(), mask_BT, "token-mean"),
+            "ratio_mean": aggregate(ratio_BT, mask_BT, "token-mean"),
+            # ratio > 0 on real tokens, so 0 on padding leaves the max unchanged (and gives 0 when empty)
+            "ratio_max": torch.where(mask_BT > 0, ratio_BT, 0.0).amax() if mask_BT.numel() else zero,
+            "kl": zero if kl_BT is None else aggregate(kl_BT, mask_BT, "token-mean"),
+            "pg_loss": pg_loss,
+        }
+        floats = torch.stack([v.float() for v in values.values()]).tolist()
+    return dict(zip(values, floats, strict=True))

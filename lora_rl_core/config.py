@@ -1,0 +1,299 @@
+"""Typed run configuration: one pydantic model per component, loaded from YAML.
+
+`RunConfig` has the sections model, lora, algorithm, rollout, engine, store,
+trainer, data, reward and run. Every field has a default, so YAML files stay
+sparse. Unknown keys and bad values fail before any work starts, with the
+dotted field path and the reason (`ConfigError`).
+
+Overrides use dotted paths (`lora.rank=32`, `rollout.temperature=0.7`); the
+value is parsed as YAML, so `lora.target_modules=[q_proj,v_proj]` gives a list.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lora_rl_core.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base for config sections: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """Which base model to load and how."""
+
+    name_or_path: str = "smollm2-135m-instruct"
+    """A local folder, a Hugging Face hub id, or the offline name `smollm2-135m-instruct`."""
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """Dtype of the base weights. LoRA weights are always kept in float32."""
+    device: str = "auto"
+    """`auto` (cuda when available, else cpu), `cpu`, `cuda`, `cuda:1`, ..."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when loading by hub id."""
+    trust_remote_code: bool = False
+    """Passed to transformers; only needed for models with custom code."""
+
+
+class LoRAConfig(Section):
+    """LoRA adapter shape (Hu et al. 2021), applied with PEFT."""
+
+    rank: int = Field(16, gt=0, le=1024)
+    """LoRA rank r."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input during training."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """`all-linear` or module-name suffixes such as `[q_proj, v_proj]`; checked against the model."""
+    exclude_modules: list[str] = []
+    """Module-name suffixes never adapted (applied after target_modules)."""
+    init: Literal["default", "gaussian", "pissa", "olora", "orthogonal", "eva", "loftq", "corda"] = "default"
+    """PEFT `init_lora_weights`: `default` = Kaiming A, zero B (the adapter starts as a no-op)."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not value:
+            raise ValueError("must name at least one module, or be 'all-linear'")
+        return value
+
+
+class AlgorithmConfig(Section):
+    """GRPO-family policy optimisation settings."""
+
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """Advantage estimator: group-normalised (GRPO), mean-centred (Dr. GRPO), leave-one-out (RLOO)."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses are reduced to a scalar."""
+    clip_eps_low: float = Field(0.2, gt=0, lt=1)
+    """PPO clip range below 1 for the importance ratio."""
+    clip_eps_high: float = Field(0.28, gt=0)
+    """PPO clip range above 1 (DAPO's clip-higher)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL penalty to the reference (the base model, adapter disabled). 0 = off."""
+    tis_cap: float | None = Field(None, gt=0)
+    """Truncated importance-sampling cap for trainer/inference mismatch; None = off."""
+    skip_uniform_groups: bool = True
+    """Train only on groups whose rewards differ (others have zero advantage)."""
+    num_minibatches: int = Field(1, ge=1)
+    """Optimizer steps per training step; 1 keeps training on-policy."""
+    max_staleness: int = Field(1, ge=0)
+    """Policy versions a rollout may lag behind; older data is rejected."""
+
+
+class RolloutConfig(Section):
+    """Sampling of completions for training."""
+
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts (groups) per training step."""
+    group_size: int = Field(8, ge=1)
+    """Completions sampled per prompt (GRPO's G, SGLang's n)."""
+    max_new_tokens: int = Field(48, ge=1)
+    """Completion length cap in tokens."""
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    """0 disables top-k."""
+    system_prompt: str | None = None
+    """System message; None keeps the chat template's default."""
+    instruction: str = "Give the final answer after ####."
+    """Appended to each question in the user message."""
+
+
+class EngineConfig(Section):
+    """Inference engine that produces rollouts."""
+
+    type: Literal["embedded"] = "embedded"
+    """`embedded`: in-process transformers + PEFT."""
+    max_batch_size: int = Field(64, ge=1)
+    """Sequences per generate call."""
+    sync: Literal["tensor", "store"] = "tensor"
+    """How a new adapter version reaches the engine: in-memory tensors, or read back from the store."""
+
+
+class StoreConfig(Section):
+    """Adapter store (fsspec URI)."""
+
+    uri: str = "file://./runs"
+    storage_options: dict[str, Any] = {}
+    """Passed to fsspec (e.g. S3 endpoint_url, key, secret)."""
+
+    def build(self):  # noqa: ANN201 - import cycle avoided
+        """Return the `AdapterStore` this section describes."""
+        from lora_rl_core.store import AdapterStore
+
+        return AdapterStore(self.uri, storage_options=self.storage_options or None)
+
+
+class TrainerConfig(Section):
+    """Optimisation of the LoRA parameters."""
+
+    steps: int = Field(30, ge=1)
+    """Training steps (one rollout batch and one adapter version each)."""
+    lr: float = Field(3e-4, gt=0)
+    """AdamW learning rate (LoRA wants ~10x the full fine-tuning rate)."""
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(16, ge=1)
+    """Sequences per forward/backward pass (gradient accumulation over the rest)."""
+    gradient_checkpointing: bool = False
+
+
+class DataConfig(Section):
+    """Training and evaluation prompts."""
+
+    source: Literal["arithmetic", "gsm8k", "mawps"] = "arithmetic"
+    train_path: str | None = None
+    """JSONL file; default `<data_dir>/<source>/train.jsonl`."""
+    test_path: str | None = None
+    data_dir: str = "data"
+    operations: list[Literal["+", "-", "*"]] = ["+"]
+    """Arithmetic generator: operations."""
+    digits: int = Field(2, ge=1, le=9)
+    """Arithmetic generator: digits per operand."""
+    train_size: int = Field(10000, ge=1)
+    """Arithmetic generator: training problems."""
+    eval_size: int | None = Field(128, ge=1)
+    """Held-out problems for accuracy; None = the whole test split."""
+
+
+class RewardFunctionConfig(Section):
+    """One reward term: a registry name or `module:function`, and its weight."""
+
+    name: str = "math"
+    weight: float = 1.0
+
+
+class RewardConfig(Section):
+    """Reward functions summed into the scalar reward."""
+
+    functions: list[RewardFunctionConfig] = [RewardFunctionConfig()]
+
+
+class RunSection(Section):
+    """Run identity and outputs."""
+
+    id: str | None = None
+    """Run id; default `<name>-<UTC timestamp>`."""
+    name: str = "run"
+    seed: int = 0
+    output_dir: str = "runs"
+    """Local folder for rollouts, report and plots (`<output_dir>/<run_id>/`)."""
+    eval_before_after: bool = True
+    """Greedy accuracy on the held-out split before and after training."""
+    eval_max_new_tokens: int | None = None
+    """Token cap for evaluation; default rollout.max_new_tokens."""
+
+
+class RunConfig(Section):
+    """The whole configuration of one training run."""
+
+    model: ModelConfig = ModelConfig()
+    lora: LoRAConfig = LoRAConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    engine: EngineConfig = EngineConfig()
+    store: StoreConfig = StoreConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _warn_off_recipe(self) -> RunConfig:
+        # The default LoRA recipe is near-on-policy (DESIGN.md); say so when a config departs.
+        if self.algorithm.num_minibatches > 1 or self.algorithm.max_staleness > 1:
+            warnings.warn(
+                "algorithm.num_minibatches > 1 or max_staleness > 1 departs from the near-on-policy "
+                "LoRA recipe (one minibatch per step, max_staleness 1)",
+                stacklevel=2,
+            )
+        return self
+
+    def resolved_run_id(self) -> str:
+        """The run id: `run.id`, or `<run.name>-<YYYYmmdd-HHMMSS>` (UTC)."""
+        if self.run.id:
+            return self.run.id
+        return f"{self.run.name}-{_dt.datetime.now(_dt.UTC):%Y%m%d-%H%M%S}"
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    parts = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown key (not a field of this section)" if e["type"] == "extra_forbidden" else e["msg"]
+        shown = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
+        parts.append(f"{path}: {msg}{shown}")
+    return f"invalid config {source}: " + "; ".join(parts)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in a nested dict in place; the value is parsed as YAML.
+
+    Raises:
+        ConfigError: the override has no `=` or an empty key.
+    """
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"bad override {override!r}: expected key=value, e.g. lora.rank=32")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"bad override {override!r}: {part} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a `RunConfig` from a YAML file (optional) plus dotted overrides.
+
+    Args:
+        path: YAML file; None starts from the defaults.
+        overrides: `key=value` strings applied in order.
+
+    Raises:
+        ConfigError: the file is missing or not a mapping, or a key/value is invalid;
+            the message names the field path and the reason.
+    """
+    data: dict[str, Any] = {}
+    source = "(defaults)"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p} (pass an existing YAML file, e.g. configs/smollm2-arith-grpo.yaml)")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {p} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {p} must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+    for override in overrides:
+        apply_override(data, override)
+    return config_from_dict(data, source=source)
+
+
+def config_from_dict(data: dict[str, Any], *, source: str = "(dict)") -> RunConfig:
+    """Validate a plain dict as a `RunConfig` (ConfigError on failure)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None

@@ -1,0 +1,67 @@
+"""Turning a ``Problem`` into chat messages and prompt token ids.
+
+The user turn is the question, a newline, then the instruction (e.g.
+``"Give the final answer after ####."``). Tokenizers without a chat template
+(base models) get the same text as plain lines instead.
+"""
+
+from __future__ import annotations
+
+from lora_rl_core.data.problems import Problem
+from lora_rl_core.errors import DataError
+
+
+def build_messages(problem: Problem, *, system_prompt: str | None, instruction: str) -> list[dict[str, str]]:
+    """Return chat messages: an optional system turn, then the user turn.
+
+    Args:
+        problem: the problem to ask.
+        system_prompt: the system turn's text, or ``None``/``""`` for none.
+        instruction: appended to the question after a newline; ``""`` for none.
+
+    Returns:
+        ``[{"role": "system", "content": ...}?, {"role": "user", "content": question + "\\n" + instruction}]``.
+    """
+    user = f"{problem.question}\n{instruction}" if instruction else problem.question
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": user})
+    return messages
+
+
+def _as_ids(encoded: object) -> list[int]:
+    """Return the ``input_ids`` of a single encoding as a list of ints.
+
+    Accepts a dict/``BatchEncoding`` or a bare list, batched (``[[...]]``) or not.
+    """
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if ids and isinstance(ids[0], list):
+        if len(ids) != 1:
+            raise DataError(f"expected one tokenized prompt, got a batch of {len(ids)}")
+        ids = ids[0]
+    return [int(i) for i in ids]
+
+
+def render_prompt(tokenizer, problem: Problem, *, system_prompt: str | None, instruction: str) -> list[int]:
+    """Tokenize the prompt for ``problem``, ending where the model's answer starts.
+
+    With a chat template: ``apply_chat_template(messages, add_generation_prompt=True)``.
+    Without one: the text ``"{system}\\n"`` (if given) + ``"{question}\\n{instruction}\\n"``
+    encoded by ``tokenizer(text)`` with its default special tokens.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``PreTrainedTokenizerBase``).
+        problem: the problem to ask.
+        system_prompt: the system turn's text, or ``None``.
+        instruction: the answer-format instruction appended to the question.
+
+    Returns:
+        The prompt token ids.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        messages = build_messages(problem, system_prompt=system_prompt, instruction=instruction)
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return _as_ids(encoded)
+    lines = [system_prompt] if system_prompt else []
+    lines += [problem.question, instruction] if instruction else [problem.question]
+    return _as_ids(tokenizer("\n".join(lines) + "\n"))

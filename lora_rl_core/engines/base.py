@@ -1,0 +1,117 @@
+"""The inference-engine protocol and the request/completion records it speaks.
+
+Every request names its adapter explicitly (`adapter=None` means the base
+model, on purpose): a request that forgets its adapter silently samples from
+the base model, a known failure in peers. Every completion records the
+adapter name and version that produced it.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+_VERSIONED = re.compile(r"^(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)-v(?P<version>\d{6})$")
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+def adapter_version(name: str | None) -> int | None:
+    """The version in a versioned adapter name `<run>-v<NNNNNN>`; None for base or other names."""
+    match = _VERSIONED.match(name or "")
+    return int(match["version"]) if match else None
+
+
+def adapter_run(name: str) -> str | None:
+    """The run id in a versioned adapter name, else None."""
+    match = _VERSIONED.match(name)
+    return match["run"] if match else None
+
+
+def check_adapter_name(name: str) -> str:
+    """Return `name` if safe as an adapter name (no `/`, `..`, spaces); else raise ValueError."""
+    if not _NAME_OK.match(name) or ".." in name:
+        raise ValueError(
+            f"bad adapter name {name!r}: use letters, digits, '.', '_' and '-' (no '/', no '..'), e.g. run-v000003"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    `temperature=0` is greedy decoding; `top_k=0` and `top_p=1` disable those filters.
+    `seed` makes a batch's sampling reproducible.
+    """
+
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete, with the adapter that must serve it (None = base model)."""
+
+    prompt_ids: list[int]
+    adapter: str | None
+    sampling: SamplingParams = SamplingParams()
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class Completion:
+    """One finished completion.
+
+    Attributes:
+        completion_ids: sampled token ids, EOS included when the model stopped.
+        logprobs: log-probability (nats) of each sampled token under the sampling
+            temperature, one per completion token (`inference_logprobs`).
+        finish_reason: `stop` (EOS) or `length` (hit max_new_tokens).
+        adapter / adapter_version: what produced it (None = base model).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    adapter: str | None
+    adapter_version: int | None
+
+
+class InferenceEngine(Protocol):
+    """What the flow needs from an inference engine (embedded, server or SGLang)."""
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        """Complete every request with its named adapter; order is preserved."""
+
+    def load_adapter(
+        self, name: str, *, path: str | None = None, tensors: dict | None = None, config: dict | None = None
+    ) -> None:
+        """Load an adapter under `name` from a folder/URI, or from tensors plus PEFT config."""
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload an adapter that no request is using."""
+
+    def list_adapters(self) -> dict[str, dict[str, Any]]:
+        """Loaded adapters: name -> info (version, source, in-flight requests)."""
+
+    def pause(self, mode: str = "in_place") -> None:
+        """Stop admitting new generation work."""
+
+    def resume(self) -> None:
+        """Admit generation work again."""
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes/KV (no-op where there is none)."""
+
+    def health(self) -> dict[str, Any]:
+        """Liveness and readiness facts."""
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters: requests, tokens, loads, per adapter."""

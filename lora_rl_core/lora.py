@@ -1,0 +1,86 @@
+"""LoRA adapters through PEFT: resolve target modules against the real model, build configs.
+
+`target_modules` is `all-linear` or a list of module-name suffixes (`q_proj`),
+matched against the model's actual `nn.Linear` modules (the output head is
+never adapted). A suffix that matches nothing is an error that lists the
+suffixes that do exist, instead of PEFT's silent or late failure.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from torch import nn
+
+from lora_rl_core.config import LoRAConfig
+from lora_rl_core.errors import ConfigError
+
+
+def linear_suffixes(model: nn.Module) -> list[str]:
+    """Sorted distinct last-name parts of the model's `nn.Linear` modules, output head excluded."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and mod is not head}
+    return sorted(names)
+
+
+def resolve_target_modules(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+    """The module-name suffixes to adapt, after `all-linear` expansion and `exclude_modules`.
+
+    Raises:
+        ConfigError: a target or exclude suffix matches no linear module (names those that exist),
+            or nothing is left to adapt.
+    """
+    available = linear_suffixes(model)
+    wanted = available if cfg.target_modules == "all-linear" else list(cfg.target_modules)
+    for field, names in (("lora.target_modules", wanted), ("lora.exclude_modules", cfg.exclude_modules)):
+        missing = [n for n in names if n not in available]
+        if missing:
+            raise ConfigError(
+                f"{field}: {missing} match no linear module of this model; it has {available}"
+            )
+    chosen = [n for n in wanted if n not in set(cfg.exclude_modules)]
+    if not chosen:
+        raise ConfigError("lora.exclude_modules removes every target module: nothing left to adapt")
+    return chosen
+
+
+def peft_lora_config(model: nn.Module, cfg: LoRAConfig) -> LoraConfig:
+    """A PEFT `LoraConfig` for `model` from our `LoRAConfig` (targets resolved and checked)."""
+    return LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=resolve_target_modules(model, cfg),
+        init_lora_weights=True if cfg.init == "default" else cfg.init,
+        use_rslora=cfg.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig, *, adapter_name: str = "default") -> PeftModel:
+    """Wrap `model` with a trainable LoRA adapter; only LoRA parameters require grad.
+
+    The base weights are frozen; LoRA weights are float32 (PEFT's autocast of adapter dtype).
+    """
+    return get_peft_model(model, peft_lora_config(model, cfg), adapter_name=adapter_name)
+
+
+def adapter_state(model: PeftModel, adapter_name: str = "default") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The adapter's weights (PEFT key names, detached CPU copies) and its JSON-safe PEFT config.
+
+    Returns:
+        (tensors, adapter_config): keys like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
+        as `PeftModel.save_pretrained` writes them; `adapter_config` is what goes to `adapter_config.json`.
+    """
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    return tensors, peft_config_dict(model.peft_config[adapter_name])
+
+
+def peft_config_dict(config: LoraConfig) -> dict[str, Any]:
+    """A PEFT config as a JSON-safe dict (sets become sorted lists)."""
+    return json.loads(json.dumps(config.to_dict(), default=lambda o: sorted(o) if isinstance(o, set) else str(o)))

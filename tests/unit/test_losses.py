@@ -1,0 +1,271 @@
+"""Losses against hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lora_rl_core.algorithm import (
+    LOSS_AGGREGATIONS,
+    aggregate,
+    entropy_from_logits,
+    kl_k3,
+    ppo_clip_loss,
+    selective_log_softmax,
+    truncated_importance_weights,
+)
+
+LOG_1_5 = math.log(1.5)
+LOG_0_5 = math.log(0.5)
+
+
+def _ppo(logprobs, old_logprobs, advantages, mask, **kwargs):
+    return ppo_clip_loss(
+        torch.tensor(logprobs), torch.tensor(old_logprobs), torch.tensor(advantages), torch.tensor(mask), **kwargs
+    )
+
+
+# --- log-probs and entropy ---------------------------------------------------
+
+
+def test_selective_log_softmax_hand_value():
+    # softmax([0, ln 3]) = [0.25, 0.75]
+    logits_BTV = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
+    logp_BT = selective_log_softmax(logits_BTV, torch.tensor([[1, 0]]))
+    torch.testing.assert_close(logp_BT, torch.tensor([[-0.2876821, -1.3862944]]))
+
+
+def test_selective_log_softmax_matches_log_softmax_gather():
+    gen = torch.Generator().manual_seed(0)
+    logits_BTV = torch.randn(3, 5, 11, generator=gen) * 4
+    ids_BT = torch.randint(0, 11, (3, 5), generator=gen)
+    expected_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, ids_BT.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(selective_log_softmax(logits_BTV, ids_BT), expected_BT)
+    # bf16 logits: float32 result, equal to the float32 computation on the same (rounded) logits
+    bf16_BTV = logits_BTV.bfloat16()
+    out_BT = selective_log_softmax(bf16_BTV, ids_BT)
+    assert out_BT.dtype == torch.float32
+    expected_bf16_BT = torch.log_softmax(bf16_BTV.float(), dim=-1).gather(-1, ids_BT.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out_BT, expected_bf16_BT)
+
+
+def test_selective_log_softmax_gradient_matches_log_softmax():
+    logits_a = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    logits_b = logits_a.detach().clone().requires_grad_(True)
+    ids_BT = torch.tensor([[0, 6, 3], [2, 2, 5]])
+    selective_log_softmax(logits_a, ids_BT).sum().backward()
+    torch.log_softmax(logits_b, -1).gather(-1, ids_BT.unsqueeze(-1)).sum().backward()
+    torch.testing.assert_close(logits_a.grad, logits_b.grad)
+
+
+def test_selective_log_softmax_bad_ids_shape():
+    with pytest.raises(ValueError, match=r"token_ids_BT has shape \(2, 3\)"):
+        selective_log_softmax(torch.zeros(1, 3, 4), torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_entropy_uniform_and_two_point():
+    entropy_BT = entropy_from_logits(torch.zeros(2, 3, 4, dtype=torch.bfloat16))
+    assert entropy_BT.dtype == torch.float32
+    torch.testing.assert_close(entropy_BT, torch.full((2, 3), 1.3862944))  # log 4
+    # p = [0.25, 0.75]: -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.5623351
+    two_point = entropy_from_logits(torch.tensor([[[0.0, math.log(3.0)]]]))
+    torch.testing.assert_close(two_point, torch.tensor([[0.5623351]]))
+
+
+# --- aggregation ---------------------------------------------------------------
+
+# Sequence lengths 1 and 3; padding holds NaN / inf, which must not leak.
+RAGGED_VALUES_BT = torch.tensor([[2.0, float("nan"), float("inf")], [1.0, 1.0, 7.0]])
+RAGGED_MASK_BT = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", 2.75),  # (2 + 1 + 1 + 7) / 4
+        ("seq-mean-token-sum", 5.5),  # (2 + 9) / 2
+        ("seq-mean-token-mean", 2.5),  # (2 / 1 + 9 / 3) / 2
+    ],
+)
+def test_aggregate_ragged(mode, expected):
+    assert aggregate(RAGGED_VALUES_BT, RAGGED_MASK_BT, mode).item() == pytest.approx(expected)
+
+
+def test_aggregate_seq_mean_token_sum_norm():
+    # (2 + 9) / (2 sequences * 4 tokens)
+    out = aggregate(RAGGED_VALUES_BT, RAGGED_MASK_BT, "seq-mean-token-sum-norm", max_tokens=4)
+    assert out.item() == pytest.approx(1.375)
+    with pytest.raises(ValueError, match="needs max_tokens"):
+        aggregate(RAGGED_VALUES_BT, RAGGED_MASK_BT, "seq-mean-token-sum-norm")
+
+
+def test_aggregate_skips_all_padding_rows():
+    values_BT = torch.tensor([[1.0, 3.0, 0.0], [5.0, 5.0, 5.0]])
+    mask_BT = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert aggregate(values_BT, mask_BT, "token-mean").item() == pytest.approx(2.0)
+    assert aggregate(values_BT, mask_BT, "seq-mean-token-sum").item() == pytest.approx(4.0)
+    assert aggregate(values_BT, mask_BT, "seq-mean-token-mean").item() == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("mode", [*LOSS_AGGREGATIONS, "seq-mean-token-sum-norm"])
+def test_aggregate_empty_mask_is_zero(mode):
+    out = aggregate(torch.ones(2, 3), torch.zeros(2, 3), mode, max_tokens=8)
+    assert out.item() == 0.0
+
+
+def test_aggregate_unknown_mode_lists_valid_modes():
+    with pytest.raises(ValueError, match="valid modes: token-mean, seq-mean-token-sum"):
+        aggregate(torch.ones(1, 2), torch.ones(1, 2), "sum")
+
+
+def test_aggregate_shape_mismatch():
+    with pytest.raises(ValueError, match=r"values_BT has shape \(2, 2\), expected \(2, 3\)"):
+        aggregate(torch.ones(2, 2), torch.ones(2, 3), "token-mean")
+
+
+# --- KL -------------------------------------------------------------------------
+
+
+def test_kl_k3_hand_values():
+    logprobs_BT = torch.tensor([[0.0, LOG_0_5, -1.0]])
+    ref_BT = torch.tensor([[LOG_0_5, 0.0, -1.0]])
+    # 0.5 - ln 0.5 - 1 = 0.1931472; 2 - ln 2 - 1 = 0.3068528; equal -> 0
+    torch.testing.assert_close(kl_k3(logprobs_BT, ref_BT), torch.tensor([[0.1931472, 0.3068528, 0.0]]))
+
+
+def test_kl_k3_stays_finite_for_huge_log_ratio():
+    kl_BT = kl_k3(torch.tensor([[-200.0]]), torch.tensor([[0.0]]))
+    assert torch.isfinite(kl_BT).all()
+
+
+# --- PPO clip loss ----------------------------------------------------------------
+
+
+def test_ratio_one_gives_minus_mean_advantage():
+    # ratio = 1 everywhere; token-mean over 4 real tokens of -A: -(1 + 1 + 1 - 2) / 4
+    logp = [[-1.0, -2.0, -0.5], [-0.3, -9.0, -9.0]]
+    loss, metrics = _ppo(logp, logp, [1.0, -2.0], [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert loss.item() == pytest.approx(-0.25)
+    assert metrics == pytest.approx(
+        {"clip_fraction": 0.0, "ratio_mean": 1.0, "ratio_max": 1.0, "kl": 0.0, "pg_loss": -0.25}
+    )
+
+
+def test_positive_advantage_clipped_above():
+    # token 0: ratio 1.5 > 1.2, A = 1 -> -min(1.5, 1.2) = -1.2 (clipped); token 1: ratio 1 -> -1
+    loss, metrics = _ppo([[LOG_1_5, 0.0]], [[0.0, 0.0]], [1.0], [[1.0, 1.0]])
+    assert loss.item() == pytest.approx(-1.1)  # (-1.2 - 1.0) / 2
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+    assert metrics["ratio_mean"] == pytest.approx(1.25)
+    assert metrics["ratio_max"] == pytest.approx(1.5)
+
+
+def test_clip_higher_is_asymmetric():
+    # clip_eps_high = 0.28: -min(1.5, 1.28) = -1.28
+    loss, metrics = _ppo([[LOG_1_5]], [[0.0]], [1.0], [[1.0]], clip_eps_high=0.28)
+    assert loss.item() == pytest.approx(-1.28)
+    assert metrics["clip_fraction"] == 1.0
+
+
+def test_negative_advantage_clipped_below():
+    # ratio 0.5 < 0.8, A = -1: -min(-0.5, -0.8) = 0.8 (clipped)
+    loss, metrics = _ppo([[LOG_0_5]], [[0.0]], [-1.0], [[1.0]])
+    assert loss.item() == pytest.approx(0.8)
+    assert metrics["clip_fraction"] == 1.0
+
+
+def test_clip_is_pessimistic_only():
+    # ratio 1.5, A = -1: -min(-1.5, -1.2) = 1.5; ratio 0.5, A = 1: -min(0.5, 0.8) = -0.5; neither clipped
+    loss, metrics = _ppo([[LOG_1_5], [LOG_0_5]], [[0.0], [0.0]], [-1.0, 1.0], [[1.0], [1.0]])
+    assert loss.item() == pytest.approx(0.5)  # (1.5 - 0.5) / 2
+    assert metrics["clip_fraction"] == 0.0
+
+
+def test_gradient_at_ratio_one_is_minus_advantage_over_num_tokens():
+    logprobs_BT = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -9.0, -9.0]], requires_grad=True)
+    old_BT = logprobs_BT.detach().clone().requires_grad_(True)
+    advantages_B = torch.tensor([1.0, -2.0], requires_grad=True)
+    mask_BT = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    loss, _ = ppo_clip_loss(logprobs_BT, old_BT, advantages_B, mask_BT)
+    loss.backward()
+    # -A * mask / 4 real tokens
+    torch.testing.assert_close(logprobs_BT.grad, torch.tensor([[-0.25, -0.25, -0.25], [0.5, 0.0, 0.0]]))
+    assert old_BT.grad is None and advantages_B.grad is None
+
+
+def test_clipped_token_has_zero_gradient():
+    logprobs_BT = torch.tensor([[LOG_1_5, 0.0]], requires_grad=True)
+    loss, _ = ppo_clip_loss(logprobs_BT, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2))
+    loss.backward()
+    # clipped token: 0; unclipped: d(-ratio * A / 2)/dlogp = -1 * 1 / 2
+    torch.testing.assert_close(logprobs_BT.grad, torch.tensor([[0.0, -0.5]]))
+
+
+def test_padding_with_nonfinite_logprobs_does_not_leak():
+    logprobs_BT = torch.tensor([[-1.0, 0.0]], requires_grad=True)
+    old_BT = torch.tensor([[-1.0, float("-inf")]])
+    loss, metrics = ppo_clip_loss(logprobs_BT, old_BT, torch.tensor([2.0]), torch.tensor([[1.0, 0.0]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0)
+    assert metrics["ratio_max"] == pytest.approx(1.0)
+    torch.testing.assert_close(logprobs_BT.grad, torch.tensor([[-2.0, 0.0]]))
+
+
+def test_kl_penalty_added_and_reported():
+    # ratio 1, A = 0: pg = 0; k3(logp=0, ref=ln 0.5) = 0.1931472; loss = 0.1 * 0.1931472
+    kwargs = {"ref_logprobs_BT": torch.tensor([[LOG_0_5]])}
+    loss, metrics = _ppo([[0.0]], [[0.0]], [0.0], [[1.0]], kl_coef=0.1, **kwargs)
+    assert loss.item() == pytest.approx(0.01931472)
+    assert metrics["kl"] == pytest.approx(0.1931472)
+    assert metrics["pg_loss"] == 0.0
+    # kl_coef = 0: reported, not added
+    loss, metrics = _ppo([[0.0]], [[0.0]], [0.0], [[1.0]], **kwargs)
+    assert loss.item() == 0.0
+    assert metrics["kl"] == pytest.approx(0.1931472)
+
+
+def test_importance_weights_scale_pg_term():
+    # ratio 1, A = 1: pg = -1 per token, weights 0.5 and 2 -> (-0.5 - 2) / 2
+    loss, metrics = _ppo(
+        [[0.0, 0.0]], [[0.0, 0.0]], [1.0], [[1.0, 1.0]], importance_weights_BT=torch.tensor([[0.5, 2.0]])
+    )
+    assert loss.item() == pytest.approx(-1.25)
+    assert metrics["pg_loss"] == pytest.approx(-1.25)
+
+
+def test_seq_mean_token_sum_aggregation_in_ppo():
+    # ratio 1: pg = -A; rows of 1 and 3 tokens: (-1 + 3 * -2) / 2
+    loss, _ = _ppo(
+        [[0.0] * 3] * 2,
+        [[0.0] * 3] * 2,
+        [1.0, 2.0],
+        [[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]],
+        aggregation="seq-mean-token-sum",
+    )
+    assert loss.item() == pytest.approx(-3.5)
+
+
+def test_ppo_rejects_bad_shapes_and_coefficients():
+    with pytest.raises(ValueError, match=r"advantages_B has shape \(3,\), expected \(2,\)"):
+        _ppo([[0.0], [0.0]], [[0.0], [0.0]], [1.0, 1.0, 1.0], [[1.0], [1.0]])
+    with pytest.raises(ValueError, match=r"old_logprobs_BT has shape \(1, 2\)"):
+        _ppo([[0.0]], [[0.0, 0.0]], [1.0], [[1.0]])
+    with pytest.raises(ValueError, match="kl_coef"):
+        _ppo([[0.0]], [[0.0]], [1.0], [[1.0]], kl_coef=-1.0)
+
+
+# --- truncated importance weights -------------------------------------------------------
+
+
+def test_truncated_importance_weights():
+    old_BT = torch.tensor([[0.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    # exp(0 - 0) = 1; exp(0 - ln 2) = 0.5; exp(0 - ln 0.1) = 10 -> cap 2; padding -> 0
+    inference_BT = torch.tensor([[0.0, math.log(2.0), math.log(0.1), -50.0]])
+    mask_BT = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    weights_BT = truncated_importance_weights(old_BT, inference_BT, mask_BT, cap=2.0)
+    torch.testing.assert_close(weights_BT, torch.tensor([[1.0, 0.5, 2.0, 0.0]]))
+    assert not weights_BT.requires_grad
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        truncated_importance_weights(old_BT, inference_BT, mask_BT, cap=0.0)
