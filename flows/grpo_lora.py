@@ -1,0 +1,95 @@
+"""`lora-rl-train`: GRPO + LoRA as a Prefect flow.
+
+Reads like the algorithm: open the run, publish and sync the initial adapter
+(version 0, a no-op LoRA), measure the base model, then per step
+rollout -> score -> train_step -> publish_adapter -> sync_engines, and finally
+measure the trained adapter and write the report and artifacts.
+Runs on an ephemeral Prefect server when no `PREFECT_API_URL` is set.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from lora_rl_core import progress
+from lora_rl_core.config import load_config
+from lora_rl_core.report import step_table, summary_markdown
+from lora_rl_core.session import close_session, get_session
+from tasks import evaluate, open_run, publish_adapter, rollout, score, sync_engines, train_step, write_report
+
+
+@flow(name="lora-rl-train")
+def train(config_path: str | None = None, overrides: list[str] | None = None, run_id: str | None = None) -> dict[str, Any]:
+    """Train a LoRA policy with GRPO and publish every step's adapter to the store.
+
+    Args:
+        config_path: YAML run config (None = built-in defaults).
+        overrides: dotted `key=value` overrides, e.g. `["lora.rank=32"]`.
+        run_id: run id (default: `run.id`, else `<run.name>-<timestamp>`).
+
+    Returns:
+        summary: run_id, final_adapter, base/final accuracy, wall_seconds, seconds_per_step,
+        completions_per_second, report path.
+    """
+    start = time.perf_counter()
+    cfg = load_config(config_path, overrides or [])
+    run_id = run_id or cfg.resolved_run_id()
+    logger = get_run_logger()
+    steps = cfg.trainer.steps
+    open_run(cfg.model_dump(mode="json"), run_id)
+    try:
+        progress.emit("run_started", {"run_id": run_id, "steps": steps})
+        ref = publish_adapter(run_id, 0, {})
+        sync_engines(run_id, ref)
+        base_eval = _evaluate(run_id, None, "before", cfg.run.eval_before_after, logger)
+        history: list[dict[str, Any]] = []
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            metrics = {"step": step, "steps": steps, **rollout(run_id, step), **score(run_id, step)}
+            metrics.update(train_step(run_id, step))
+            ref = publish_adapter(run_id, step, metrics)
+            metrics.update(sync_engines(run_id, ref), step_seconds=time.perf_counter() - t0)
+            history.append(metrics)
+            logger.info(progress.format_step(metrics))
+            progress.emit("step", metrics)
+        final_eval = _evaluate(run_id, ref.name, "after", cfg.run.eval_before_after, logger)
+        summary = _summary(run_id, cfg, history, base_eval, final_eval, ref.name, time.perf_counter() - start)
+        summary["report"] = write_report(run_id, history, summary)
+        _artifacts(run_id, cfg, history, summary)
+        progress.emit("run_finished", summary)
+        return summary
+    finally:
+        close_session(run_id)
+
+
+def _evaluate(run_id: str, adapter: str | None, phase: str, enabled: bool, logger: Any) -> dict[str, Any] | None:
+    if not enabled:
+        return None
+    result = evaluate(run_id, adapter)
+    logger.info(f"greedy accuracy {phase} training: {100 * result['accuracy']:.1f}% on {result['n']} held-out problems")
+    progress.emit("eval", {"phase": phase, **result})
+    return result
+
+
+def _summary(run_id: str, cfg: Any, history: list[dict[str, Any]], base: dict | None, final: dict | None,
+             final_adapter: str, wall: float) -> dict[str, Any]:
+    train_seconds = sum(h["step_seconds"] for h in history)
+    completions = sum(h["completions"] for h in history)
+    return {
+        "run_id": run_id, "final_adapter": final_adapter, "steps": len(history), "wall_seconds": wall,
+        "seconds_per_step": train_seconds / max(1, len(history)),
+        "completions_per_second": completions / max(sum(h["rollout_seconds"] for h in history), 1e-9),
+        "base_accuracy": base["accuracy"] if base else None, "final_accuracy": final["accuracy"] if final else None,
+        "base_eval": base, "final_eval": final, "store_uri": get_session(run_id).store.uri,
+    }
+
+
+def _artifacts(run_id: str, cfg: Any, history: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    key = re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-")
+    create_table_artifact(step_table(history), key=f"{key}-step-metrics", description=f"Step metrics of {run_id}")
+    create_markdown_artifact(summary_markdown(run_id, cfg, summary), key=f"{key}-summary", description=f"Summary of {run_id}")

@@ -1,0 +1,43 @@
+"""In-process progress events, so a front end (the CLI's progress bar) can follow a run.
+
+The flow calls `emit(event, data)`; listeners registered with `subscribe` get
+every event in the emitting thread. Events: `run_started` {run_id, steps},
+`step` {step metrics}, `eval` {phase, accuracy, ...}, `run_finished` {summary}.
+A listener that raises is dropped from that event's delivery, never the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+Listener = Callable[[str, dict[str, Any]], None]
+_listeners: list[Listener] = []
+_log = logging.getLogger(__name__)
+
+
+def subscribe(listener: Listener) -> Callable[[], None]:
+    """Register `listener(event, data)`; returns a function that unregisters it."""
+    _listeners.append(listener)
+    return lambda: _listeners.remove(listener) if listener in _listeners else None
+
+
+def emit(event: str, data: dict[str, Any]) -> None:
+    """Deliver an event to every listener; listener errors are logged, not raised."""
+    for listener in list(_listeners):
+        try:
+            listener(event, data)
+        except Exception:  # noqa: BLE001 - a broken UI must not stop training
+            _log.exception("progress listener failed on %s", event)
+
+
+def format_step(m: dict[str, Any]) -> str:
+    """One line per step: `step 3/30 reward 0.42±0.31 acc 41% clip 0.00 kl 0.000 ent 1.23 gnorm 0.5 len 21 18.2s`."""
+    return (
+        f"step {m['step']}/{m.get('steps', '?')} reward {m.get('reward_mean', 0):.3f}±{m.get('reward_std', 0):.3f} "
+        f"acc {100 * m.get('accuracy', 0):.0f}% signal {100 * m.get('groups_with_signal', 0):.0f}% "
+        f"clip {m.get('clip_fraction', 0):.3f} kl {m.get('kl', 0):.4f} ent {m.get('entropy', 0):.2f} "
+        f"gnorm {m.get('grad_norm', 0):.3f} len {m.get('completion_length', 0):.1f} "
+        f"{m.get('completions_per_second', 0):.1f} compl/s {m.get('step_seconds', 0):.1f}s"
+    )

@@ -1,0 +1,87 @@
+"""Run report: `report.md` and `reward_curve.png` in the run's output folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lora_rl_core.config import RunConfig
+
+_TABLE_COLUMNS = ("step", "reward_mean", "accuracy", "groups_with_signal", "clip_fraction", "kl", "entropy",
+                  "grad_norm", "completion_length", "rollout_seconds", "train_seconds", "step_seconds")
+
+
+def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:
+    """Plot reward mean (±std) and batch accuracy per step to a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    mean = [h.get("reward_mean", 0.0) for h in history]
+    std = [h.get("reward_std", 0.0) for h in history]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, mean, label="reward mean", color="tab:blue")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
+                    [m + s for m, s in zip(mean, std, strict=True)], alpha=0.2, color="tab:blue")
+    ax.plot(steps, [h.get("accuracy", 0.0) for h in history], label="rollout accuracy", color="tab:green")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title("reward per training step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def step_table(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """History rows reduced to the report's columns, floats rounded to 4 places."""
+    return [{k: round(h[k], 4) if isinstance(h.get(k), float) else h.get(k) for k in _TABLE_COLUMNS} for h in history]
+
+
+def _markdown_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(no steps)\n"
+    head = list(rows[0])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(r[k]) for k in head) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> str:
+    """The report's headline section: accuracies, timing, throughput, settings."""
+    base, final = summary.get("base_eval") or {}, summary.get("final_eval") or {}
+    acc = lambda e: f"{100 * e['accuracy']:.1f}% ({e['n']} problems)" if e else "not measured"  # noqa: E731
+    return (
+        f"# lora-rl run `{run_id}`\n\n"
+        f"- model: `{cfg.model.name_or_path}`; LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}, "
+        f"targets {cfg.lora.target_modules}\n"
+        f"- data: {cfg.data.source}; {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples, "
+        f"{cfg.rollout.max_new_tokens} new tokens; {cfg.algorithm.advantage}, lr {cfg.trainer.lr}\n"
+        f"- greedy accuracy before training: {acc(base)}\n"
+        f"- greedy accuracy after training: {acc(final)} (adapter `{summary.get('final_adapter')}`)\n"
+        f"- steps: {summary.get('steps')}; wall time {summary.get('wall_seconds', 0):.0f} s; "
+        f"{summary.get('seconds_per_step', 0):.1f} s/step; {summary.get('completions_per_second', 0):.2f} completions/s\n"
+        f"- adapters: `{summary.get('store_uri')}/{run_id}/adapters/`\n"
+    )
+
+
+def write_report(workdir: Path, run_id: str, cfg: RunConfig, history: list[dict[str, Any]], summary: dict[str, Any]) -> Path:
+    """Write `<workdir>/report.md` (summary, metric table, sample completions) and `reward_curve.png`.
+
+    Returns:
+        the path of report.md.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    plot_reward_curve(history, workdir / "reward_curve.png")
+    samples = (summary.get("final_eval") or {}).get("samples", [])
+    sample_md = "".join(f"- **Q:** {s['question']}  \n  **A:** `{s['completion']!r}` (gold {s['gold']})\n" for s in samples)
+    text = (summary_markdown(run_id, cfg, summary) + "\n![reward curve](reward_curve.png)\n\n## Steps\n\n"
+            + _markdown_table(step_table(history)) + "\n## Sample completions after training\n\n" + (sample_md or "(none)\n"))
+    path = workdir / "report.md"
+    path.write_text(text)
+    return path

@@ -1,0 +1,228 @@
+"""A run's live objects and the five step phases the flow calls.
+
+`RunSession` holds what must not cross a Prefect task boundary: the trainer's
+policy (PeftModel + optimizer), the inference engine, the store, the prompt
+sampler and the reward functions. Sessions live in a process-wide registry
+keyed by run id; tasks receive the run id and small values (step numbers,
+`AdapterRef`s, metric dicts) and look the session up.
+
+Each phase persists its output under `<run.output_dir>/<run_id>/`:
+`rollouts/step-NNNNNN.json` (prompts, completions, inference logprobs,
+adapter versions) and `scored/step-NNNNNN.json` (plus rewards and
+advantages), so a phase can be re-run or inspected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal
+from lora_rl_core.config import DataConfig, RunConfig
+from lora_rl_core.data import Problem, PromptSampler, arithmetic_split, load_dataset, render_prompt, stable_seed
+from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
+from lora_rl_core.errors import LoraRLError
+from lora_rl_core.evaluation import evaluate_accuracy
+from lora_rl_core.lora import adapter_state, apply_lora
+from lora_rl_core.models import load_model, model_folder
+from lora_rl_core.rewards import load_reward, score_completions
+from lora_rl_core.store import AdapterRef, adapter_name, validate_run_id
+from lora_rl_core.trainer import PolicyTrainer, TrainBatch
+
+_SESSIONS: dict[str, RunSession] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def build_problems(cfg: DataConfig, split: str, seed: int) -> list[Problem]:
+    """Training or held-out problems for a data config (arithmetic generator or a JSONL dataset).
+
+    Raises:
+        DataError: missing or malformed dataset file.
+    """
+    if cfg.source == "arithmetic":
+        size = cfg.train_size if split == "train" else (cfg.eval_size or 128)
+        return arithmetic_split(cfg.operations, cfg.digits, split=split, size=size, seed=seed)
+    path = cfg.train_path if split == "train" else cfg.test_path
+    limit = cfg.eval_size if split == "test" else None
+    return load_dataset(cfg.source, split, path=path, limit=limit, data_dir=cfg.data_dir)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Check, before any training work, that the data, the reward functions and the model can be had.
+
+    Raises:
+        DataError / RewardError / ModelError: with one clear line naming what is wrong.
+    """
+    build_problems(cfg.data, "train", cfg.run.seed)
+    build_problems(cfg.data, "test", cfg.run.seed)
+    for f in cfg.reward.functions:
+        load_reward(f.name)
+    model_folder(cfg.model)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (temp file + rename) so a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class RunSession:
+    """Everything one training run needs in this process. Build with `open_session`."""
+
+    def __init__(self, cfg: RunConfig, run_id: str) -> None:
+        self.cfg = cfg
+        self.run_id = validate_run_id(run_id)
+        self.workdir = Path(cfg.run.output_dir) / run_id
+        self.store = cfg.store.build()
+        self.reward_fns = [(f.name, load_reward(f.name), f.weight) for f in cfg.reward.functions]
+        self.train_problems = build_problems(cfg.data, "train", cfg.run.seed)
+        self.test_problems = build_problems(cfg.data, "test", cfg.run.seed)
+        self.sampler = PromptSampler(self.train_problems, seed=cfg.run.seed)
+        _seed_everything(cfg.run.seed)
+        engine_model, self.tokenizer = load_model(cfg.model)
+        trainer_model, _ = load_model(cfg.model)
+        self.engine = EmbeddedEngine(engine_model, self.tokenizer, max_batch_size=cfg.engine.max_batch_size,
+                                     keep_versions=cfg.algorithm.max_staleness + 1)
+        self.trainer = PolicyTrainer(apply_lora(trainer_model, cfg.lora), pad_id=self.tokenizer.pad_token_id,
+                                     algorithm=cfg.algorithm, trainer=cfg.trainer, temperature=cfg.rollout.temperature)
+        self.policy_version: int | None = None  # version the engine serves for rollouts
+        self._pending: tuple[dict, dict] | None = None  # tensors of the last publish, for the tensor sync path
+
+    # ------------------------------------------------------------------ phases
+    def publish(self, step: int, metrics: dict[str, float] | None = None) -> AdapterRef:
+        """Write the current LoRA weights to the store as version `step` (immutable)."""
+        tensors, config = adapter_state(self.trainer.model)
+        ref = self.store.publish(self.run_id, step, tensors=tensors, adapter_config=config, step=step,
+                                 base_model=self.cfg.model.name_or_path, metrics=_floats(metrics or {}))
+        self._pending = (tensors, config)
+        return ref
+
+    def sync(self, ref: AdapterRef) -> dict[str, Any]:
+        """Load version `ref` into the engine under its versioned name, switch rollouts to it,
+        retire stale versions. Tensor path reuses the published tensors; store path reads the
+        sha256-verified version back from the store."""
+        start = time.perf_counter()
+        if self.cfg.engine.sync == "tensor" and self._pending is not None:
+            tensors, config = self._pending
+        else:
+            tensors, config = self.store.load_tensors(ref.run_id, ref.version)
+        if ref.name not in self.engine.list_adapters():
+            self.engine.load_adapter(ref.name, tensors=tensors, config=config)
+        self.policy_version = ref.version
+        retired = self.engine.retire_stale(self.run_id, active=ref.name)
+        self._pending = None
+        return {"adapter": ref.name, "retired": retired, "sync_seconds": time.perf_counter() - start}
+
+    @property
+    def policy_adapter(self) -> str:
+        """The versioned adapter name rollouts must use."""
+        if self.policy_version is None:
+            raise LoraRLError("no adapter version has been synced to the engine yet (publish and sync version 0 first)")
+        return adapter_name(self.run_id, self.policy_version)
+
+    def rollout(self, step: int) -> dict[str, float]:
+        """Sample `group_size` completions for each of `prompts_per_step` prompts with the current
+        policy adapter; writes `rollouts/step-N.json`. Returns a small summary."""
+        start = time.perf_counter()
+        r = self.cfg.rollout
+        problems = self.sampler.next_batch(r.prompts_per_step)
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k, seed=stable_seed(self.cfg.run.seed, "rollout", step))
+        prompts = [render_prompt(self.tokenizer, p, system_prompt=r.system_prompt, instruction=r.instruction) for p in problems]
+        requests = [GenerationRequest(ids, self.policy_adapter, params) for ids in prompts for _ in range(r.group_size)]
+        completions = self.engine.generate(requests)
+        rows = [
+            {"group": i // r.group_size, "problem_id": problems[i // r.group_size].id,
+             "answer": problems[i // r.group_size].answer, "prompt_ids": c.prompt_ids,
+             "completion_ids": c.completion_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+             "adapter": c.adapter, "adapter_version": c.adapter_version}
+            for i, c in enumerate(completions)
+        ]
+        _write_json(self._phase_path("rollouts", step), {"step": step, "sampler": self.sampler.state_dict(), "rows": rows})
+        seconds = time.perf_counter() - start
+        tokens = sum(len(row["completion_ids"]) for row in rows)
+        return {"completions": float(len(rows)), "completion_tokens": float(tokens), "rollout_seconds": seconds,
+                "completions_per_second": len(rows) / seconds, "completion_length": tokens / len(rows),
+                "truncated_fraction": sum(row["finish_reason"] == "length" for row in rows) / len(rows)}
+
+    def score(self, step: int) -> dict[str, float]:
+        """Reward every completion of step `step` and compute group advantages; writes `scored/step-N.json`."""
+        start = time.perf_counter()
+        data = json.loads(self._phase_path("rollouts", step).read_text())
+        rows = data["rows"]
+        texts = [self.tokenizer.decode(row["completion_ids"], skip_special_tokens=True) for row in rows]
+        totals, per_fn = score_completions(texts, [row["answer"] for row in rows], self.reward_fns)
+        rewards_NG = torch.tensor(totals, dtype=torch.float32).view(-1, self.cfg.rollout.group_size)  # [N, G]
+        advantages_NG = ADVANTAGE_ESTIMATORS[self.cfg.algorithm.advantage](rewards_NG)
+        signal_N = group_has_signal(rewards_NG)
+        for i, row in enumerate(rows):
+            row.update(reward=totals[i], rewards={k: v[i] for k, v in per_fn.items()},
+                       advantage=float(advantages_NG.view(-1)[i]), has_signal=bool(signal_N[row["group"]]))
+        _write_json(self._phase_path("scored", step), {"step": step, "rows": rows})
+        correct = per_fn.get("math", totals)
+        return {"reward_mean": float(rewards_NG.mean()), "reward_std": float(rewards_NG.std(unbiased=False)),
+                "accuracy": sum(1.0 for c in correct if c >= 1.0) / len(correct),
+                "groups_with_signal": float(signal_N.float().mean()), "score_seconds": time.perf_counter() - start}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One policy update on the scored rollouts of `step`. Rows produced by a version older than
+        `max_staleness` behind the current policy are rejected; with `skip_uniform_groups`, only groups
+        whose rewards differ are trained on."""
+        rows = json.loads(self._phase_path("scored", step).read_text())["rows"]
+        current = self.policy_version or 0
+        fresh = [r for r in rows if r["adapter_version"] is not None
+                 and current - r["adapter_version"] <= self.cfg.algorithm.max_staleness]
+        used = [r for r in fresh if r["has_signal"] or not self.cfg.algorithm.skip_uniform_groups]
+        batch = TrainBatch([r["prompt_ids"] for r in used], [r["completion_ids"] for r in used],
+                           [r["advantage"] for r in used], [r["logprobs"] for r in used])
+        metrics = self.trainer.train_step(batch)
+        return {**metrics, "stale_rejected": float(len(rows) - len(fresh))}
+
+    def evaluate(self, adapter: str | None) -> dict[str, Any]:
+        """Greedy accuracy of `adapter` (None = base model) on the held-out problems."""
+        cfg = self.cfg
+        return evaluate_accuracy(self.engine, self.tokenizer, self.test_problems, adapter=adapter, rollout=cfg.rollout,
+                                 max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)
+
+    def _phase_path(self, phase: str, step: int) -> Path:
+        return self.workdir / phase / f"step-{step:06d}.json"
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+
+
+def open_session(cfg: RunConfig, run_id: str) -> RunSession:
+    """Build (or return the already open) session for `run_id` in this process."""
+    with _REGISTRY_LOCK:
+        if run_id not in _SESSIONS:
+            _SESSIONS[run_id] = RunSession(cfg, run_id)
+        return _SESSIONS[run_id]
+
+
+def get_session(run_id: str) -> RunSession:
+    """The open session of `run_id`; LoraRLError if this process has none."""
+    try:
+        return _SESSIONS[run_id]
+    except KeyError:
+        raise LoraRLError(f"run {run_id!r} has no open session in this process (open_session first)") from None
+
+
+def close_session(run_id: str) -> None:
+    """Drop the session (models, engine, optimizer) of `run_id` from this process."""
+    with _REGISTRY_LOCK:
+        _SESSIONS.pop(run_id, None)
