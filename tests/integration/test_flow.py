@@ -1,0 +1,75 @@
+"""The real `lora-rl-train` flow for two steps on a tiny random model, under a Prefect test server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from lora_rl_core.store import AdapterStore
+
+
+@pytest.fixture()
+def flow_config(tiny_model_dir, tmp_path):
+    cfg = {
+        "run": {"name": "it", "output_dir": str(tmp_path / "runs")},
+        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "algorithm": {"skip_uniform_groups": False},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},
+        "trainer": {"steps": 2, "lr": 1e-2, "micro_batch_size": 4},
+        "data": {"source": "arithmetic", "train_size": 64, "eval_size": 4},
+        "reward": {"functions": [{"name": "tests.integration.rewards:digit_fraction"}]},
+        "store": {"uri": f"file://{tmp_path / 'store'}"},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, tmp_path
+
+
+def _lora_weights(model: PeftModel) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def test_two_steps_publish_two_distinct_loadable_versions(flow_config, tiny_model_dir):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, TaskRunFilter
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from flows.grpo_lora import train
+
+    path, tmp = flow_config
+    summary = train(config_path=str(path), run_id="it-run")
+
+    store = AdapterStore(f"file://{tmp / 'store'}")
+    assert store.versions("it-run") == [0, 1, 2]
+    assert summary["final_adapter"] == "it-run-v000002"
+    assert json.loads((tmp / "store" / "it-run" / "adapters" / "LATEST").read_text())["version"] == 2
+    weights = []
+    for version in (1, 2):
+        folder = store.pull("it-run", version, tmp / f"pulled-v{version}")
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        weights.append(_lora_weights(PeftModel.from_pretrained(base, folder)))
+    assert weights[0].keys() == weights[1].keys() and weights[0]
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+    manifest = store.manifest("it-run", 2)
+    assert manifest.step == 2 and "reward_mean" in manifest.metrics
+    report = (tmp / "runs" / "it-run" / "report.md").read_text()
+    assert "greedy accuracy before training" in report and "| step |" in report
+    assert (tmp / "runs" / "it-run" / "reward_curve.png").stat().st_size > 1000
+    assert 0.0 <= summary["base_accuracy"] <= 1.0 and 0.0 <= summary["final_accuracy"] <= 1.0
+    rows = json.loads((tmp / "runs" / "it-run" / "rollouts" / "step-000002.json").read_text())["rows"]
+    assert len(rows) == 8 and {r["adapter"] for r in rows} == {"it-run-v000001"}  # step 2 samples from version 1
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["it-run-step-metrics", "it-run-summary"])), offset=0, limit=10,
+            sort=ArtifactSort.KEY_ASC, flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(),
+        )
+    assert {a.key for a in artifacts} == {"it-run-step-metrics", "it-run-summary"}
+    table = next(a for a in artifacts if a.key == "it-run-step-metrics")
+    assert [row["step"] for row in json.loads(table.data)] == [1, 2]

@@ -1,0 +1,84 @@
+"""Every shipped YAML config validates; overrides and config errors behave as documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lora_rl_core.config import RunConfig, load_config
+from lora_rl_core.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def test_configs_folder_is_not_empty():
+    assert CONFIGS, "no YAML files found in configs/"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_loads(path):
+    assert isinstance(load_config(path), RunConfig)
+
+
+def test_overrides_parse_values_as_yaml():
+    cfg = load_config(None, ["lora.rank=32", "lora.target_modules=[q_proj,v_proj]", "rollout.temperature=0.7"])
+    assert cfg.lora.rank == 32
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.rollout.temperature == 0.7
+
+
+def test_override_applies_on_top_of_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lora:\n  rank: 4\n  alpha: 8\n")
+    cfg = load_config(path, ["lora.rank=32"])
+    assert (cfg.lora.rank, cfg.lora.alpha) == (32, 8)
+
+
+def test_unknown_top_level_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lorra:\n  rank: 4\n")
+    with pytest.raises(ConfigError, match=r"lorra: unknown key"):
+        load_config(path)
+
+
+def test_unknown_nested_key():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["lora.rnak=8"])
+    assert "lora.rnak" in str(err.value)
+    assert "unknown key" in str(err.value)
+
+
+def test_bad_value_names_the_field():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["lora.rank=-1"])
+    assert "lora.rank" in str(err.value)
+    assert "-1" in str(err.value)
+
+
+def test_override_without_equals():
+    with pytest.raises(ConfigError, match=r"bad override 'lora\.rank'.*key=value"):
+        load_config(None, ["lora.rank"])
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=rf"config file not found: {re.escape(str(missing))}"):
+        load_config(missing)
+
+
+def test_yaml_list_is_rejected(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match=r"must be a mapping of sections, got list"):
+        load_config(path)
+
+
+def test_run_id_from_config():
+    assert load_config(None, ["run.id=my-run"]).resolved_run_id() == "my-run"
+
+
+def test_run_id_defaults_to_name_and_timestamp():
+    run_id = load_config(None, ["run.name=exp"]).resolved_run_id()
+    assert re.fullmatch(r"exp-\d{8}-\d{6}", run_id), run_id
