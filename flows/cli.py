@@ -19,7 +19,9 @@ from flows.cli_adapters import adapters_app
 from lora_rl_core import progress
 from lora_rl_core.errors import LoraRLError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="LoRA RL fine-tuning of LLMs (GRPO) as a Prefect flow.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="LoRA RL fine-tuning of LLMs (GRPO) as a Prefect flow."
+)
 app.add_typer(adapters_app, name="adapters", help="List and pull adapter versions from a store.")
 console = Console()
 
@@ -39,8 +41,14 @@ def train(
     preflight(load_config(config, overrides or []))  # bad config, data, reward or model: one line, before Prefect
     from flows.grpo_lora import train as train_flow
 
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TimeRemainingColumn(), console=console)
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
     task_id = bar.add_task("training", total=None)
 
     def on_event(event: str, data: dict[str, Any]) -> None:
@@ -50,7 +58,9 @@ def train(
             bar.console.print(progress.format_step(data))
             bar.advance(task_id)
         elif event == "eval":
-            bar.console.print(f"greedy accuracy {data['phase']} training: {100 * data['accuracy']:.1f}% ({data['n']} problems)")
+            bar.console.print(
+                f"greedy accuracy {data['phase']} training: {100 * data['accuracy']:.1f}% ({data['n']} problems)"
+            )
 
     unsubscribe = progress.subscribe(on_event)
     try:
@@ -63,9 +73,11 @@ def train(
 
 def _print_summary(s: dict[str, Any]) -> None:
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    console.print(f"[bold green]done[/] run {s['run_id']}: accuracy {pct(s['base_accuracy'])} -> {pct(s['final_accuracy'])}, "
-                  f"{s['steps']} steps, {s['wall_seconds']:.0f} s wall, {s['seconds_per_step']:.1f} s/step, "
-                  f"{s['completions_per_second']:.2f} completions/s")
+    console.print(
+        f"[bold green]done[/] run {s['run_id']}: accuracy {pct(s['base_accuracy'])} -> {pct(s['final_accuracy'])}, "
+        f"{s['steps']} steps, {s['wall_seconds']:.0f} s wall, {s['seconds_per_step']:.1f} s/step, "
+        f"{s['completions_per_second']:.2f} completions/s"
+    )
     console.print(f"adapter {s['final_adapter']} in {s['store_uri']}; report {s['report']}")
 
 
@@ -94,13 +106,21 @@ def eval_(
         tensors, adapter_cfg = store.load_tensors(ref.run_id, ref.version)
         engine.load_adapter(ref.name, tensors=tensors, config=adapter_cfg)
         name = ref.name
-    result = evaluate_accuracy(engine, tokenizer, problems, adapter=name, rollout=cfg.rollout,
-                               max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)
+    result = evaluate_accuracy(
+        engine,
+        tokenizer,
+        problems,
+        adapter=name,
+        rollout=cfg.rollout,
+        max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+    )
     if json_out:
         console.print_json(json.dumps(result))
     else:
-        console.print(f"{name or 'base model'}: greedy accuracy {100 * result['accuracy']:.1f}% on {result['n']} problems "
-                      f"({result['seconds']:.1f} s)")
+        console.print(
+            f"{name or 'base model'}: greedy accuracy {100 * result['accuracy']:.1f}% on {result['n']} problems "
+            f"({result['seconds']:.1f} s)"
+        )
 
 
 def main() -> None:

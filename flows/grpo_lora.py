@@ -24,7 +24,9 @@ from tasks import evaluate, open_run, publish_adapter, rollout, score, sync_engi
 
 
 @flow(name="lora-rl-train")
-def train(config_path: str | None = None, overrides: list[str] | None = None, run_id: str | None = None) -> dict[str, Any]:
+def train(
+    config_path: str | None = None, overrides: list[str] | None = None, run_id: str | None = None
+) -> dict[str, Any]:
     """Train a LoRA policy with GRPO and publish every step's adapter to the store.
 
     Args:
@@ -76,20 +78,35 @@ def _evaluate(run_id: str, adapter: str | None, phase: str, enabled: bool, logge
     return result
 
 
-def _summary(run_id: str, cfg: Any, history: list[dict[str, Any]], base: dict | None, final: dict | None,
-             final_adapter: str, wall: float) -> dict[str, Any]:
+def _summary(
+    run_id: str,
+    cfg: Any,
+    history: list[dict[str, Any]],
+    base: dict | None,
+    final: dict | None,
+    final_adapter: str,
+    wall: float,
+) -> dict[str, Any]:
     train_seconds = sum(h["step_seconds"] for h in history)
     completions = sum(h["completions"] for h in history)
     return {
-        "run_id": run_id, "final_adapter": final_adapter, "steps": len(history), "wall_seconds": wall,
+        "run_id": run_id,
+        "final_adapter": final_adapter,
+        "steps": len(history),
+        "wall_seconds": wall,
         "seconds_per_step": train_seconds / max(1, len(history)),
         "completions_per_second": completions / max(sum(h["rollout_seconds"] for h in history), 1e-9),
-        "base_accuracy": base["accuracy"] if base else None, "final_accuracy": final["accuracy"] if final else None,
-        "base_eval": base, "final_eval": final, "store_uri": get_session(run_id).store.uri,
+        "base_accuracy": base["accuracy"] if base else None,
+        "final_accuracy": final["accuracy"] if final else None,
+        "base_eval": base,
+        "final_eval": final,
+        "store_uri": get_session(run_id).store.uri,
     }
 
 
 def _artifacts(run_id: str, cfg: Any, history: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     key = re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-")
     create_table_artifact(step_table(history), key=f"{key}-step-metrics", description=f"Step metrics of {run_id}")
-    create_markdown_artifact(summary_markdown(run_id, cfg, summary), key=f"{key}-summary", description=f"Summary of {run_id}")
+    create_markdown_artifact(
+        summary_markdown(run_id, cfg, summary), key=f"{key}-summary", description=f"Summary of {run_id}"
+    )

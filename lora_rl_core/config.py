@@ -276,7 +276,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         source = str(path)
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {p} (pass an existing YAML file, e.g. configs/smollm2-arith-grpo.yaml)")
+            raise ConfigError(
+                f"config file not found: {p} (pass an existing YAML file, e.g. configs/smollm2-arith-grpo.yaml)"
+            )
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as exc:

@@ -32,8 +32,11 @@ def evaluate_accuracy(
     start = time.perf_counter()
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     requests = [
-        GenerationRequest(render_prompt(tokenizer, p, system_prompt=rollout.system_prompt, instruction=rollout.instruction),
-                          adapter, greedy)
+        GenerationRequest(
+            render_prompt(tokenizer, p, system_prompt=rollout.system_prompt, instruction=rollout.instruction),
+            adapter,
+            greedy,
+        )
         for p in problems
     ]
     completions = engine.generate(requests)
@@ -45,5 +48,8 @@ def evaluate_accuracy(
         "adapter": adapter,
         "mean_completion_tokens": sum(len(c.completion_ids) for c in completions) / max(1, len(completions)),
         "seconds": time.perf_counter() - start,
-        "samples": [{"question": p.question, "completion": t, "gold": p.answer} for p, t in zip(problems[:3], texts, strict=False)],
+        "samples": [
+            {"question": p.question, "completion": t, "gold": p.answer}
+            for p, t in zip(problems[:3], texts, strict=False)
+        ],
     }

@@ -22,7 +22,9 @@ from lora_rl_core.errors import ConfigError
 def linear_suffixes(model: nn.Module) -> list[str]:
     """Sorted distinct last-name parts of the model's `nn.Linear` modules, output head excluded."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and mod is not head}
+    names = {
+        name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and mod is not head
+    }
     return sorted(names)
 
 
@@ -38,9 +40,7 @@ def resolve_target_modules(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     for field, names in (("lora.target_modules", wanted), ("lora.exclude_modules", cfg.exclude_modules)):
         missing = [n for n in names if n not in available]
         if missing:
-            raise ConfigError(
-                f"{field}: {missing} match no linear module of this model; it has {available}"
-            )
+            raise ConfigError(f"{field}: {missing} match no linear module of this model; it has {available}")
     chosen = [n for n in wanted if n not in set(cfg.exclude_modules)]
     if not chosen:
         raise ConfigError("lora.exclude_modules removes every target module: nothing left to adapt")

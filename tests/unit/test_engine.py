@@ -19,7 +19,9 @@ def random_adapter(model_dir, seed: int, targets=("q_proj", "v_proj", "down_proj
     """A LoRA adapter with random (non-zero) A and B, so it changes the model's outputs."""
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=16, target_modules=list(targets), init_lora_weights=False))
+    peft_model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=16, target_modules=list(targets), init_lora_weights=False)
+    )
     state = {k: v * 8 for k, v in get_peft_model_state_dict(peft_model).items()}  # big enough to change greedy tokens
     return state, peft_config_dict(peft_model.peft_config["default"])
 
@@ -41,8 +43,9 @@ def test_mixed_adapter_batch_equals_each_request_alone(engine, tiny_model_dir):
         tensors, config = random_adapter(tiny_model_dir, seed=v)
         engine.load_adapter(name, tensors=tensors, config=config)
     adapters = [None, *names]  # 8 adapters plus the base model in one batch
-    requests = [GenerationRequest(p, adapters[i % len(adapters)], GREEDY)
-                for i, p in enumerate(prompts(tiny_model_dir, 18))]
+    requests = [
+        GenerationRequest(p, adapters[i % len(adapters)], GREEDY) for i, p in enumerate(prompts(tiny_model_dir, 18))
+    ]
     mixed = engine.generate(requests)
     alone = [engine.generate([GenerationRequest(r.prompt_ids, r.adapter, GREEDY)])[0] for r in requests]
     assert [c.completion_ids for c in mixed] == [c.completion_ids for c in alone]

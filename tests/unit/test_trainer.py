@@ -25,8 +25,9 @@ def pad_id(tiny_model_dir) -> int:
 def make_trainer(tiny_model_dir, pad_id):
     """Build a trainer on a fresh tiny model; the same arguments give the same initial LoRA weights."""
 
-    def make(*, lr: float = 1e-3, micro_batch_size: int = 16, max_grad_norm: float = 1.0, nonzero_b: bool = False,
-             **algo) -> PolicyTrainer:
+    def make(
+        *, lr: float = 1e-3, micro_batch_size: int = 16, max_grad_norm: float = 1.0, nonzero_b: bool = False, **algo
+    ) -> PolicyTrainer:
         torch.manual_seed(0)
         base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         model = apply_lora(base, LoRAConfig(rank=4))
@@ -47,8 +48,9 @@ def lora_weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
 def random_batch(advantages: list[float], seed: int = 0) -> TrainBatch:
     """One row per advantage: random prompt (2-6) and completion (1-5) token ids, zero inference logprobs."""
     g = torch.Generator().manual_seed(seed)
-    lengths = [(int(torch.randint(2, 7, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g)))
-               for _ in advantages]
+    lengths = [
+        (int(torch.randint(2, 7, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))) for _ in advantages
+    ]
     prompts = [torch.randint(1, VOCAB, (p,), generator=g).tolist() for p, _ in lengths]
     completions = [torch.randint(1, VOCAB, (c,), generator=g).tolist() for _, c in lengths]
     return TrainBatch(prompts, completions, list(advantages), [[0.0] * len(c) for c in completions])
@@ -76,8 +78,11 @@ def test_pack_places_completion_in_shifted_frame():
 
 
 def test_pack_right_pads():
-    packed = pack(TrainBatch([[5, 6], [5, 6, 7, 8]], [[9], [9, 9]], [0.0, 0.0], [[0.0], [0.0, 0.0]]),
-                  pad_id=0, device=torch.device("cpu"))
+    packed = pack(
+        TrainBatch([[5, 6], [5, 6, 7, 8]], [[9], [9, 9]], [0.0, 0.0], [[0.0], [0.0, 0.0]]),
+        pad_id=0,
+        device=torch.device("cpu"),
+    )
     assert packed.input_ids.tolist() == [[5, 6, 9, 0, 0, 0], [5, 6, 7, 8, 9, 9]]
     assert packed.attention_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
     assert packed.mask_BT.tolist() == [[0, 1, 0, 0, 0], [0, 0, 0, 1, 1]]
@@ -171,20 +176,13 @@ def test_empty_batch_skips_update(make_trainer):
         assert torch.equal(w, before[name]), name
 
 
-@pytest.mark.parametrize("aggregation", [
-    "token-mean",
-    pytest.param("seq-mean-token-sum", marks=pytest.mark.xfail(strict=True, reason="trainer bug: loss metric is "
-                 "token-weighted across micro-batches instead of weighted like the backward pass")),
-    pytest.param("seq-mean-token-mean", marks=pytest.mark.xfail(strict=True, reason="same trainer bug")),
-])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_reported_loss_does_not_depend_on_micro_batch_size(make_trainer, aggregation):
     batch = random_batch([1, -1, 0.5, -0.5, 2, -2])
     small, full = (make_trainer(micro_batch_size=m, loss_aggregation=aggregation).train_step(batch) for m in (1, 6))
     assert small["loss"] == pytest.approx(full["loss"], abs=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="trainer bug: train_step divides metrics by num_minibatches even when "
-                   "the batch has fewer rows than that (fewer chunks)")
 def test_more_minibatches_than_rows_keeps_metric_scale(make_trainer):
     batch = random_batch([1.0])
     one, two = (make_trainer(num_minibatches=n).train_step(batch) for n in (1, 2))
