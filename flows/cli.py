@@ -33,8 +33,12 @@ def train(
     config: ConfigOpt,
     overrides: Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. lora.rank=32")] = None,
     run_id: Annotated[str | None, typer.Option(help="run id (default run.id or <name>-<timestamp>)")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show Prefect's INFO logs too")] = False,
 ) -> None:
     """Run the `lora-rl-train` flow with a progress bar and one line per step."""
+    # Before prefect is imported: the progress bar replaces Prefect's per-task console lines.
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from lora_rl_core.config import load_config
     from lora_rl_core.session import preflight
 

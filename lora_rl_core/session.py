@@ -88,6 +88,7 @@ class RunSession:
         self.run_id = validate_run_id(run_id)
         self.workdir = Path(cfg.run.output_dir) / run_id
         self.store = cfg.store.build()
+        self.store.write_run_config(run_id, cfg.model_dump(mode="json"))
         self.reward_fns = [(f.name, load_reward(f.name), f.weight) for f in cfg.reward.functions]
         self.train_problems = build_problems(cfg.data, "train", cfg.run.seed)
         self.test_problems = build_problems(cfg.data, "test", cfg.run.seed)

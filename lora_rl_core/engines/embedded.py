@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -140,7 +141,9 @@ class EmbeddedEngine:
                 # PEFT keeps at least one adapter; unwrap back to the base model instead.
                 self._model = self._model.unload()
             else:
-                self._model.delete_adapter(name)
+                with warnings.catch_warnings():  # PEFT warns when the "active" adapter goes; we never rely on it
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._model.delete_adapter(name)
             del self._adapters[name]
             self._counters["unloads"] += 1
 
@@ -205,8 +208,6 @@ class EmbeddedEngine:
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             generation_config=self._generation_config(params),
-            return_dict_in_generate=True,
-            output_logits=True,
             **kwargs,
         )
         new_tokens = out.sequences[:, input_ids.shape[1] :].cpu()  # [B, T]
@@ -240,6 +241,8 @@ class EmbeddedEngine:
             pad_token_id=self._tokenizer.pad_token_id,
             eos_token_id=self._eos_ids,
             bos_token_id=None,
+            return_dict_in_generate=True,
+            output_logits=True,
         )
 
     # -------------------------------------------------------------- control
