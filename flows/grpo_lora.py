@@ -15,12 +15,13 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.runtime import flow_run
 
 from lora_rl_core import progress
 from lora_rl_core.config import load_config
 from lora_rl_core.report import step_table, summary_markdown
 from lora_rl_core.session import close_session, get_session
-from tasks import evaluate, open_run, publish_adapter, rollout, score, sync_engines, train_step, write_report
+from tasks.steps import result_storage, step_tasks
 
 
 @flow(name="lora-rl-train")
@@ -40,28 +41,31 @@ def train(
     """
     start = time.perf_counter()
     cfg = load_config(config_path, overrides or [])
-    run_id = run_id or cfg.resolved_run_id()
+    # A retry of this flow run keeps its id, so it resumes the same run.
+    run_id = run_id or cfg.run.id or f"{cfg.run.name}-{str(flow_run.id)[:8]}"
     logger = get_run_logger()
     steps = cfg.trainer.steps
-    open_run(cfg.model_dump(mode="json"), run_id)
+    t = step_tasks(result_storage(cfg.store, run_id))
+    resumed = t.open_run(cfg.model_dump(mode="json"), run_id)
     try:
-        progress.emit("run_started", {"run_id": run_id, "steps": steps})
-        ref = publish_adapter(run_id, 0, {})
-        sync_engines(run_id, ref)
-        base_eval = _evaluate(run_id, None, "before", cfg.run.eval_before_after, logger)
+        progress.emit("run_started", {"run_id": run_id, "steps": steps, **resumed})
+        logger.info(f"run {run_id}: {steps} steps, resuming after checkpoint step {resumed['restored_step']}")
+        ref = t.publish_adapter(run_id, 0, {})
+        t.sync_engines(run_id, ref)
+        base_eval = _evaluate(t, run_id, None, "before", cfg.run.eval_before_after, logger)
         history: list[dict[str, Any]] = []
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
-            metrics = {"step": step, "steps": steps, **rollout(run_id, step), **score(run_id, step)}
-            metrics.update(train_step(run_id, step))
-            ref = publish_adapter(run_id, step, metrics)
-            metrics.update(sync_engines(run_id, ref), step_seconds=time.perf_counter() - t0)
+            metrics = {"step": step, "steps": steps, **t.rollout(run_id, step), **t.score(run_id, step)}
+            metrics.update(t.train_step(run_id, step))
+            ref = t.publish_adapter(run_id, step, metrics)
+            metrics.update(t.sync_engines(run_id, ref), step_seconds=time.perf_counter() - t0)
             history.append(metrics)
             logger.info(progress.format_step(metrics))
             progress.emit("step", metrics)
-        final_eval = _evaluate(run_id, ref.name, "after", cfg.run.eval_before_after, logger)
+        final_eval = _evaluate(t, run_id, ref.name, "after", cfg.run.eval_before_after, logger)
         summary = _summary(run_id, cfg, history, base_eval, final_eval, ref.name, time.perf_counter() - start)
-        summary["report"] = write_report(run_id, history, summary)
+        summary["report"] = t.write_report(run_id, history, summary)
         _artifacts(run_id, cfg, history, summary)
         progress.emit("run_finished", summary)
         return summary
@@ -69,10 +73,12 @@ def train(
         close_session(run_id)
 
 
-def _evaluate(run_id: str, adapter: str | None, phase: str, enabled: bool, logger: Any) -> dict[str, Any] | None:
+def _evaluate(
+    t: Any, run_id: str, adapter: str | None, phase: str, enabled: bool, logger: Any
+) -> dict[str, Any] | None:
     if not enabled:
         return None
-    result = evaluate(run_id, adapter)
+    result = t.evaluate(run_id, adapter)
     logger.info(f"greedy accuracy {phase} training: {100 * result['accuracy']:.1f}% on {result['n']} held-out problems")
     progress.emit("eval", {"phase": phase, **result})
     return result

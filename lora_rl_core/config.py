@@ -150,6 +150,10 @@ class TrainerConfig(Section):
     micro_batch_size: int = Field(16, ge=1)
     """Sequences per forward/backward pass (gradient accumulation over the rest)."""
     gradient_checkpointing: bool = False
+    checkpoint_every: int = Field(1, ge=1)
+    """Save a checkpoint (adapter, optimizer, scheduler, RNG, data cursor) every this many steps."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept in the store; older ones are deleted."""
 
 
 class DataConfig(Section):

@@ -15,21 +15,23 @@ advantages), so a phase can be re-run or inspected.
 from __future__ import annotations
 
 import json
-import os
 import random
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
 
 from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal
+from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import DataConfig, RunConfig
 from lora_rl_core.data import Problem, PromptSampler, arithmetic_split, load_dataset, render_prompt, stable_seed
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.evaluation import evaluate_accuracy
+from lora_rl_core.faults import maybe_fail
 from lora_rl_core.lora import adapter_state, apply_lora
 from lora_rl_core.models import load_model, model_folder
 from lora_rl_core.rewards import load_reward, score_completions
@@ -72,14 +74,6 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (temp file + rename) so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 class RunSession:
     """Everything one training run needs in this process. Build with `open_session`."""
 
@@ -89,6 +83,8 @@ class RunSession:
         self.workdir = Path(cfg.run.output_dir) / run_id
         self.store = cfg.store.build()
         self.store.write_run_config(run_id, cfg.model_dump(mode="json"))
+        self.run_url = f"{self.store.uri.rstrip('/')}/{run_id}"
+        self._fs, self._run_root = fsspec.core.url_to_fs(self.run_url, **cfg.store.storage_options)
         self.reward_fns = [(f.name, load_reward(f.name), f.weight) for f in cfg.reward.functions]
         self.train_problems = build_problems(cfg.data, "train", cfg.run.seed)
         self.test_problems = build_problems(cfg.data, "test", cfg.run.seed)
@@ -111,10 +107,44 @@ class RunSession:
         )
         self.policy_version: int | None = None  # version the engine serves for rollouts
         self._pending: tuple[dict, dict] | None = None  # tensors of the last publish, for the tensor sync path
+        self.checkpoints = CheckpointStore(self.store.uri, cfg.store.storage_options)
+        self.restored_step = self._restore()
+
+    # ------------------------------------------------------------------ resume
+    def _restore(self) -> int:
+        """Load the newest checkpoint (trainer, RNG) and serve the newest published version; returns the
+        checkpoint step (0 when starting fresh)."""
+        step = self.checkpoints.latest(self.run_id)
+        if step is not None:
+            state = self.checkpoints.load(self.run_id, step)
+            self.trainer.load_state_dict(state["trainer"])
+            torch.set_rng_state(state["torch_rng"])
+            random.setstate((state["python_rng"][0], tuple(state["python_rng"][1]), state["python_rng"][2]))
+        latest = self.store.latest(self.run_id)
+        if latest is not None:
+            self.sync(latest)
+        return step or 0
+
+    def resume_info(self) -> dict[str, Any]:
+        """Where this session starts: `{"run_id", "restored_step", "policy_version"}`."""
+        return {"run_id": self.run_id, "restored_step": self.restored_step, "policy_version": self.policy_version}
+
+    def save_checkpoint(self, step: int) -> None:
+        """Checkpoint the trainer (LoRA weights, optimizer, scheduler), RNG states and data cursor after `step`."""
+        state = {
+            "step": step,
+            "trainer": self.trainer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+        self.checkpoints.save(self.run_id, step, state)
+        self.checkpoints.prune(self.run_id, keep_last=self.cfg.trainer.keep_checkpoints)
 
     # ------------------------------------------------------------------ phases
     def publish(self, step: int, metrics: dict[str, float] | None = None) -> AdapterRef:
         """Write the current LoRA weights to the store as version `step` (immutable)."""
+        maybe_fail("publish_adapter", step, self.run_url, self.cfg.store.storage_options)
         tensors, config = adapter_state(self.trainer.model)
         ref = self.store.publish(
             self.run_id,
@@ -133,6 +163,8 @@ class RunSession:
         retire stale versions. Tensor path reuses the published tensors; store path reads the
         sha256-verified version back from the store."""
         start = time.perf_counter()
+        if self.policy_version is not None and ref.version < self.policy_version:
+            return {"adapter": ref.name, "retired": [], "sync_seconds": 0.0, "skipped_older": True}
         if self.cfg.engine.sync == "tensor" and self._pending is not None:
             tensors, config = self._pending
         else:
@@ -154,8 +186,12 @@ class RunSession:
     def rollout(self, step: int) -> dict[str, float]:
         """Sample `group_size` completions for each of `prompts_per_step` prompts with the current
         policy adapter; writes `rollouts/step-N.json`. Returns a small summary."""
+        maybe_fail("rollout", step, self.run_url, self.cfg.store.storage_options)
         start = time.perf_counter()
         r = self.cfg.rollout
+        # The batch is a function of the step (cursor = (step - 1) * prompts), so a resumed run draws the same prompts.
+        epoch, index = divmod((step - 1) * r.prompts_per_step, len(self.train_problems))
+        self.sampler.load_state_dict({"epoch": epoch, "index": index, "seed": self.sampler.seed})
         problems = self.sampler.next_batch(r.prompts_per_step)
         params = SamplingParams(
             max_new_tokens=r.max_new_tokens,
@@ -183,9 +219,7 @@ class RunSession:
             }
             for i, c in enumerate(completions)
         ]
-        _write_json(
-            self._phase_path("rollouts", step), {"step": step, "sampler": self.sampler.state_dict(), "rows": rows}
-        )
+        self._write_phase("rollouts", step, {"step": step, "sampler": self.sampler.state_dict(), "rows": rows})
         seconds = time.perf_counter() - start
         tokens = sum(len(row["completion_ids"]) for row in rows)
         return {
@@ -199,9 +233,9 @@ class RunSession:
 
     def score(self, step: int) -> dict[str, float]:
         """Reward every completion of step `step` and compute group advantages; writes `scored/step-N.json`."""
+        maybe_fail("score", step, self.run_url, self.cfg.store.storage_options)
         start = time.perf_counter()
-        data = json.loads(self._phase_path("rollouts", step).read_text())
-        rows = data["rows"]
+        rows = self._read_phase("rollouts", step)["rows"]
         texts = [self.tokenizer.decode(row["completion_ids"], skip_special_tokens=True) for row in rows]
         totals, per_fn = score_completions(texts, [row["answer"] for row in rows], self.reward_fns)
         rewards_NG = torch.tensor(totals, dtype=torch.float32).view(-1, self.cfg.rollout.group_size)  # [N, G]
@@ -214,7 +248,7 @@ class RunSession:
                 advantage=float(advantages_NG.view(-1)[i]),
                 has_signal=bool(signal_N[row["group"]]),
             )
-        _write_json(self._phase_path("scored", step), {"step": step, "rows": rows})
+        self._write_phase("scored", step, {"step": step, "rows": rows})
         correct = per_fn.get("math", totals)
         return {
             "reward_mean": float(rewards_NG.mean()),
@@ -225,16 +259,15 @@ class RunSession:
         }
 
     def train_step(self, step: int) -> dict[str, float]:
-        """One policy update on the scored rollouts of `step`. Rows produced by a version older than
-        `max_staleness` behind the current policy are rejected; with `skip_uniform_groups`, only groups
-        whose rewards differ are trained on."""
-        rows = json.loads(self._phase_path("scored", step).read_text())["rows"]
-        current = self.policy_version or 0
-        fresh = [
-            r
-            for r in rows
-            if r["adapter_version"] is not None and current - r["adapter_version"] <= self.cfg.algorithm.max_staleness
-        ]
+        """One policy update on the scored rollouts of `step`, then a checkpoint every `checkpoint_every` steps.
+
+        The trainer holds version `step - 1` here; rows sampled by a version more than `max_staleness`
+        behind it are rejected. With `skip_uniform_groups`, only groups whose rewards differ are trained on.
+        """
+        maybe_fail("train_step", step, self.run_url, self.cfg.store.storage_options)
+        rows = self._read_phase("scored", step)["rows"]
+        limit = self.cfg.algorithm.max_staleness
+        fresh = [r for r in rows if r["adapter_version"] is not None and step - 1 - r["adapter_version"] <= limit]
         used = [r for r in fresh if r["has_signal"] or not self.cfg.algorithm.skip_uniform_groups]
         batch = TrainBatch(
             [r["prompt_ids"] for r in used],
@@ -243,6 +276,8 @@ class RunSession:
             [r["logprobs"] for r in used],
         )
         metrics = self.trainer.train_step(batch)
+        if step % self.cfg.trainer.checkpoint_every == 0:
+            self.save_checkpoint(step)
         return {**metrics, "stale_rejected": float(len(rows) - len(fresh))}
 
     def evaluate(self, adapter: str | None) -> dict[str, Any]:
@@ -257,8 +292,17 @@ class RunSession:
             max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
         )
 
-    def _phase_path(self, phase: str, step: int) -> Path:
-        return self.workdir / phase / f"step-{step:06d}.json"
+    def _write_phase(self, phase: str, step: int, data: dict[str, Any]) -> None:
+        """Write a phase's output to `<store>/<run>/<phase>/step-NNNNNN.json` (any machine can read it back)."""
+        self._fs.makedirs(f"{self._run_root}/{phase}", exist_ok=True)
+        self._fs.pipe_file(f"{self._run_root}/{phase}/step-{step:06d}.json", json.dumps(data).encode())
+
+    def _read_phase(self, phase: str, step: int) -> dict[str, Any]:
+        path = f"{self._run_root}/{phase}/step-{step:06d}.json"
+        try:
+            return json.loads(self._fs.cat_file(path))
+        except FileNotFoundError:
+            raise LoraRLError(f"{phase} output of step {step} not found at {path}: run that phase first") from None
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:

@@ -62,7 +62,7 @@ def test_two_steps_publish_two_distinct_loadable_versions(flow_config, tiny_mode
     assert "greedy accuracy before training" in report and "| step |" in report
     assert (tmp / "runs" / "it-run" / "reward_curve.png").stat().st_size > 1000
     assert 0.0 <= summary["base_accuracy"] <= 1.0 and 0.0 <= summary["final_accuracy"] <= 1.0
-    rows = json.loads((tmp / "runs" / "it-run" / "rollouts" / "step-000002.json").read_text())["rows"]
+    rows = json.loads((tmp / "store" / "it-run" / "rollouts" / "step-000002.json").read_text())["rows"]
     assert len(rows) == 8 and {r["adapter"] for r in rows} == {"it-run-v000001"}  # step 2 samples from version 1
     # The artifact filter endpoint of prefect 3.8 + fastapi<0.155 rejects the client's nulls; read by key instead.
     api = PREFECT_API_URL.value()

@@ -1,0 +1,162 @@
+"""Training checkpoints in the object store, with the adapter store's manifest rule.
+
+Layout (DESIGN.md): `<store>/<run_id>/checkpoints/step-000010/` holding
+`tensors.safetensors` (every tensor of the state: LoRA weights, optimizer
+moments, RNG states), `state.json` (everything else: scheduler, data cursor,
+policy version, with tensors replaced by `{"__tensor__": key}`) and
+`manifest.json`, written LAST with the sha256 and size of each file. A
+checkpoint exists iff its manifest exists and every file matches it, so a
+writer killed mid-upload leaves nothing a reader would load. No pickle:
+arbitrary nested state is flattened into safetensors + JSON.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import re
+from typing import Any
+
+import fsspec
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from lora_rl_core.errors import StoreError
+from lora_rl_core.store import validate_run_id
+
+_STEP_DIR = re.compile(r"step-(\d{6})$")
+_FILES = ("tensors.safetensors", "state.json")
+
+
+def flatten_state(obj: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
+    """Split nested dicts/lists/tuples of tensors and JSON scalars into (tensors, JSON tree).
+
+    Each tensor is stored under its dotted path and replaced in the tree by `{"__tensor__": path}`.
+    Dict keys become strings (int keys are tagged so they come back as ints).
+
+    Raises:
+        TypeError: a leaf is neither a tensor nor a JSON scalar.
+    """
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj.detach().cpu().contiguous()}, {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        tensors: dict[str, torch.Tensor] = {}
+        tree: dict[str, Any] = {}
+        for key, value in obj.items():
+            name = f"__int__{key}" if isinstance(key, int) else str(key)
+            sub_t, tree[name] = flatten_state(value, f"{prefix}.{name}" if prefix else name)
+            tensors.update(sub_t)
+        return tensors, tree
+    if isinstance(obj, list | tuple):
+        tensors, items = {}, []
+        for i, value in enumerate(obj):
+            sub_t, sub_tree = flatten_state(value, f"{prefix}.{i}")
+            tensors.update(sub_t)
+            items.append(sub_tree)
+        return tensors, {"__tuple__": items} if isinstance(obj, tuple) else items
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return {}, obj
+    raise TypeError(f"cannot checkpoint {prefix or 'value'} of type {type(obj).__name__}")
+
+
+def unflatten_state(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `flatten_state`."""
+    if isinstance(tree, dict):
+        if set(tree) == {"__tensor__"}:
+            return tensors[tree["__tensor__"]]
+        if set(tree) == {"__tuple__"}:
+            return tuple(unflatten_state(v, tensors) for v in tree["__tuple__"])
+        return {(int(k[7:]) if k.startswith("__int__") else k): unflatten_state(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [unflatten_state(v, tensors) for v in tree]
+    return tree
+
+
+class CheckpointStore:
+    """Save, list, load and prune training checkpoints of a run under an fsspec URI.
+
+    Args:
+        uri: the store root, e.g. `file://./runs` or `s3://bucket/prefix`.
+        storage_options: passed to fsspec.
+    """
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None) -> None:
+        self._fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        self._root = root.rstrip("/")
+
+    def _dir(self, run_id: str, step: int | None = None) -> str:
+        base = f"{self._root}/{validate_run_id(run_id)}/checkpoints"
+        return base if step is None else f"{base}/step-{step:06d}"
+
+    def save(self, run_id: str, step: int, state: dict[str, Any]) -> str:
+        """Write the checkpoint of `step` (files first, manifest last); returns its folder path.
+
+        Overwrites leftovers of an attempt that died before its manifest; an existing complete
+        checkpoint of the same step is replaced only after its manifest is removed first.
+        """
+        tensors, tree = flatten_state(state)
+        blobs = {"tensors.safetensors": save_safetensors(tensors), "state.json": json.dumps(tree).encode()}
+        folder = self._dir(run_id, step)
+        if self._fs.exists(f"{folder}/manifest.json"):
+            self._fs.rm(f"{folder}/manifest.json")
+        self._fs.makedirs(folder, exist_ok=True)
+        for name, data in blobs.items():
+            self._fs.pipe_file(f"{folder}/{name}", data)
+        manifest = {
+            "run_id": run_id,
+            "step": step,
+            "created_at": _dt.datetime.now(_dt.UTC).isoformat(),
+            "files": {n: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)} for n, d in blobs.items()},
+        }
+        self._fs.pipe_file(f"{folder}/manifest.json", json.dumps(manifest, indent=1).encode())
+        return folder
+
+    def steps(self, run_id: str) -> list[int]:
+        """Steps with a manifest (complete checkpoints), ascending."""
+        try:
+            names = self._fs.ls(self._dir(run_id), detail=False)
+        except FileNotFoundError:
+            return []
+        found = [int(m[1]) for n in names if (m := _STEP_DIR.search(n.rstrip("/")))]
+        return sorted(s for s in found if self._fs.exists(f"{self._dir(run_id, s)}/manifest.json"))
+
+    def latest(self, run_id: str) -> int | None:
+        """The newest complete checkpoint step, or None."""
+        steps = self.steps(run_id)
+        return steps[-1] if steps else None
+
+    def load(self, run_id: str, step: int) -> dict[str, Any]:
+        """Read and verify the checkpoint of `step`.
+
+        Raises:
+            StoreError: missing manifest, or a file whose sha256/size differs (names the file).
+        """
+        folder = self._dir(run_id, step)
+        try:
+            manifest = json.loads(self._fs.cat_file(f"{folder}/manifest.json"))
+        except FileNotFoundError:
+            raise StoreError(f"no checkpoint of run {run_id!r} at step {step} (have {self.steps(run_id)})") from None
+        blobs = {name: self._verified(folder, name, manifest["files"][name]) for name in _FILES}
+        return unflatten_state(json.loads(blobs["state.json"]), load_safetensors(blobs["tensors.safetensors"]))
+
+    def _verified(self, folder: str, name: str, entry: dict[str, Any]) -> bytes:
+        data = self._fs.cat_file(f"{folder}/{name}")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != entry["sha256"] or len(data) != entry["size"]:
+            raise StoreError(
+                f"checkpoint file {folder}/{name} is corrupt: sha256 {digest[:12]}…, "
+                f"manifest says {entry['sha256'][:12]}… ({len(data)} vs {entry['size']} bytes)"
+            )
+        return data
+
+    def prune(self, run_id: str, keep_last: int) -> list[int]:
+        """Delete all but the newest `keep_last` checkpoints (manifest first); returns the steps deleted."""
+        steps = self.steps(run_id)
+        doomed = steps[: max(0, len(steps) - keep_last)]
+        for step in doomed:
+            folder = self._dir(run_id, step)
+            self._fs.rm(f"{folder}/manifest.json")
+            self._fs.rm(folder, recursive=True)
+        return doomed
