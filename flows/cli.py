@@ -23,7 +23,7 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="LoRA RL fine-tuning of LLMs (GRPO) as a Prefect flow."
 )
 app.add_typer(adapters_app, name="adapters", help="List and pull adapter versions from a store.")
-console = Console()
+console = Console(soft_wrap=True)  # step lines stay whole when output is a file
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="YAML run config, e.g. configs/smollm2-arith-grpo.yaml")]
 
@@ -127,11 +127,89 @@ def eval_(
         )
 
 
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option("--model", help="model folder, hub id or offline name")],
+    host: Annotated[str, typer.Option(help="bind address; beyond loopback needs --api-key")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port")] = 30000,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="LORA_RL_API_KEY", help="Bearer key for the control endpoints")
+    ] = None,
+    max_loras_per_batch: Annotated[int, typer.Option(help="adapter slots per batch (the base takes one)")] = 8,
+    max_loaded_loras: Annotated[int | None, typer.Option(help="resident adapter cap (default unlimited)")] = None,
+    eviction_policy: Annotated[str, typer.Option(help="lru or fifo")] = "lru",
+    max_lora_rank: Annotated[int | None, typer.Option(help="largest adapter rank accepted")] = None,
+    store: Annotated[str | None, typer.Option(help="adapter store URI, for loads by RUN@VERSION")] = None,
+    dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32")] = "bfloat16",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1, ...")] = "auto",
+) -> None:
+    """Serve a model through the SGLang HTTP API subset (/generate, LoRA load/unload, /metrics)."""
+    from lora_rl_core.engines.server import check_bind
+    from lora_rl_core.engines.server import serve as serve_engine
+
+    check_bind(host, api_key)  # before loading the model
+    console.print(f"serving {model} on http://{host}:{port} (control endpoints {'need a key' if api_key else 'open'})")
+    serve_engine(
+        model,
+        host=host,
+        port=port,
+        api_key=api_key,
+        dtype=dtype,
+        device=device,
+        max_loras_per_batch=max_loras_per_batch,
+        max_loaded_loras=max_loaded_loras,
+        eviction_policy=eviction_policy,
+        max_lora_rank=max_lora_rank,
+        store_uri=store,
+    )
+
+
+@app.command()
+def subscribe(
+    store: Annotated[str, typer.Option(help="adapter store URI, e.g. file://./runs")],
+    run: Annotated[str, typer.Option(help="run id to follow")],
+    engine: Annotated[list[str], typer.Option(help="engine URL (repeat for several)")],
+    api_key: Annotated[
+        str | None, typer.Option(envvar="LORA_RL_API_KEY", help="Bearer key for the engines' control endpoints")
+    ] = None,
+    keep: Annotated[int, typer.Option(help="versions kept loaded per engine")] = 2,
+    poll_interval: Annotated[float, typer.Option(help="seconds between store polls")] = 5.0,
+    engine_kind: Annotated[str, typer.Option(help="server (lora-rl serve) or sglang")] = "server",
+    max_seconds: Annotated[float | None, typer.Option(help="stop after this many seconds")] = None,
+) -> None:
+    """Load every new adapter version of RUN into the engines, retire old ones (Ctrl-C stops)."""
+    import threading
+
+    from lora_rl_core.engines.http import connect_engines
+    from lora_rl_core.store import AdapterStore
+    from lora_rl_core.subscriber import AdapterSubscriber
+
+    engines = connect_engines(engine_kind, engine, api_key=api_key)
+    subscriber = AdapterSubscriber(
+        AdapterStore(store),
+        run,
+        engines,
+        keep=keep,
+        poll_interval_s=poll_interval,
+        on_sync=lambda result: console.print(result.summary(), markup=False),
+    )
+    console.print(f"following {run} in {store} for {len(engine)} engine(s); Ctrl-C stops")
+    stop = threading.Event()
+    try:
+        subscriber.run(stop, max_seconds=max_seconds)
+    except KeyboardInterrupt:
+        stop.set()
+    finally:
+        engines.close()
+    console.print(f"active: {subscriber.active.name if subscriber.active else 'none'}")
+
+
 def main() -> None:
     """Console-script entry point: run the app, turning user errors into one line and exit code 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising it
+        sys.exit(code if isinstance(code, int) else 0)
     except LoraRLError as exc:
         print(f"lora-rl: error: {exc}", file=sys.stderr)
         sys.exit(2)

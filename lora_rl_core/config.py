@@ -112,14 +112,45 @@ class RolloutConfig(Section):
 
 
 class EngineConfig(Section):
-    """Inference engine that produces rollouts."""
+    """Inference engine(s) that produce rollouts."""
 
-    type: Literal["embedded"] = "embedded"
-    """`embedded`: in-process transformers + PEFT."""
+    type: Literal["embedded", "server", "sglang"] = "embedded"
+    """`embedded`: in-process transformers + PEFT; `server`: our engine server; `sglang`: a real SGLang server."""
+    urls: list[str] = []
+    """Engine URLs for `server`/`sglang`; requests are spread across them."""
+    api_key_env: str = "LORA_RL_API_KEY"
+    """Environment variable holding the engines' Bearer key (never stored in the config snapshot)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Deadline of one generate call, seconds."""
     max_batch_size: int = Field(64, ge=1)
-    """Sequences per generate call."""
+    """Embedded engine: sequences per forward batch."""
+    max_loras_per_batch: int = Field(8, ge=1)
+    """Distinct adapters in one forward batch, the base model counted (SGLang `--max-loras-per-batch`)."""
+    max_loaded_loras: int | None = Field(None, ge=1)
+    """Resident adapter cap; None = unlimited (SGLang `--max-loaded-loras`)."""
+    eviction_policy: Literal["lru", "fifo"] = "lru"
+    max_lora_rank: int | None = Field(None, ge=1)
+    """Reject adapters of a higher rank (SGLang `--max-lora-rank`)."""
     sync: Literal["tensor", "store"] = "tensor"
-    """How a new adapter version reaches the engine: in-memory tensors, or read back from the store."""
+    """How a new adapter version reaches the engines: in-memory tensors, or read back from the store."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if (self.type == "embedded") == bool(self.urls):
+            raise ValueError("engine.urls must be set exactly when engine.type is server or sglang")
+        if self.type == "sglang" and self.sync == "tensor":
+            raise ValueError("a remote SGLang server cannot take tensors: use engine.sync: store")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError("engine.max_loaded_loras must be >= engine.max_loras_per_batch")
+        return self
+
+    def build_remote(self):  # noqa: ANN201 - import cycle avoided
+        """The HTTP client(s) for `server`/`sglang` engines (a `MultiEngine` for several URLs)."""
+        import os
+
+        from lora_rl_core.engines.http import connect_engines
+
+        return connect_engines(self.type, self.urls, api_key=os.environ.get(self.api_key_env), timeout_s=self.timeout_s)
 
 
 class StoreConfig(Section):

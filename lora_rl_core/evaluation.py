@@ -27,7 +27,8 @@ def evaluate_accuracy(
 
     Returns:
         {"accuracy": fraction correct in [0, 1], "n": problems, "adapter": name or None,
-         "mean_completion_tokens": float, "seconds": wall time, "samples": first 3 (question, completion, gold)}.
+         "aborted": sum(c.finish_reason == "abort" for c in completions),  # counted as wrong
+        "mean_completion_tokens": float, "seconds": wall time, "samples": first 3 (question, completion, gold)}.
     """
     start = time.perf_counter()
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
@@ -46,6 +47,7 @@ def evaluate_accuracy(
         "accuracy": sum(correct) / max(1, len(problems)),
         "n": len(problems),
         "adapter": adapter,
+        "aborted": sum(c.finish_reason == "abort" for c in completions),  # counted as wrong
         "mean_completion_tokens": sum(len(c.completion_ids) for c in completions) / max(1, len(completions)),
         "seconds": time.perf_counter() - start,
         "samples": [

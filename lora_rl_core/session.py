@@ -28,14 +28,15 @@ from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal
 from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import DataConfig, RunConfig
 from lora_rl_core.data import Problem, PromptSampler, arithmetic_split, load_dataset, render_prompt, stable_seed
-from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
-from lora_rl_core.errors import LoraRLError
+from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, InferenceEngine, SamplingParams
+from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.evaluation import evaluate_accuracy
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.lora import adapter_state, apply_lora
 from lora_rl_core.models import load_model, model_folder
 from lora_rl_core.rewards import load_reward, score_completions
 from lora_rl_core.store import AdapterRef, adapter_name, validate_run_id
+from lora_rl_core.subscriber import sync_version
 from lora_rl_core.trainer import PolicyTrainer, TrainBatch
 
 _SESSIONS: dict[str, RunSession] = {}
@@ -90,14 +91,8 @@ class RunSession:
         self.test_problems = build_problems(cfg.data, "test", cfg.run.seed)
         self.sampler = PromptSampler(self.train_problems, seed=cfg.run.seed)
         _seed_everything(cfg.run.seed)
-        engine_model, self.tokenizer = load_model(cfg.model)
-        trainer_model, _ = load_model(cfg.model)
-        self.engine = EmbeddedEngine(
-            engine_model,
-            self.tokenizer,
-            max_batch_size=cfg.engine.max_batch_size,
-            keep_versions=cfg.algorithm.max_staleness + 1,
-        )
+        trainer_model, self.tokenizer = load_model(cfg.model)
+        self.engine = self._build_engine()
         self.trainer = PolicyTrainer(
             apply_lora(trainer_model, cfg.lora),
             pad_id=self.tokenizer.pad_token_id,
@@ -109,6 +104,25 @@ class RunSession:
         self._pending: tuple[dict, dict] | None = None  # tensors of the last publish, for the tensor sync path
         self.checkpoints = CheckpointStore(self.store.uri, cfg.store.storage_options)
         self.restored_step = self._restore()
+
+    def _build_engine(self) -> InferenceEngine:
+        """The embedded engine (its own copy of the base model) or HTTP clients of remote engines."""
+        e = self.cfg.engine
+        if e.type != "embedded":
+            return e.build_remote()
+        model, _ = load_model(self.cfg.model)
+        return EmbeddedEngine(
+            model,
+            self.tokenizer,
+            max_batch_size=e.max_batch_size,
+            keep_versions=self.cfg.algorithm.max_staleness + 1,
+            max_loras_per_batch=e.max_loras_per_batch,
+            max_loaded_loras=e.max_loaded_loras,
+            eviction_policy=e.eviction_policy,
+            max_lora_rank=e.max_lora_rank,
+            store=self.store,
+            default_timeout_s=e.timeout_s,
+        )
 
     # ------------------------------------------------------------------ resume
     def _restore(self) -> int:
@@ -144,7 +158,6 @@ class RunSession:
     # ------------------------------------------------------------------ phases
     def publish(self, step: int, metrics: dict[str, float] | None = None) -> AdapterRef:
         """Write the current LoRA weights to the store as version `step` (immutable)."""
-        maybe_fail("publish_adapter", step, self.run_url, self.cfg.store.storage_options)
         tensors, config = adapter_state(self.trainer.model)
         ref = self.store.publish(
             self.run_id,
@@ -154,27 +167,49 @@ class RunSession:
             step=step,
             base_model=self.cfg.model.name_or_path,
             metrics=_floats(metrics or {}),
+            # fault injection fires with the data files written and the manifest not yet: the worst moment
+            before_manifest=lambda: maybe_fail("publish_adapter", step, self.run_url, self.cfg.store.storage_options),
         )
         self._pending = (tensors, config)
         return ref
 
     def sync(self, ref: AdapterRef) -> dict[str, Any]:
-        """Load version `ref` into the engine under its versioned name, switch rollouts to it,
-        retire stale versions. Tensor path reuses the published tensors; store path reads the
-        sha256-verified version back from the store."""
-        start = time.perf_counter()
+        """Make version `ref` the one rollouts use: every engine loads it under its versioned name (tensor
+        path: the tensors just published; store path: the engines read the sha256-verified version from the
+        store), lists it, and retires versions beyond `max_staleness + 1` that no request holds.
+
+        A version that fails verification or loading is skipped: the previous version stays active.
+        """
         if self.policy_version is not None and ref.version < self.policy_version:
             return {"adapter": ref.name, "retired": [], "sync_seconds": 0.0, "skipped_older": True}
-        if self.cfg.engine.sync == "tensor" and self._pending is not None:
-            tensors, config = self._pending
-        else:
-            tensors, config = self.store.load_tensors(ref.run_id, ref.version)
-        if ref.name not in self.engine.list_adapters():
-            self.engine.load_adapter(ref.name, tensors=tensors, config=config)
-        self.policy_version = ref.version
-        retired = self.engine.retire_stale(self.run_id, active=ref.name)
+        use_tensors = self.cfg.engine.sync == "tensor" and self._pending is not None
+        tensors, config = self._pending if use_tensors else (None, None)
+        result = sync_version(
+            self.engine,
+            ref,
+            tensors=tensors,
+            config=config,
+            store=self.store,
+            keep=self.cfg.algorithm.max_staleness + 1,
+        )
         self._pending = None
-        return {"adapter": ref.name, "retired": retired, "sync_seconds": time.perf_counter() - start}
+        if not result.ok:
+            if self.policy_version is None:
+                raise EngineError(f"sync of {ref.name} failed and no earlier version is serving: {result.error}")
+            return {
+                "adapter": self.policy_adapter,
+                "skipped": ref.name,
+                "error": result.error,
+                "retired": [],
+                "sync_seconds": result.seconds,
+            }
+        self.policy_version = ref.version
+        return {
+            "adapter": ref.name,
+            "retired": result.retired,
+            "sync_seconds": result.seconds,
+            "sync_path": result.path,
+        }
 
     @property
     def policy_adapter(self) -> str:
@@ -205,6 +240,10 @@ class RunSession:
         ]
         requests = [GenerationRequest(ids, self.policy_adapter, params) for ids in prompts for _ in range(r.group_size)]
         completions = self.engine.generate(requests)
+        aborted = [c for c in completions if c.finish_reason == "abort"]
+        if aborted:  # a group with missing samples would skew its advantages: fail the phase, let a retry redo it
+            reason = aborted[0].abort_reason
+            raise EngineError(f"{len(aborted)} of {len(completions)} rollout requests aborted ({reason})")
         rows = [
             {
                 "group": i // r.group_size,

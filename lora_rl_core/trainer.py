@@ -9,19 +9,38 @@ mismatch metric. AdamW on LoRA parameters only, global-norm gradient clipping,
 linear warmup. Micro-batches accumulate gradients with weights chosen so the
 loss equals the full-batch aggregate (token-mean: tokens / total tokens).
 
-Left out here: FSDP sharding (see the distributed-training issue), value
-model / GAE.
+Sharded training (FSDP2, `lora_rl_core.distributed`): when a process group is
+up, build the trainer after `shard_model`; every rank then calls `train_step`
+with the SAME whole batch and trains on its share. Within each minibatch the
+rows, sorted by length, are dealt round-robin to the ranks (balanced tokens;
+`rank_micro_batches`), and each rank cuts its rows into micro-batches. Loss
+weights use the whole minibatch's token / sequence counts, which every rank
+knows without an all-reduce because it holds the whole batch; FSDP sums the
+gradients over ranks, so the update equals the single-process one. A rank with
+fewer micro-batches runs zero-weight dummy passes so that FSDP's collectives
+stay matched. Metrics are all-reduced: every rank returns the global values.
+Sending the whole batch (token-id lists) to every rank costs little and keeps
+minibatch boundaries identical to a single process.
+
+Checkpoints (`state_dict` / `load_state_dict`) hold full (unsharded) tensors
+keyed by parameter FQN, so a state saved at one world size loads at any other.
+
+Left out here: value model / GAE.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from peft import PeftModel
 
+from lora_rl_core import distributed
 from lora_rl_core.algorithm import (
     entropy_from_logits,
     ppo_clip_loss,
@@ -29,6 +48,7 @@ from lora_rl_core.algorithm import (
     truncated_importance_weights,
 )
 from lora_rl_core.config import AlgorithmConfig, TrainerConfig
+from lora_rl_core.lora import peft_config_dict
 
 
 @dataclass
@@ -96,13 +116,15 @@ def pack(batch: TrainBatch, pad_id: int, device: torch.device) -> PackedBatch:
 
 
 _LOSS_KEYS = frozenset({"loss", "pg_loss"})
+STATE_FORMAT = "lora-rl/policy-trainer-state/v1"
 
 
 class PolicyTrainer:
     """Owns the trainable LoRA policy, its optimizer and scheduler.
 
     Args:
-        model: a PeftModel whose only trainable parameters are the LoRA weights.
+        model: a PeftModel whose only trainable parameters are the LoRA weights; for sharded training,
+            already passed through `distributed.shard_model` (the process group decides rank and world size).
         pad_id: the tokenizer's pad token id.
         algorithm / trainer: config sections.
         temperature: rollout sampling temperature; logits are divided by it so trainer
@@ -117,7 +139,10 @@ class PolicyTrainer:
         self.algo = algorithm
         self.cfg = trainer
         self.temperature = temperature
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.param_names = [name for name, _ in trainable]
+        self.params = [p for _, p in trainable]
+        self.rank, self.world_size = distributed.rank_and_world_size()
         self.optimizer = torch.optim.AdamW(
             self.params, lr=trainer.lr, betas=trainer.betas, weight_decay=trainer.weight_decay
         )
@@ -134,9 +159,11 @@ class PolicyTrainer:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One training step: `algorithm.num_minibatches` optimizer steps over `batch`.
 
+        Sharded: every rank passes the same whole batch and trains on its share (module docstring).
+
         Returns:
-            metrics: loss, pg_loss, clip_fraction, kl, entropy (nats/token), grad_norm (pre-clip),
-            ratio_mean/ratio_max, logprob_mismatch (mean |trainer - inference| logprob), lr,
+            metrics (global over ranks): loss, pg_loss, clip_fraction, kl, entropy (nats/token), grad_norm
+            (pre-clip), ratio_mean/ratio_max, logprob_mismatch (mean |trainer - inference| logprob), lr,
             train_sequences, train_tokens, train_seconds. An empty batch skips the update.
         """
         start = time.perf_counter()
@@ -147,13 +174,12 @@ class PolicyTrainer:
                 "train_seconds": 0.0,
                 "lr": self.scheduler.get_last_lr()[0],
             }
-        old_logprobs = self._old_logprobs(batch) if self.algo.num_minibatches > 1 else None
-        sums: dict[str, float] = {}
         chunks = list(_split(len(batch), self.algo.num_minibatches))
-        for rows in chunks:
-            mb = batch.select(rows)
-            mb_old = [old_logprobs[i] for i in rows] if old_logprobs is not None else None
-            for k, v in self._minibatch_update(mb, mb_old).items():
+        plans = [self._micro_plan(batch, rows) for rows in chunks]
+        old_logprobs = self._old_logprobs(batch, plans) if self.algo.num_minibatches > 1 else None
+        sums: dict[str, float] = {}
+        for rows, plan in zip(chunks, plans, strict=True):
+            for k, v in self._minibatch_update(batch, rows, plan, old_logprobs).items():
                 sums[k] = max(sums.get(k, v), v) if k == "ratio_max" else sums.get(k, 0.0) + v / len(chunks)
         self.scheduler.step()
         tokens = sum(len(c) for c in batch.completion_ids)
@@ -165,26 +191,30 @@ class PolicyTrainer:
             "lr": self.scheduler.get_last_lr()[0],
         }
 
-    def _minibatch_update(self, mb: TrainBatch, old: list[torch.Tensor] | None) -> dict[str, float]:
+    def _micro_plan(self, batch: TrainBatch, rows: list[int]) -> list[list[int]]:
+        lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
+        return rank_micro_batches(
+            lengths, rows, size=self.cfg.micro_batch_size, rank=self.rank, world_size=self.world_size
+        )
+
+    def _minibatch_update(
+        self, batch: TrainBatch, rows: list[int], plan: list[list[int]], old: dict[int, torch.Tensor] | None
+    ) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = sum(len(c) for c in mb.completion_ids)
+        total_tokens = sum(len(batch.completion_ids[i]) for i in rows)
         metrics: dict[str, float] = {}
-        for rows in _micro_rows(mb, self.cfg.micro_batch_size):
-            micro = mb.select(rows)
-            tokens = sum(len(c) for c in micro.completion_ids)
-            weight = tokens / total_tokens if self.algo.loss_aggregation == "token-mean" else len(rows) / len(mb)
-            micro_old = [old[i] for i in rows] if old is not None else None
-            for k, v in self._micro_backward(micro, micro_old, weight).items():
-                if k == "ratio_max":
-                    metrics[k] = max(metrics.get(k, v), v)
-                else:  # losses combine like the backward pass; per-token metrics are token-weighted
-                    share = weight if k in _LOSS_KEYS else tokens / total_tokens
-                    metrics[k] = metrics.get(k, 0.0) + v * share
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        for micro in plan:  # an empty micro-batch is a zero-weight dummy pass (keeps FSDP collectives matched)
+            tokens = sum(len(batch.completion_ids[i]) for i in micro)
+            weight = tokens / total_tokens if self.algo.loss_aggregation == "token-mean" else len(micro) / len(rows)
+            micro_old = [old[i] for i in micro] if old is not None and micro else None
+            m = self._micro_backward(batch.select(micro) if micro else _dummy_batch(self.pad_id), micro_old, weight)
+            _accumulate(metrics, m if micro else dict.fromkeys(m, 0.0), weight, tokens / total_tokens)
+        metrics = _all_reduce_metrics(metrics)
+        grad_norm = distributed.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         self.optimizer.step()
         self.model.eval()
-        return {**metrics, "grad_norm": float(grad_norm)}
+        return {**metrics, "grad_norm": grad_norm}
 
     def _micro_backward(self, micro: TrainBatch, old: list[torch.Tensor] | None, weight: float) -> dict[str, float]:
         packed = pack(micro, self.pad_id, self.device)
@@ -228,15 +258,174 @@ class PolicyTrainer:
             return selective_log_softmax(self._logits(packed), packed.targets_BT)
 
     @torch.no_grad()
-    def _old_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
-        """Per-row completion logprobs under the current policy (before any update of this step)."""
-        result: list[torch.Tensor] = [torch.empty(0)] * len(batch)
-        for rows in _micro_rows(batch, self.cfg.micro_batch_size):
-            packed = pack(batch.select(rows), self.pad_id, self.device)
+    def _old_logprobs(self, batch: TrainBatch, plans: list[list[list[int]]]) -> dict[int, torch.Tensor]:
+        """This rank's per-row completion logprobs under the current policy (before any update of this step)."""
+        result: dict[int, torch.Tensor] = {}
+        for micro in (m for plan in plans for m in plan):
+            packed = pack(batch.select(micro) if micro else _dummy_batch(self.pad_id), self.pad_id, self.device)
             lp = selective_log_softmax(self._logits(packed), packed.targets_BT)
-            for j, row in enumerate(rows):
+            for j, row in enumerate(micro):
                 result[row] = lp[j][packed.mask_BT[j].bool()].cpu()
         return result
+
+    def close(self) -> None:
+        """Nothing to release in-process; lets callers treat `PolicyTrainer` and `TrainerWorkers` alike."""
+
+    # ------------------------------------------------------------------ export and checkpoints
+    def adapter_state(self, adapter_name: str = "default") -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The adapter's full weights (PEFT keys, float32 CPU) and JSON-safe PEFT config, like `lora.adapter_state`.
+
+        Sharded: every rank must call it; rank 0 gets the result, other ranks None.
+        """
+        tensors = distributed.gather_lora_state(self.model, adapter_name)
+        if tensors is None:
+            return None
+        return tensors, peft_config_dict(self.model.peft_config[adapter_name])
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Everything needed to resume: LoRA weights, AdamW state, scheduler, torch RNG of every rank.
+
+        Sharded: every rank must call it; rank 0 gets the result, other ranks None.
+
+        Returns:
+            `{"tensors": {name: CPU tensor}, "meta": JSON-safe dict}`, full (unsharded) whatever the world size,
+            so it saves as safetensors + JSON. Tensor names: `params/<fqn>`, `optimizer/<fqn>/<key>` (AdamW
+            `step`, `exp_avg`, `exp_avg_sq`), `rng/rank<r>/cpu` (and `/cuda`). Meta: format, param_names,
+            param_groups (hyper-parameters, current lr), scheduler state, world_size.
+        """
+        tensors = self._gather_tensors()
+        rng_by_rank = distributed.gather_objects(_rng_state())
+        if rng_by_rank is None:
+            return None
+        for r, rng in enumerate(rng_by_rank):
+            tensors.update({f"rng/rank{r}/{k}": v for k, v in rng.items()})
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        meta = {
+            "format": STATE_FORMAT,
+            "param_names": self.param_names,
+            "param_groups": _json_safe(groups),
+            "scheduler": _json_safe(self.scheduler.state_dict()),
+            "world_size": self.world_size,
+        }
+        return {"tensors": tensors, "meta": meta}
+
+    def _gather_tensors(self) -> dict[str, torch.Tensor]:
+        """Full CPU copies of parameters and optimizer state, one tensor at a time (kept on rank 0 only)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in zip(self.param_names, self.params, strict=True):
+            state = sorted(self.optimizer.state.get(p, {}).items())
+            items = [(f"params/{name}", p.detach())] + [
+                (f"optimizer/{name}/{k}", v) for k, v in state if torch.is_tensor(v)
+            ]
+            for key, value in items:
+                full = distributed.full_tensor(value)
+                if self.rank == 0:
+                    out[key] = full.detach().to("cpu", copy=True).contiguous()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()` saved at any world size. Sharded: every rank passes the whole state.
+
+        RNG: each rank restores its own saved stream when the checkpoint has one for its rank.
+
+        Raises:
+            ValueError: not a trainer state, or its parameters differ (another LoRA rank or target set).
+        """
+        tensors, meta = state["tensors"], state["meta"]
+        self._check_meta(meta)
+        for name, p in zip(self.param_names, self.params, strict=True):
+            distributed.copy_full_(p, tensors[f"params/{name}"])
+        self.optimizer.load_state_dict(self._optimizer_state(tensors, meta["param_groups"]))
+        self.scheduler.load_state_dict(copy.deepcopy(meta["scheduler"]))
+        prefix = f"rng/rank{self.rank}/"
+        _set_rng_state({k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)})
+
+    def _check_meta(self, meta: dict[str, Any]) -> None:
+        if meta.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a trainer state: format {meta.get('format')!r}, expected {STATE_FORMAT!r}")
+        if meta["param_names"] != self.param_names:
+            ours, theirs = set(self.param_names), set(meta["param_names"])
+            raise ValueError(
+                f"trainer state does not fit this model: {len(theirs - ours)} unknown parameters "
+                f"(e.g. {sorted(theirs - ours)[:2]}), {len(ours - theirs)} missing (e.g. {sorted(ours - theirs)[:2]})"
+            )
+
+    def _optimizer_state(self, tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]]) -> dict[str, Any]:
+        """`torch.optim` state-dict form of the saved AdamW state, each tensor laid out like its parameter."""
+        if len(groups) != 1:
+            raise ValueError(f"trainer state has {len(groups)} optimizer param groups, expected 1")
+        index = {name: i for i, name in enumerate(self.param_names)}
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith("optimizer/"):
+                name, field = key.removeprefix("optimizer/").rsplit("/", 1)
+                i = index[name]
+                state.setdefault(i, {})[field] = (
+                    value.clone() if value.dim() == 0 else distributed.shard_like(self.params[i], value)
+                )
+        return {"state": state, "param_groups": [{**groups[0], "params": list(range(len(self.params)))}]}
+
+
+def rank_micro_batches(
+    lengths: list[int], rows: list[int], *, size: int, rank: int = 0, world_size: int = 1
+) -> list[list[int]]:
+    """This rank's micro-batches (row indices) of one minibatch.
+
+    Rows, sorted by `lengths` (stable), are dealt round-robin to the ranks, so ranks get nearly equal
+    row counts and similar length mixes; each rank cuts its rows, in length order, into micro-batches of
+    `size` (little padding). Every rank gets the same number of micro-batches: the missing ones are empty
+    lists (the trainer runs them as zero-weight dummy passes).
+
+    Args:
+        lengths: length of every row of the batch (prompt + completion tokens).
+        rows: the minibatch's row indices.
+        size: micro-batch size (rows); rank / world_size: this rank and the number of ranks.
+    """
+    order = sorted(rows, key=lambda i: lengths[i])
+    mine = order[rank::world_size]
+    micros = [mine[i : i + size] for i in range(0, len(mine), size)]
+    most = max(-(-len(order[r::world_size]) // size) for r in range(world_size))
+    return micros + [[] for _ in range(most - len(micros))]
+
+
+def _dummy_batch(pad_id: int) -> TrainBatch:
+    """One 2-token row with zero advantage: a forward/backward that contributes nothing."""
+    return TrainBatch([[pad_id]], [[pad_id]], [0.0], [[0.0]])
+
+
+def _accumulate(metrics: dict[str, float], m: dict[str, float], weight: float, token_share: float) -> None:
+    """Add one micro-batch's metrics: losses combine like the backward pass; per-token metrics are token-weighted."""
+    for k, v in m.items():
+        if k == "ratio_max":
+            metrics[k] = max(metrics.get(k, v), v)
+        else:
+            metrics[k] = metrics.get(k, 0.0) + v * (weight if k in _LOSS_KEYS else token_share)
+
+
+def _all_reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Global metrics from each rank's share: shares were weighted by global counts, so they sum; ratio_max maxes."""
+    maxed = {k: v for k, v in metrics.items() if k == "ratio_max"}
+    summed = {k: v for k, v in metrics.items() if k != "ratio_max"}
+    return {**distributed.all_reduce_sum(summed), **distributed.all_reduce_max(maxed)}
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    if "cpu" in state:
+        torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _json_safe(value: Any) -> Any:
+    """Round-trip through JSON (tuples become lists) so checkpoint metadata needs no pickle."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def _frame(rows: list[torch.Tensor], mask_BT: torch.Tensor) -> torch.Tensor:
@@ -253,10 +442,3 @@ def _split(n: int, parts: int) -> Iterator[list[int]]:
     bounds = [round(i * n / parts) for i in range(parts + 1)]
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         yield list(range(lo, hi))
-
-
-def _micro_rows(batch: TrainBatch, size: int) -> Iterator[list[int]]:
-    """Row indices in micro-batches of `size`, rows sorted by length so padding stays small."""
-    order = sorted(range(len(batch)), key=lambda i: len(batch.prompt_ids[i]) + len(batch.completion_ids[i]))
-    for i in range(0, len(order), size):
-        yield order[i : i + size]

@@ -15,6 +15,7 @@ behind it.
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -49,25 +50,32 @@ def open_run(config: dict[str, Any], run_id: str) -> dict[str, Any]:
     return open_session(config_from_dict(config), run_id).resume_info()
 
 
-@task(name="rollout", cache_key_fn=_step_key, persist_result=True)
+@task(name="rollout", task_run_name="rollout-{step}", cache_key_fn=_step_key, persist_result=True)
 def rollout(run_id: str, step: int) -> dict[str, float]:
     """Sample completions for step `step` with the current policy adapter."""
     return get_session(run_id).rollout(step)
 
 
-@task(name="score", cache_key_fn=_step_key, persist_result=True)
+@task(name="score", task_run_name="score-{step}", cache_key_fn=_step_key, persist_result=True)
 def score(run_id: str, step: int) -> dict[str, float]:
     """Reward the step's completions and compute advantages."""
     return get_session(run_id).score(step)
 
 
-@task(name="train_step", cache_key_fn=_train_key, persist_result=True)
+@task(name="train_step", task_run_name="train_step-{step}", cache_key_fn=_train_key, persist_result=True)
 def train_step(run_id: str, step: int) -> dict[str, float]:
     """One policy update on the step's scored rollouts (checkpointed every `checkpoint_every` steps)."""
     return get_session(run_id).train_step(step)
 
 
-@task(name="publish_adapter", cache_key_fn=_step_key, persist_result=True, retries=2, retry_delay_seconds=2)
+@task(
+    name="publish_adapter",
+    task_run_name="publish_adapter-{step}",
+    cache_key_fn=_step_key,
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=2,
+)
 def publish_adapter(run_id: str, step: int, metrics: dict[str, float]) -> AdapterRef:
     """Publish the current LoRA weights as immutable version `step` (idempotent on retry)."""
     return get_session(run_id).publish(step, metrics)
@@ -95,11 +103,16 @@ def write_report(run_id: str, history: list[dict[str, Any]], summary: dict[str, 
 
 
 def result_storage(store: StoreConfig, run_id: str) -> WritableFileSystem:
-    """Where task results persist: `<store>/<run_id>/prefect-results` (local folder or fsspec remote)."""
+    """Where task results persist: `<store>/<run_id>/prefect-results` (local folder or fsspec remote),
+    saved as a block named after the run so a retry on any worker reads the same results."""
     url = f"{store.build().uri.rstrip('/')}/{run_id}/prefect-results"
-    if url.startswith("file://"):
-        return LocalFileSystem(basepath=url.removeprefix("file://"))
-    return RemoteFileSystem(basepath=url, settings=store.storage_options)
+    block = (
+        LocalFileSystem(basepath=url.removeprefix("file://"))
+        if url.startswith("file://")
+        else RemoteFileSystem(basepath=url, settings=store.storage_options)
+    )
+    block.save(f"lora-rl-results-{re.sub(r'[^a-z0-9-]+', '-', run_id.lower())}"[:120], overwrite=True)
+    return block
 
 
 def step_tasks(storage: WritableFileSystem) -> SimpleNamespace:

@@ -13,6 +13,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+"""SGLang's `/pause_generation` modes (`sglang/srt/managers/io_struct.py`, `PauseGenerationReqInput`)."""
+
+ABORT_REASONS = ("aborted", "paused", "timeout", "adapter_unloaded", "engine_closed")
+"""Why a request ended with `finish_reason="abort"`: `abort()` was called; `pause(mode="abort")`;
+its deadline passed; its adapter was unloaded before the request was admitted; the engine closed."""
+
+STORE_URI_PREFIX = "store://"
+"""`GenerationRequest.adapter` of the form `store://RUN@VERSION`, `store://RUN@latest` or
+`store://RUN-v000007` names a version in the engine's AdapterStore; it is loaded on first use."""
+
 _VERSIONED = re.compile(r"^(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)-v(?P<version>\d{6})$")
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
@@ -36,6 +47,15 @@ def check_adapter_name(name: str) -> str:
             f"bad adapter name {name!r}: use letters, digits, '.', '_' and '-' (no '/', no '..'), e.g. run-v000003"
         )
     return name
+
+
+def unknown_adapter_message(name: str, loaded: list[str]) -> str:
+    """The error for a request naming an adapter that is not registered: SGLang's wording
+    (`sglang/srt/lora/lora_registry.py`, `LoRARegistry.acquire`; HTTP 400 on `/generate`)."""
+    return (
+        f"LoRA adapter {name!r} has never been loaded or was unloaded. "
+        f"The following requested LoRA adapters are not loaded: {name}. Loaded adapters: {sorted(loaded)}."
+    )
 
 
 @dataclass(frozen=True)
@@ -71,44 +91,62 @@ class Completion:
         completion_ids: sampled token ids, EOS included when the model stopped.
         logprobs: log-probability (nats) of each sampled token under the sampling
             temperature, one per completion token (`inference_logprobs`).
-        finish_reason: `stop` (EOS) or `length` (hit max_new_tokens).
-        adapter / adapter_version: what produced it (None = base model).
+        finish_reason: `stop` (EOS), `length` (hit max_new_tokens) or `abort` (no tokens kept;
+            see `abort_reason`), as SGLang's `meta_info.finish_reason.type`.
+        adapter / adapter_version: what produced it (None = base model): the name and version
+            the engine admitted the request with.
+        abort_reason: why an aborted request ended (one of `ABORT_REASONS`); None otherwise.
     """
 
     request_id: str
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
     adapter: str | None
     adapter_version: int | None
+    abort_reason: str | None = None
 
 
 class InferenceEngine(Protocol):
-    """What the flow needs from an inference engine (embedded, server or SGLang)."""
+    """What the flow needs from an inference engine (embedded, server or SGLang).
 
-    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        """Complete every request with its named adapter; order is preserved."""
+    Semantics follow SGLang's LoRA API (`sglang/srt/entrypoints/http_server.py`, `lora/lora_registry.py`);
+    see `EmbeddedEngine` for the reference implementation and docs/SGLANG_API.md for the wire format.
+    """
+
+    def generate(self, requests: list[GenerationRequest], *, timeout_s: float | None = None) -> list[Completion]:
+        """Complete every request with its named adapter; order is preserved. Requests still unfinished
+        at the deadline come back with `finish_reason="abort"`, `abort_reason="timeout"`."""
+
+    def abort(self, request_id: str | None = None) -> int:
+        """Abort one request (or all when None); returns how many were aborted."""
 
     def load_adapter(
-        self, name: str, *, path: str | None = None, tensors: dict | None = None, config: dict | None = None
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        tensors: dict | None = None,
+        config: dict | None = None,
+        pinned: bool = False,
     ) -> None:
         """Load an adapter under `name` from a folder/URI, or from tensors plus PEFT config."""
 
     def unload_adapter(self, name: str) -> None:
-        """Unload an adapter that no request is using."""
+        """Unregister `name`, wait (bounded) for its in-flight requests, then free it."""
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
         """Loaded adapters: name -> info (version, source, in-flight requests)."""
 
     def pause(self, mode: str = "in_place") -> None:
-        """Stop admitting new generation work."""
+        """Stop admitting new generation work; `mode` is one of `PAUSE_MODES`."""
 
     def resume(self) -> None:
         """Admit generation work again."""
 
-    def flush_cache(self) -> None:
-        """Drop cached prefixes/KV (no-op where there is none)."""
+    def flush_cache(self) -> bool:
+        """Drop cached prefixes/KV (no-op where there is none); True when flushed."""
 
     def health(self) -> dict[str, Any]:
         """Liveness and readiness facts."""

@@ -1,6 +1,14 @@
-"""Embedded engine: mixed-adapter batches, versioned names, retirement, bad adapters."""
+"""Embedded engine: mixed-adapter batches, pool limits, pause/abort, deadlines, bad adapters, concurrency."""
 
 from __future__ import annotations
+
+import functools
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -12,41 +20,109 @@ from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingPara
 from lora_rl_core.errors import EngineError
 from lora_rl_core.lora import peft_config_dict
 
-GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+A1, A2, A3 = "run-v000001", "run-v000002", "run-v000003"
 
 
-def random_adapter(model_dir, seed: int, targets=("q_proj", "v_proj", "down_proj")) -> tuple[dict, dict]:
-    """A LoRA adapter with random (non-zero) A and B, so it changes the model's outputs."""
-    torch.manual_seed(seed)
+@functools.cache
+def _lora_template(model_dir, targets: tuple[str, ...], rank: int) -> tuple[dict, dict]:
+    """Key -> shape of a LoRA state dict for the tiny model, and its PEFT config dict."""
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(
-        base, LoraConfig(r=4, lora_alpha=16, target_modules=list(targets), init_lora_weights=False)
-    )
-    state = {k: v * 8 for k, v in get_peft_model_state_dict(peft_model).items()}  # big enough to change greedy tokens
-    return state, peft_config_dict(peft_model.peft_config["default"])
+    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=16, target_modules=list(targets)))
+    shapes = {k: v.shape for k, v in get_peft_model_state_dict(peft_model).items()}
+    return shapes, peft_config_dict(peft_model.peft_config["default"])
+
+
+@functools.cache
+def random_adapter(model_dir, seed: int, targets=("q_proj", "v_proj", "down_proj"), rank: int = 4):
+    """A LoRA adapter with random normal A and B, large enough to change greedy tokens. Cached: don't modify."""
+    shapes, config = _lora_template(model_dir, tuple(targets), rank)
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=gen) for k, shape in shapes.items()}, config
+
+
+def load(engine: EmbeddedEngine, name: str, model_dir, seed: int, **kw) -> None:
+    tensors, config = random_adapter(model_dir, seed)
+    engine.load_adapter(name, tensors=tensors, config=config, **kw)
+
+
+@functools.cache
+def _tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture()
-def engine(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return EmbeddedEngine(model, AutoTokenizer.from_pretrained(tiny_model_dir), max_batch_size=64, keep_versions=2)
+def make_engine(tiny_model_dir) -> Iterator[Callable[..., EmbeddedEngine]]:
+    engines = []
+
+    def make(**kw) -> EmbeddedEngine:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        engines.append(EmbeddedEngine(model, _tokenizer(tiny_model_dir), **kw))
+        return engines[-1]
+
+    yield make
+    for e in engines:
+        e.close()
+
+
+@pytest.fixture()
+def engine(make_engine):
+    return make_engine(max_batch_size=64, keep_versions=2)
 
 
 def prompts(tiny_model_dir, n: int) -> list[list[int]]:
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok = _tokenizer(tiny_model_dir)
     return [tok(f"What is {i} + {2 * i}?")["input_ids"][: 3 + i % 5] for i in range(n)]
 
 
-def test_mixed_adapter_batch_equals_each_request_alone(engine, tiny_model_dir):
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 3.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+@contextmanager
+def gated(engine: EmbeddedEngine) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Hold each forward batch after its forward pass (model lock free, adapter usage still held) until
+    `gate` is set; `entered` is set when a batch reaches the gate."""
+    gate, entered = threading.Event(), threading.Event()
+    original = engine._completions
+
+    def held(*args):
+        entered.set()
+        gate.wait(5.0)
+        return original(*args)
+
+    engine._completions = held
+    try:
+        yield gate, entered
+    finally:
+        gate.set()
+        del engine._completions
+
+
+def in_flight(engine: EmbeddedEngine, name: str) -> int:
+    return engine.list_adapters()[name]["in_flight"]
+
+
+# ------------------------------------------------------------------ batching
+
+
+@pytest.mark.parametrize(("max_loras_per_batch", "mixed_batches"), [(9, 1), (8, 2)])
+def test_mixed_adapter_batch_equals_each_request_alone(make_engine, tiny_model_dir, max_loras_per_batch, mixed_batches):
+    engine = make_engine(max_loras_per_batch=max_loras_per_batch)
     names = [f"r-v{v:06d}" for v in range(1, 9)]
     for v, name in enumerate(names):
-        tensors, config = random_adapter(tiny_model_dir, seed=v)
-        engine.load_adapter(name, tensors=tensors, config=config)
-    adapters = [None, *names]  # 8 adapters plus the base model in one batch
+        load(engine, name, tiny_model_dir, seed=v)
+    adapters = [None, *names]  # 8 adapters plus the base model: one batch, or two when the base takes a slot
     requests = [
-        GenerationRequest(p, adapters[i % len(adapters)], GREEDY) for i, p in enumerate(prompts(tiny_model_dir, 18))
+        GenerationRequest(p, adapters[i % len(adapters)], GREEDY) for i, p in enumerate(prompts(tiny_model_dir, 12))
     ]
     mixed = engine.generate(requests)
+    assert engine.metrics()["batches"] == mixed_batches
     alone = [engine.generate([GenerationRequest(r.prompt_ids, r.adapter, GREEDY)])[0] for r in requests]
     assert [c.completion_ids for c in mixed] == [c.completion_ids for c in alone]
     assert [c.adapter for c in mixed] == [r.adapter for r in requests]
@@ -56,68 +132,375 @@ def test_mixed_adapter_batch_equals_each_request_alone(engine, tiny_model_dir):
 
 
 def test_completion_records_logprobs_and_finish_reason(engine, tiny_model_dir):
-    tensors, config = random_adapter(tiny_model_dir, seed=1)
-    engine.load_adapter("run-v000001", tensors=tensors, config=config)
+    load(engine, A1, tiny_model_dir, seed=1)
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
-    out = engine.generate([GenerationRequest(p, "run-v000001", params) for p in prompts(tiny_model_dir, 4)])
+    out = engine.generate([GenerationRequest(p, A1, params) for p in prompts(tiny_model_dir, 4)])
     for c in out:
         assert len(c.logprobs) == len(c.completion_ids) >= 1
         assert all(lp <= 0.0 for lp in c.logprobs)
-        assert c.finish_reason in ("stop", "length")
+        assert c.finish_reason in ("stop", "length") and c.abort_reason is None
         assert c.finish_reason == "length" or c.completion_ids[-1] == 2  # <|im_end|>
         assert c.adapter_version == 1
-    again = engine.generate([GenerationRequest(p, "run-v000001", params) for p in prompts(tiny_model_dir, 4)])
+    again = engine.generate([GenerationRequest(p, A1, params) for p in prompts(tiny_model_dir, 4)])
     assert [c.completion_ids for c in again] == [c.completion_ids for c in out]  # seeded sampling
 
 
-def test_unknown_adapter_is_an_error_not_the_base_model(engine, tiny_model_dir):
-    with pytest.raises(EngineError, match="not loaded"):
-        engine.generate([GenerationRequest(prompts(tiny_model_dir, 1)[0], "run-v000009", GREEDY)])
+def test_metrics_are_plain_per_adapter_counters(engine, tiny_model_dir):
+    load(engine, A1, tiny_model_dir, seed=1)
+    p = prompts(tiny_model_dir, 1)[0]
+    out = engine.generate([GenerationRequest(p, A1, GREEDY), GenerationRequest(p, None, GREEDY)])
+    m = engine.metrics()
+    assert set(m["adapters"][A1]) == {
+        "version", "pinned", "resident", "in_flight", "requests", "tokens",
+        "loads", "evictions", "load_seconds_last", "load_seconds_total",
+    }  # fmt: skip
+    assert m["adapters"][A1]["requests"] == 1 and m["adapters"][A1]["tokens"] == len(out[0].completion_ids)
+    assert m["adapters"][A1]["load_seconds_total"] > 0 and m["adapters"][A1]["version"] == 1
+    assert m["base"] == {"requests": 1, "tokens": len(out[1].completion_ids)}
+    assert m["active_versions"] == {"run": 1} and m["queue_depth"] == 0 and m["paused"] is False
+    assert engine.health()["ok"] is True
+
+
+# ------------------------------------------------------------------ adapters
+
+
+def test_unknown_adapter_is_an_sglang_error_not_the_base_model(engine, tiny_model_dir):
+    load(engine, A1, tiny_model_dir, seed=1)
+    p = prompts(tiny_model_dir, 1)[0]
+    sglang = (
+        r"LoRA adapter 'run-v000009' has never been loaded.*"
+        r"not loaded: run-v000009\. Loaded adapters: \['run-v000001'\]"
+    )
+    with pytest.raises(EngineError, match=sglang):
+        engine.generate([GenerationRequest(p, None, GREEDY), GenerationRequest(p, "run-v000009", GREEDY)])
+    with pytest.raises(EngineError, match="has never been loaded"):
+        engine.submit(GenerationRequest(p, "run-v000009", GREEDY))
+    assert engine.metrics()["base"]["requests"] == 0 and engine.health()["queue_depth"] == 0  # nothing ran
 
 
 def test_versioned_names_are_never_reused_and_stale_versions_retire(engine, tiny_model_dir):
-    tensors, config = random_adapter(tiny_model_dir, seed=0)
     for v in range(4):
-        engine.load_adapter(f"run-v{v:06d}", tensors=tensors, config=config)
+        load(engine, f"run-v{v:06d}", tiny_model_dir, seed=0)
     with pytest.raises(EngineError, match="already loaded"):
-        engine.load_adapter("run-v000003", tensors=tensors, config=config)
-    assert engine.retire_stale("run", active="run-v000003") == ["run-v000000", "run-v000001"]
-    assert sorted(engine.list_adapters()) == ["run-v000002", "run-v000003"]
+        load(engine, A3, tiny_model_dir, seed=0)
+    engine.pause("retract")
+    assert engine.retire_stale("run", active=A3) == []  # never unload while paused
+    engine.resume()
+    assert engine.retire_stale("run", active=A3) == ["run-v000000", A1]
+    assert sorted(engine.list_adapters()) == [A2, A3]
+    assert engine.metrics()["active_versions"] == {"run": 3}
 
 
-@pytest.mark.parametrize("name", ["../evil", "a/b", "bad name", ""])
+def test_load_from_a_folder_equals_load_from_tensors(engine, tiny_model_dir, tmp_path):
+    tensors, config = random_adapter(tiny_model_dir, seed=4)
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    engine.load_adapter(A1, path=str(tmp_path))
+    engine.load_adapter(A2, tensors=tensors, config=config)
+    p = prompts(tiny_model_dir, 1)[0]
+    out = engine.generate([GenerationRequest(p, A1, GREEDY), GenerationRequest(p, A2, GREEDY)])
+    assert out[0].completion_ids == out[1].completion_ids
+    assert engine.list_adapters()[A1]["source"] == str(tmp_path)
+
+
+def test_store_uri_loads_the_version_on_first_use(make_engine, tiny_model_dir, tmp_path):
+    from lora_rl_core.store import AdapterStore
+
+    store = AdapterStore(f"file://{tmp_path / 'store'}")
+    tensors, config = random_adapter(tiny_model_dir, seed=5)
+    ref = store.publish("run", 7, tensors=tensors, adapter_config=config, step=7, base_model="tiny")
+    engine = make_engine(store=store)
+    engine.load_adapter("ref-v000001", tensors=tensors, config=config)
+    engine.load_adapter("copy-v000007", path=ref.uri)  # a store version folder (AdapterRef.uri), verified
+    p = prompts(tiny_model_dir, 1)[0]
+    out = engine.generate(
+        [GenerationRequest(p, a, GREEDY) for a in ("store://run@latest", "ref-v000001", "copy-v000007")]
+    )
+    assert (out[0].adapter, out[0].adapter_version) == ("run-v000007", 7)
+    assert out[0].completion_ids == out[1].completion_ids == out[2].completion_ids
+    assert engine.list_adapters()["run-v000007"]["source"] == "store://run@7"
+    engine.generate([GenerationRequest(p, "store://run@7", GREEDY)])
+    assert engine.metrics()["adapters"]["run-v000007"]["loads"] == 1  # loaded once
+    with pytest.raises(EngineError, match="store://run@8"):
+        engine.submit(GenerationRequest(p, "store://run@8", GREEDY))
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", "a..b", "bad name", "", "store://run@1"])
 def test_bad_adapter_names_are_rejected(engine, tiny_model_dir, name):
-    tensors, config = random_adapter(tiny_model_dir, seed=0)
     with pytest.raises(EngineError, match="bad adapter name"):
-        engine.load_adapter(name, tensors=tensors, config=config)
+        load(engine, name, tiny_model_dir, seed=0)
 
 
-def test_bad_adapters_are_rejected_and_active_version_keeps_serving(engine, tiny_model_dir, tmp_path):
+def test_bad_adapters_are_rejected_and_active_version_keeps_serving(make_engine, tiny_model_dir, tmp_path):
+    engine = make_engine(max_lora_rank=4)
     tensors, config = random_adapter(tiny_model_dir, seed=0)
-    engine.load_adapter("run-v000001", tensors=tensors, config=config)
-    before = engine.generate([GenerationRequest(prompts(tiny_model_dir, 1)[0], "run-v000001", GREEDY)])[0]
-    nan = {k: torch.full_like(v, float("nan")) for k, v in tensors.items()}
-    with pytest.raises(EngineError, match="NaN"):
-        engine.load_adapter("run-v000002", tensors=nan, config=config)
-    wrong = {k: torch.zeros(v.shape[0] + 1, v.shape[1]) for k, v in tensors.items()}
-    with pytest.raises(EngineError, match="rejected"):
-        engine.load_adapter("run-v000003", tensors=wrong, config=config)
+    engine.load_adapter(A1, tensors=tensors, config=config)
+    p = prompts(tiny_model_dir, 1)[0]
+    before = engine.generate([GenerationRequest(p, A1, GREEDY)])[0]
+    bad = {
+        "NaN": ({k: torch.full_like(v, float("nan")) for k, v in tensors.items()}, config),
+        "rejected: .*size mismatch": ({k: torch.zeros(v.shape[0] + 1, v.shape[1]) for k, v in tensors.items()}, config),
+        r"LoRA rank 8 exceeds .*max_lora_rank=4 \(SGLang: --max-lora-rank\)": random_adapter(
+            tiny_model_dir, seed=0, rank=8
+        ),
+        r"target modules \['nonexistent_proj'\] are not in the model.*it has \[.*'q_proj'": (
+            tensors,
+            {**config, "target_modules": ["nonexistent_proj"]},
+        ),
+    }
+    for v, (match, (t, c)) in enumerate(bad.items(), start=2):
+        with pytest.raises(EngineError, match=match):
+            engine.load_adapter(f"run-v{v:06d}", tensors=t, config=c)
     (tmp_path / "adapter_model.bin").write_bytes(b"pickle")
     with pytest.raises(EngineError, match="pickle"):
-        engine.load_adapter("run-v000004", path=str(tmp_path))
+        engine.load_adapter("run-v000010", path=str(tmp_path))
     save_file(tensors, tmp_path / "adapter_model.safetensors")
-    with pytest.raises(EngineError, match="adapter_config.json"):
-        engine.load_adapter("run-v000005", path=str(tmp_path))
-    assert sorted(engine.list_adapters()) == ["run-v000001"]
-    after = engine.generate([GenerationRequest(prompts(tiny_model_dir, 1)[0], "run-v000001", GREEDY)])[0]
-    assert after.completion_ids == before.completion_ids
+    with pytest.raises(EngineError, match="missing .*adapter_config.json"):
+        engine.load_adapter("run-v000011", path=str(tmp_path))
+    with pytest.raises(EngineError, match="missing"):
+        engine.load_adapter("run-v000012", path=str(tmp_path / "nowhere"))
+    for name in ("../run-v000013", "run/v000013", "run..v000013"):
+        with pytest.raises(EngineError, match="bad adapter name"):
+            engine.load_adapter(name, tensors=tensors, config=config)
+    assert sorted(engine.list_adapters()) == [A1]
+    assert engine.generate([GenerationRequest(p, A1, GREEDY)])[0].completion_ids == before.completion_ids
 
 
 def test_unload_last_adapter_returns_to_base(engine, tiny_model_dir):
     p = prompts(tiny_model_dir, 1)[0]
     base = engine.generate([GenerationRequest(p, None, GREEDY)])[0]
-    tensors, config = random_adapter(tiny_model_dir, seed=0)
-    engine.load_adapter("run-v000001", tensors=tensors, config=config)
-    engine.unload_adapter("run-v000001")
+    load(engine, A1, tiny_model_dir, seed=0)
+    engine.unload_adapter(A1)
     assert engine.list_adapters() == {}
     assert engine.generate([GenerationRequest(p, None, GREEDY)])[0].completion_ids == base.completion_ids
+    with pytest.raises(EngineError, match="not loaded"):
+        engine.unload_adapter(A1)
+
+
+# ---------------------------------------------------------------------- pool
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("lru", A2), ("fifo", A1)])
+def test_eviction_follows_the_policy_and_reinjects_identically(make_engine, tiny_model_dir, policy, victim):
+    engine = make_engine(max_loaded_loras=2, max_loras_per_batch=2, eviction_policy=policy)
+    p = prompts(tiny_model_dir, 1)[0]
+    load(engine, A1, tiny_model_dir, seed=1)
+    load(engine, A2, tiny_model_dir, seed=2)
+    first = {n: engine.generate([GenerationRequest(p, n, GREEDY)])[0].completion_ids for n in (A2, A1)}  # A1 last
+    load(engine, A3, tiny_model_dir, seed=3)
+    assert {n for n, i in engine.list_adapters().items() if i["resident"]} == {A1, A2, A3} - {victim}
+    assert engine.generate([GenerationRequest(p, victim, GREEDY)])[0].completion_ids == first[victim]
+    stats = engine.metrics()["adapters"][victim]
+    assert (stats["evictions"], stats["loads"]) == (1, 2)
+    assert engine.metrics()["resident"] == 2
+
+
+def test_pinned_adapter_survives_pressure_and_the_pin_cap_holds(make_engine, tiny_model_dir):
+    engine = make_engine(max_loaded_loras=2, max_loras_per_batch=2)
+    p = prompts(tiny_model_dir, 1)[0]
+    load(engine, "pin-v000001", tiny_model_dir, seed=9, pinned=True)
+    with pytest.raises(EngineError, match="cannot pin"):
+        load(engine, "pin-v000002", tiny_model_dir, seed=9, pinned=True)
+    for v, name in enumerate((A1, A2, A3)):
+        load(engine, name, tiny_model_dir, seed=v)
+        engine.generate([GenerationRequest(p, n, GREEDY) for n in (name, "pin-v000001", None)])
+    stats = engine.metrics()["adapters"]
+    assert stats["pin-v000001"]["resident"] and stats["pin-v000001"]["evictions"] == 0
+    assert stats["pin-v000001"]["pinned"] and stats["pin-v000001"]["requests"] == 3
+
+
+# -------------------------------------------------------- usage and deadlines
+
+
+def test_usage_counts_return_to_zero_after_every_kind_of_ending(engine, tiny_model_dir):
+    load(engine, A1, tiny_model_dir, seed=1)
+    p = prompts(tiny_model_dir, 1)[0]
+    engine.generate([GenerationRequest(p, A1, GREEDY)])
+    assert in_flight(engine, A1) == 0  # completed
+    with gated(engine) as (_, entered):  # aborted while its batch runs
+        request = GenerationRequest(p, A1, GREEDY)
+        future = engine.submit(request)
+        assert entered.wait(3.0) and in_flight(engine, A1) == 1
+        assert engine.abort(request.request_id) == 1
+        out = future.result(timeout=1.0)
+        assert (out.finish_reason, out.abort_reason, out.completion_ids) == ("abort", "aborted", [])
+        assert in_flight(engine, A1) == 1  # the batch still runs; released when it ends
+    assert wait_until(lambda: in_flight(engine, A1) == 0)
+    with gated(engine) as (_, entered):  # timed out while its batch runs
+        start = time.monotonic()
+        out = engine.generate([GenerationRequest(p, A1, GREEDY)], timeout_s=0.2)[0]
+        assert time.monotonic() - start < 2.0 and (out.finish_reason, out.abort_reason) == ("abort", "timeout")
+        assert out.adapter_version == 1
+    assert wait_until(lambda: in_flight(engine, A1) == 0)
+    engine.pause("retract")  # timed out while queued
+    assert engine.generate([GenerationRequest(p, A1, GREEDY)], timeout_s=0.05)[0].abort_reason == "timeout"
+    engine.resume()
+    engine._generate_rows = lambda requests: 1 / 0  # errored
+    with pytest.raises(EngineError, match="generation failed: ZeroDivisionError"):
+        engine.generate([GenerationRequest(p, A1, GREEDY)])
+    del engine._generate_rows
+    assert in_flight(engine, A1) == 0
+    assert engine.metrics()["aborted"] == {"aborted": 1, "timeout": 2}
+    assert engine.generate([GenerationRequest(p, A1, GREEDY)])[0].finish_reason in ("stop", "length")
+
+
+def test_unload_waits_for_its_holder_while_loads_proceed(engine, tiny_model_dir):
+    load(engine, A1, tiny_model_dir, seed=1)
+    p = prompts(tiny_model_dir, 1)[0]
+    errors: list[Exception] = []
+
+    def unload() -> None:
+        try:
+            engine.unload_adapter(A1, timeout_s=5.0)
+        except Exception as exc:
+            errors.append(exc)
+
+    with gated(engine) as (gate, entered):
+        future = engine.submit(GenerationRequest(p, A1, GREEDY))
+        assert entered.wait(3.0)
+        unloader = threading.Thread(target=unload)
+        unloader.start()
+        time.sleep(0.05)
+        assert unloader.is_alive()  # waiting for the running request
+        with pytest.raises(EngineError, match="has never been loaded"):
+            engine.submit(GenerationRequest(p, A1, GREEDY))  # unregistered at once
+        load(engine, A2, tiny_model_dir, seed=2, timeout_s=2.0)  # a load is not blocked by the waiting unload
+        assert unloader.is_alive()
+        gate.set()
+        unloader.join(timeout=3.0)
+    assert not unloader.is_alive() and errors == []
+    out = future.result(timeout=1.0)
+    assert out.finish_reason in ("stop", "length") and out.adapter_version == 1
+    assert sorted(engine.list_adapters()) == [A2]
+
+
+def test_unload_deadline_lists_the_requests_holding_it(engine, tiny_model_dir):
+    load(engine, A1, tiny_model_dir, seed=1)
+    p = prompts(tiny_model_dir, 1)[0]
+    with gated(engine) as (_, entered):
+        future = engine.submit(GenerationRequest(p, A1, GREEDY, request_id="holder-1"))
+        assert entered.wait(3.0)
+        with pytest.raises(EngineError, match=r"1 requests still hold it after 0.1 s: \['holder-1'\]"):
+            engine.unload_adapter(A1, timeout_s=0.1)
+        assert A1 not in engine.list_adapters() and engine.metrics()["unloading"] == {A1: ["holder-1"]}
+    assert future.result(timeout=3.0).finish_reason in ("stop", "length")
+    assert wait_until(lambda: engine.metrics()["unloading"] == {})  # freed once its holder ended
+
+
+# ------------------------------------------------------------- pause / abort
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_keeps_queued_requests_and_they_complete_after_resume(engine, tiny_model_dir, mode):
+    load(engine, A1, tiny_model_dir, seed=1)
+    engine.pause(mode)
+    futures = [engine.submit(GenerationRequest(p, A1, GREEDY)) for p in prompts(tiny_model_dir, 2)]
+    time.sleep(0.1)
+    assert not any(f.done() for f in futures) and engine.health()["queue_depth"] == 2
+    engine.resume()
+    assert all(f.result(timeout=3.0).finish_reason in ("stop", "length") for f in futures)
+
+
+def test_pause_abort_aborts_queued_requests_with_a_reason(engine, tiny_model_dir):
+    load(engine, A1, tiny_model_dir, seed=1)
+    p = prompts(tiny_model_dir, 1)[0]
+    engine.pause("retract")
+    futures = [engine.submit(GenerationRequest(p, a, GREEDY)) for a in (A1, None)]
+    engine.pause("abort")
+    outs = [f.result(timeout=1.0) for f in futures]
+    assert [(c.finish_reason, c.abort_reason, c.adapter) for c in outs] == [
+        ("abort", "paused", A1),
+        ("abort", "paused", None),
+    ]
+    later = engine.submit(GenerationRequest(p, A1, GREEDY))  # still paused: queued, not run
+    time.sleep(0.05)
+    assert not later.done()
+    engine.resume()
+    assert later.result(timeout=3.0).finish_reason in ("stop", "length")
+    with pytest.raises(EngineError, match="pause mode"):
+        engine.pause("sleep")
+
+
+def test_completion_records_the_version_admitted(engine, tiny_model_dir):
+    load(engine, A1, tiny_model_dir, seed=1)
+    p = prompts(tiny_model_dir, 1)[0]
+    engine.pause("retract")
+    waiting = engine.submit(GenerationRequest(p, A1, GREEDY))
+    load(engine, A2, tiny_model_dir, seed=2)  # a newer version arrives while the request waits
+    engine.resume()
+    out = waiting.result(timeout=3.0)
+    assert (out.adapter, out.adapter_version) == (A1, 1) and out.finish_reason in ("stop", "length")
+    engine.pause("retract")  # unloaded before admission: aborted, never served by another version
+    waiting = engine.submit(GenerationRequest(p, A1, GREEDY))
+    engine.unload_adapter(A1, timeout_s=1.0)
+    engine.resume()
+    out = waiting.result(timeout=3.0)
+    assert (out.finish_reason, out.abort_reason, out.adapter) == ("abort", "adapter_unloaded", A1)
+
+
+def test_abort_and_close_end_every_request(engine, tiny_model_dir):
+    p = prompts(tiny_model_dir, 1)[0]
+    engine.pause("retract")
+    requests = [GenerationRequest(p, None, GREEDY) for _ in range(3)]
+    futures = [engine.submit(r) for r in requests]
+    assert engine.abort("no-such-request") == 0
+    assert engine.abort(requests[0].request_id) == 1
+    assert futures[0].result(timeout=1.0).abort_reason == "aborted"
+    with pytest.raises(EngineError, match="duplicate request ids"):
+        engine.submit(requests[1])  # still queued under that id
+    with pytest.raises(EngineError, match="duplicate request ids"):
+        engine.generate([GenerationRequest(p, None, GREEDY, request_id="x")] * 2)
+    assert engine.health()["queue_depth"] == 2
+    engine.close()
+    assert [f.result(timeout=1.0).abort_reason for f in futures[1:]] == ["engine_closed"] * 2
+    assert engine.health()["ok"] is False
+    with pytest.raises(EngineError, match="closed"):
+        engine.submit(GenerationRequest(p, None, GREEDY))
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+def test_concurrent_requests_aborts_and_loads_end_cleanly(make_engine, tiny_model_dir):
+    engine = make_engine(max_batch_size=8, max_loras_per_batch=3, max_loaded_loras=3)
+    tensors, config = random_adapter(tiny_model_dir, seed=1)
+    engine.load_adapter(A1, tensors=tensors, config=config)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    ps = prompts(tiny_model_dir, 8)
+    newest, outcomes, asked, errors = [A1], [], {}, []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        rng = random.Random(i)
+        for k in range(5):
+            request = GenerationRequest(ps[i], rng.choice([None, newest[0]]), params, request_id=f"c{i}-{k}")
+            try:
+                future = engine.submit(request)
+                if rng.random() < 0.3:
+                    engine.abort(request.request_id)
+                out = future.result(timeout=10.0)
+            except Exception as exc:
+                errors.append(exc)
+                continue
+            with lock:
+                outcomes.append(out)
+                asked[request.request_id] = request.adapter
+
+    def loader() -> None:
+        for v in range(2, 6):
+            engine.load_adapter(f"run-v{v:06d}", tensors=tensors, config=config, timeout_s=10.0)
+            newest[0] = f"run-v{v:06d}"
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)] + [threading.Thread(target=loader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20.0)
+    assert not any(t.is_alive() for t in threads) and errors == []
+    assert len(outcomes) == 40
+    for c in outcomes:
+        assert c.finish_reason in ("stop", "length") or (c.finish_reason, c.abort_reason) == ("abort", "aborted")
+        assert c.adapter == asked[c.request_id] and c.adapter_version == adapter_version(c.adapter)
+    assert wait_until(lambda: all(i["in_flight"] == 0 for i in engine.list_adapters().values()))
+    assert engine.health()["queue_depth"] == 0 and engine.metrics()["resident"] <= 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from pathlib import Path
 
@@ -13,12 +14,15 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lora_rl_core.adapter_validation import AdapterRules
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store import (
     AdapterRef,
     AdapterStore,
+    RetentionPolicy,
     adapter_name,
     parse_adapter_spec,
+    plan_retention,
     validate_run_id,
 )
 
@@ -71,6 +75,11 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _files(tmp_path: Path, store: AdapterStore, version: int, run_id: str = "r1") -> Path:
+    """The local folder holding a version's files (its manifest's data_dir)."""
+    return tmp_path / f"runs/{run_id}/adapters/v{version:06d}" / store.manifest(run_id, version).data_dir
+
+
 def test_publish_two_versions_lists_and_latest(store, lora, tmp_path):
     v1, v2, config = lora
     assert store.versions("r1") == [] and store.latest("r1") is None
@@ -98,7 +107,8 @@ def test_manifest_checksums_match_files(store, lora, tmp_path):
     v1, _, config = lora
     ref = _publish(store, 1, v1, config)
     manifest = store.manifest("r1", 1)
-    vdir = tmp_path / "runs/r1/adapters/v000001"
+    vdir = _files(tmp_path, store, 1)
+    assert manifest.data_dir.startswith(ref.sha256[:12]) and vdir.parent.name == "v000001"
     assert set(manifest.files) == {"adapter_model.safetensors", "adapter_config.json"}
     for name, entry in manifest.files.items():
         assert entry.sha256 == _sha(vdir / name)
@@ -146,13 +156,14 @@ def test_folder_without_manifest_is_invisible(store, lora, tmp_path):
         store.ref("r1", 2)
 
 
-def test_partial_upload_is_overwritten_by_publish(store, lora, tmp_path):
+def test_leftover_of_a_killed_upload_is_ignored_by_publish(store, lora, tmp_path):
     v1, _, config = lora
     partial = tmp_path / "runs/r1/adapters/v000001"
     partial.mkdir(parents=True)
     (partial / "adapter_model.safetensors").write_bytes(b"half an upload")
     ref = _publish(store, 1, v1, config)
-    assert _sha(partial / "adapter_model.safetensors") == ref.sha256
+    assert _sha(_files(tmp_path, store, 1) / "adapter_model.safetensors") == ref.sha256
+    assert torch.equal(store.load_tensors("r1", 1)[0][next(iter(v1))], v1[next(iter(v1))])
 
 
 def test_versions_are_immutable_and_republish_is_idempotent(store, lora):
@@ -176,7 +187,7 @@ def test_non_finite_tensors_are_refused(store, lora):
 def test_corrupt_file_fails_pull_and_leaves_no_dest(store, lora, tmp_path):
     v1, _, config = lora
     ref = _publish(store, 1, v1, config)
-    stored = tmp_path / "runs/r1/adapters/v000001/adapter_model.safetensors"
+    stored = _files(tmp_path, store, 1) / "adapter_model.safetensors"
     data = bytearray(stored.read_bytes())
     data[-1] ^= 0xFF
     stored.write_bytes(bytes(data))
@@ -263,13 +274,15 @@ def test_resolve_errors(store, lora):
         ("r1", ("r1", None)),
         ("r1-v000007", ("r1", 7)),
         ("grpo.qwen-0.5b@12", ("grpo.qwen-0.5b", 12)),
+        ("r1@best", ("r1", "best")),
+        ("r1@release-1.0", ("r1", "release-1.0")),
     ],
 )
 def test_parse_adapter_spec(spec, expected):
     assert parse_adapter_spec(spec) == expected
 
 
-@pytest.mark.parametrize("spec", ["", "@3", "r1@", "r1@x", "r1@-1", "../x@1", "a/b"])
+@pytest.mark.parametrize("spec", ["", "@3", "r1@", "r1@-1", "../x@1", "a/b", "r1@../x", "r1@a/b", "r1@.x", "r1@a..b"])
 def test_parse_adapter_spec_rejects(spec):
     with pytest.raises(StoreError):
         parse_adapter_spec(spec)
@@ -288,3 +301,379 @@ def test_validate_run_id_rejects(bad):
 
 def test_validate_run_id_accepts():
     assert validate_run_id("grpo-qwen_0.5b.v2") == "grpo-qwen_0.5b.v2"
+
+
+# ----------------------------------------------------------------- small adapters without PEFT
+
+SMALL_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]}
+SMALL_KEY = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.weight"
+
+
+def small_lora(seed: int = 0, rank: int = 2, hidden: int = 8) -> dict[str, torch.Tensor]:
+    """A LoRA state dict for 2 layers x (q_proj, v_proj), PEFT key names, shapes A (r, h) and B (h, r)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(2):
+        for module in ("q_proj", "v_proj"):
+            out[SMALL_KEY.format(layer, module, "A")] = torch.randn(rank, hidden, generator=gen)
+            out[SMALL_KEY.format(layer, module, "B")] = torch.randn(hidden, rank, generator=gen)
+    return out
+
+
+def _pub(store: AdapterStore, version: int, seed: int | None = None, run_id: str = "r1", **kw) -> AdapterRef:
+    return store.publish(
+        run_id,
+        version,
+        tensors=kw.pop("tensors", None) or small_lora(version if seed is None else seed),
+        adapter_config=kw.pop("adapter_config", SMALL_CONFIG),
+        step=version,
+        base_model=BASE,
+        **kw,
+    )
+
+
+# ----------------------------------------------------------------- tags
+
+
+def test_tags_resolve_move_and_untag(store):
+    for v in (1, 2, 3):
+        _pub(store, v)
+    store.tag("r1", 2, "best")
+    store.tag("r1", 1, "release")
+    assert store.tags("r1") == {"best": 2, "release": 1}
+    assert store.resolve("r1@best").version == 2
+    store.tag("r1", 3, "best")  # a tag moves
+    assert store.resolve("r1@best").version == 3
+    assert store.untag("r1", "best") == 3
+    assert store.tags("r1") == {"release": 1}
+    with pytest.raises(StoreError, match=r"run 'r1' has no tag 'best'.*its tags: \{'release': 1\}"):
+        store.resolve("r1@best")
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("latest", "'latest' always means the newest version"),
+        ("7", "all digits and would read as a version number"),
+        ("../x", r"invalid tag name '../x': use 1-64 characters"),
+        ("a/b", "invalid tag name 'a/b'"),
+        (".hidden", "invalid tag name '.hidden'"),
+        ("x" * 65, "invalid tag name"),
+    ],
+)
+def test_bad_tag_names_are_refused(store, name, message):
+    _pub(store, 1)
+    with pytest.raises(StoreError, match=message):
+        store.tag("r1", 1, name)
+    assert store.tags("r1") == {}
+
+
+def test_tag_needs_an_existing_version_and_dangling_tag_is_explained(store, tmp_path):
+    _pub(store, 1)
+    with pytest.raises(StoreError, match=r"r1@4 not found.*\[1\]"):
+        store.tag("r1", 4, "best")
+    (tmp_path / "runs/r1/tags").mkdir(parents=True)
+    (tmp_path / "runs/r1/tags/old.json").write_text('{"version": 9}')
+    with pytest.raises(StoreError, match="tag 'old' of run 'r1' points to version 9, which is not in"):
+        store.resolve("r1@old")
+
+
+# ----------------------------------------------------------------- retention
+
+
+def test_plan_retention_hand_computed():
+    policy = RetentionPolicy(keep_last=2, keep_every=5)
+    plan = plan_retention(list(range(1, 12)), {"best": 3}, policy)
+    kept = {v: why for v, why in plan.items() if why}
+    assert kept == {3: "tag best", 5: "every 5", 10: "last 2, every 5", 11: "last 2"}
+    no_tags = plan_retention([1, 2, 3], {"best": 1}, RetentionPolicy(keep_last=1, keep_tags=False))
+    assert no_tags == {1: None, 2: None, 3: "last 1"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"keep_last": 0}, r"keep_last must be an integer >= 1 \(the newest version is always kept\), got 0"),
+        ({"keep_last": 2, "keep_every": 0}, "keep_every must be an integer >= 1 or unset, got 0"),
+    ],
+)
+def test_retention_policy_rejects(kwargs, message):
+    with pytest.raises(StoreError, match=message):
+        RetentionPolicy(**kwargs)
+
+
+def test_gc_dry_run_then_delete(store, tmp_path):
+    for v in range(1, 8):
+        _pub(store, v)
+    store.tag("r1", 1, "best")
+    policy = RetentionPolicy(keep_last=2, keep_every=3)
+    assert store.gc("r1", policy, dry_run=True) == [2, 4, 5]
+    assert store.versions("r1") == list(range(1, 8))
+    assert store.gc("r1", policy, dry_run=False) == [2, 4, 5]
+    assert store.versions("r1") == [1, 3, 6, 7]
+    assert not (tmp_path / "runs/r1/adapters/v000002").exists()
+    assert store.resolve("r1@best").version == 1 and store.latest("r1").version == 7
+    assert store.gc("r1", RetentionPolicy(keep_last=1, keep_tags=False), dry_run=False) == [1, 3, 6]
+    assert store.versions("r1") == [7] and store.tags("r1") == {}
+
+
+def test_gc_removes_leftover_data_folders_of_complete_versions(store, tmp_path):
+    _pub(store, 1)
+    vdir = tmp_path / "runs/r1/adapters/v000001"
+    leftover = vdir / "0123456789ab-0123456789ab"
+    leftover.mkdir()
+    (leftover / "adapter_model.safetensors").write_bytes(b"a losing or killed attempt")
+    assert store.gc("r1", RetentionPolicy(keep_last=1), dry_run=False) == []
+    assert not leftover.exists() and (vdir / store.manifest("r1", 1).data_dir).is_dir()
+    store.verify("r1", 1)
+
+
+# ----------------------------------------------------------------- integrity
+
+
+def test_truncated_file_is_reported_with_its_path_and_previous_version_still_loads(store, tmp_path):
+    _pub(store, 1)
+    _pub(store, 2)
+    stored = _files(tmp_path, store, 2) / "adapter_model.safetensors"
+    size = stored.stat().st_size
+    stored.write_bytes(stored.read_bytes()[: size // 2])
+    message = re.escape(f"file://{stored} is {size // 2} bytes but its manifest says {size} (truncated or replaced)")
+    for call in (lambda: store.load_tensors("r1", 2), lambda: store.verify("r1", 2)):
+        with pytest.raises(StoreError, match=message):
+            call()
+    tensors, _ = store.load_tensors("r1", 1)
+    assert torch.equal(tensors[SMALL_KEY.format(0, "q_proj", "A")], small_lora(1)[SMALL_KEY.format(0, "q_proj", "A")])
+
+
+def test_missing_file_is_reported(store, tmp_path):
+    _pub(store, 1)
+    stored = _files(tmp_path, store, 1) / "adapter_config.json"
+    stored.unlink()
+    with pytest.raises(StoreError, match=re.escape(f"file://{stored} is missing; adapter r1@1 is corrupt")):
+        store.pull("r1", 1, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------- untrusted input
+
+
+def _edit_manifest(tmp_path: Path, edit, version: int = 1) -> None:
+    path = tmp_path / f"runs/r1/adapters/v{version:06d}/manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m["files"].update({"weights.bin": {"sha256": "0" * 64, "size": 1}}), "pickle file 'weights.bin'"),
+        (lambda m: m["files"].update({"notes.txt": {"sha256": "0" * 64, "size": 1}}), "file 'notes.txt' refused"),
+        (lambda m: m["files"].update({"a/b.json": {"sha256": "0" * 64, "size": 1}}), "unsafe file name 'a/b.json'"),
+        (lambda m: m.update(data_dir="../../r2"), r"unsafe data_dir '../../r2'"),
+        (lambda m: m.update(version=5), r"describes another adapter \(r1-v000005\)"),
+        (lambda m: m.pop("files"), "manifest.json is malformed: Field required"),
+    ],
+)
+def test_malicious_manifests_are_refused(store, tmp_path, edit, message):
+    _pub(store, 1)
+    _edit_manifest(tmp_path, edit)
+    with pytest.raises(StoreError, match=message):
+        store.load_tensors("r1", 1)
+
+
+def test_size_limits(tmp_path):
+    small = AdapterStore(f"file://{tmp_path}/runs", max_file_bytes=200)
+    with pytest.raises(
+        StoreError, match=r"adapter_model.safetensors is \d+ bytes, over the store's limit of 200 bytes"
+    ):
+        _pub(small, 1)
+    assert small.versions("r1") == []
+    _pub(AdapterStore(f"file://{tmp_path}/runs"), 1)
+    with pytest.raises(
+        StoreError, match=r"adapter_model.safetensors is \d+ bytes, over .* 200 bytes \(max_file_bytes\)"
+    ):
+        small.load_tensors("r1", 1)
+
+
+def test_symlinks_are_refused(store, tmp_path):
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    real = tmp_path / "elsewhere.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(small_lora(), real)
+    (folder / "adapter_model.safetensors").symlink_to(real)
+    (folder / "adapter_config.json").write_text(json.dumps(SMALL_CONFIG))
+    with pytest.raises(StoreError, match=r"adapter_model.safetensors is a symbolic link; publish_folder takes plain"):
+        store.publish_folder("r1", 1, folder, step=1, base_model=BASE)
+    _pub(store, 1)
+    stored = _files(tmp_path, store, 1) / "adapter_config.json"
+    stored.unlink()
+    stored.symlink_to(folder / "adapter_config.json")
+    with pytest.raises(
+        StoreError, match=re.escape(f"file://{stored} is a symbolic link; the store must hold plain files")
+    ):
+        store.load_tensors("r1", 1)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    with pytest.raises(StoreError, match="cannot pull into .*link: it is a symbolic link"):
+        store.pull("r1", 1, tmp_path / "link")
+
+
+def test_garbage_weights_are_not_safetensors(store, tmp_path):
+    _pub(store, 1)
+    stored = _files(tmp_path, store, 1) / "adapter_model.safetensors"
+    garbage = b"\x80\x04\x95pickle bytes, not safetensors"
+    stored.write_bytes(garbage)
+    _edit_manifest(
+        tmp_path,
+        lambda m: m["files"]["adapter_model.safetensors"].update(
+            sha256=hashlib.sha256(garbage).hexdigest(), size=len(garbage)
+        ),
+    )
+    with pytest.raises(StoreError, match=r"adapter_model.safetensors is not a safetensors file \(or is truncated\)"):
+        store.pull("r1", 1, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({**SMALL_CONFIG, "r": 0}, r"r \(the LoRA rank\) must be a positive integer, got 0"),
+        ({**SMALL_CONFIG, "lora_alpha": -1}, "lora_alpha must be a positive number, got -1"),
+        ({**SMALL_CONFIG, "target_modules": []}, "target_modules must be a non-empty list"),
+        ({**SMALL_CONFIG, "target_modules": "(q_proj"}, "target_modules '\\(q_proj' is not a valid regex"),
+        ({**SMALL_CONFIG, "peft_type": "IA3"}, "peft_type 'IA3' is not LORA"),
+        ({**SMALL_CONFIG, "target_modules": ["q_proj"]}, "which target_modules does not name"),
+        ({**SMALL_CONFIG, "r": 4}, r"has shape \[2, 8\], but rank r = 4 needs dim 0 = 4"),
+    ],
+)
+def test_publish_validates_config_and_tensors(store, config, message):
+    with pytest.raises(StoreError, match=message):
+        _pub(store, 1, adapter_config=config)
+    assert store.versions("r1") == []
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop(SMALL_KEY.format(0, "q_proj", "B")), "has a lora_A without its lora_B"),
+        (lambda t: t.update({"base_model.model.lm_head.weight": torch.ones(2, 2)}), "is not a LoRA weight"),
+        (
+            lambda t: t.update(
+                {"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": torch.ones(8)}
+            ),
+            "is a DoRA magnitude vector but use_dora is not set",
+        ),
+        (lambda t: t.clear(), "holds no tensors"),
+    ],
+)
+def test_publish_refuses_tensors_that_are_not_the_configured_lora(store, edit, message):
+    tensors = small_lora()
+    edit(tensors)
+    with pytest.raises(StoreError, match=message):
+        store.publish("r1", 1, tensors=tensors, adapter_config=SMALL_CONFIG, step=1, base_model=BASE)
+
+
+def test_load_tensors_checks_engine_rules(store):
+    _pub(store, 1)
+    base = _tiny_base()
+    store.load_tensors("r1", 1, rules=AdapterRules.for_model(base, max_rank=8))
+    with pytest.raises(StoreError, match=r"adapter_config.json: r = 2 exceeds the engine's maximum LoRA rank 1"):
+        store.load_tensors("r1", 1, rules=AdapterRules.for_model(base, max_rank=1))
+    rules = AdapterRules(base_linear_names=("model.layers.0.mlp.up_proj",))
+    with pytest.raises(
+        StoreError, match=r"target_modules \['q_proj', 'v_proj'\] not found among the base model's linear"
+    ):
+        store.load_tensors("r1", 1, rules=rules)
+    dora = {**SMALL_CONFIG, "use_dora": True}
+    _pub(store, 2, adapter_config=dora)
+    with pytest.raises(StoreError, match=r"DoRA adapters \(use_dora: true\) are not supported by this engine"):
+        store.load_tensors("r1", 2, rules=AdapterRules.for_model(base))
+    store.load_tensors("r1", 2, rules=AdapterRules.for_model(base, allow_dora=True))
+
+
+def test_bad_version_numbers_are_refused(store):
+    for bad in (-1, True, 10**12, "3"):
+        with pytest.raises(StoreError, match="invalid adapter version"):
+            store.manifest("r1", bad)
+
+
+# ----------------------------------------------------------------- racing writers
+
+
+def race(stores: list[AdapterStore], tensors: list[dict], monkeypatch) -> tuple[list, list]:
+    """Publish r1@3 from two threads that both finish their files before either creates the manifest."""
+    import threading
+
+    barrier = threading.Barrier(len(stores), timeout=20)
+    commit = AdapterStore._commit_manifest
+
+    def synced_commit(self, manifest):
+        barrier.wait()
+        return commit(self, manifest)
+
+    monkeypatch.setattr(AdapterStore, "_commit_manifest", synced_commit)
+    results: list = [None] * len(stores)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _pub(stores[i], 3, tensors=tensors[i])
+        except StoreError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return [r for r in results if isinstance(r, AdapterRef)], [r for r in results if isinstance(r, StoreError)]
+
+
+def check_race_outcome(store: AdapterStore, tensors: list[dict], wins: list, losses: list) -> None:
+    """One winner, one clear error, and the stored version is exactly the winner's weights."""
+    assert len(wins) == 1 and len(losses) == 1, (wins, losses)
+    assert "lost the race to publish r1-v000003" in str(losses[0]) and "publish under a new version" in str(losses[0])
+    assert store.versions("r1") == [3] and store.ref("r1", 3) == wins[0]
+    loaded, _ = store.load_tensors("r1", 3)
+    winner = next(
+        t
+        for t in tensors
+        if torch.equal(t[SMALL_KEY.format(0, "q_proj", "A")], loaded[SMALL_KEY.format(0, "q_proj", "A")])
+    )
+    assert all(torch.equal(loaded[k], winner[k]) for k in winner)
+
+
+@pytest.mark.parametrize("backend", ["file", "memory"])
+def test_racing_writers_one_wins_nothing_mixed(tmp_path, monkeypatch, backend):
+    root = f"file://{tmp_path}/runs" if backend == "file" else f"memory://race-{uuid.uuid4().hex}"
+    stores = [AdapterStore(root), AdapterStore(root)]
+    tensors = [small_lora(10), small_lora(11)]
+    wins, losses = race(stores, tensors, monkeypatch)
+    check_race_outcome(stores[0], tensors, wins, losses)
+    if backend == "file":
+        assert [p.name for p in (tmp_path / "runs/r1/adapters/v000003").iterdir() if p.is_dir()] == [
+            stores[0].manifest("r1", 3).data_dir
+        ]
+
+
+def test_racing_identical_writers_both_get_the_ref(store, monkeypatch):
+    wins, losses = race([store, AdapterStore(store.uri)], [small_lora(5), small_lora(5)], monkeypatch)
+    assert losses == [] and len(wins) == 2 and wins[0] == wins[1]
+
+
+def test_files_uri_is_a_peft_folder(store, lora, tmp_path):
+    v1, _, config = lora
+    _publish(store, 1, v1, config)
+    folder = _files(tmp_path, store, 1)
+    assert store.files_uri("r1", 1) == f"file://{folder}"
+    assert {p.name for p in folder.iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
+
+
+def test_linear_module_names_see_through_injected_lora():
+    from lora_rl_core.adapter_validation import linear_module_names
+
+    base_names = linear_module_names(_tiny_base())
+    assert "model.layers.0.self_attn.q_proj" in base_names and "lm_head" in base_names
+    wrapped = get_peft_model(_tiny_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    assert linear_module_names(wrapped) == base_names

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.algorithm import selective_log_softmax
 from lora_rl_core.config import AlgorithmConfig, LoRAConfig, TrainerConfig
-from lora_rl_core.lora import apply_lora
+from lora_rl_core.lora import adapter_state, apply_lora
 from lora_rl_core.trainer import PolicyTrainer, TrainBatch, pack
 
 VOCAB = 64  # random token ids stay below this; the tiny tokenizer has 78 tokens
@@ -188,3 +189,47 @@ def test_more_minibatches_than_rows_keeps_metric_scale(make_trainer):
     one, two = (make_trainer(num_minibatches=n).train_step(batch) for n in (1, 2))
     assert two["ratio_mean"] == pytest.approx(1.0)
     assert two["entropy"] == pytest.approx(one["entropy"], rel=1e-4)
+
+
+def test_state_dict_resumes_exactly_in_a_fresh_trainer(make_trainer):
+    first = make_trainer(lr=1e-2, nonzero_b=True)
+    for seed in (1, 2):
+        first.train_step(random_batch([1, -1, 0.5], seed=seed))
+    saved = first.state_dict()
+    json.dumps(saved["meta"])  # metadata is plain JSON; tensors go to safetensors
+    keys = saved["tensors"].keys()
+    assert "rng/rank0/cpu" in keys and {k.split("/")[0] for k in keys} == {"params", "optimizer", "rng"}
+    last = random_batch([2, -2, 1], seed=3)
+    want = first.train_step(last)
+    second = make_trainer(lr=1e-2)  # other initial weights, no optimizer state
+    second.load_state_dict(saved)
+    got = second.train_step(last)
+    assert got["loss"] == want["loss"] and got["lr"] == want["lr"]
+    for name, w in lora_weights(first).items():
+        torch.testing.assert_close(lora_weights(second)[name], w, rtol=0, atol=0, msg=name)
+
+
+def test_load_state_dict_rejects_another_adapter_shape(make_trainer, tiny_model_dir, pad_id):
+    saved = make_trainer().state_dict()
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    other = PolicyTrainer(
+        apply_lora(base, LoRAConfig(rank=4, target_modules=["q_proj"])),
+        pad_id=pad_id,
+        algorithm=AlgorithmConfig(),
+        trainer=TrainerConfig(),
+        temperature=1.0,
+    )
+    with pytest.raises(ValueError, match="does not fit this model"):
+        other.load_state_dict(saved)
+
+
+def test_adapter_state_method_matches_lora_adapter_state(make_trainer):
+    trainer = make_trainer()
+    trainer.train_step(random_batch([1.0, -1.0]))
+    tensors, config = trainer.adapter_state()
+    want_tensors, want_config = adapter_state(trainer.model)
+    assert config == want_config
+    assert tensors.keys() == want_tensors.keys()
+    for key, value in want_tensors.items():
+        assert torch.equal(tensors[key], value), key

@@ -1,0 +1,253 @@
+"""Everything that touches `torch.distributed`: process groups, FSDP2 sharding, gathers and reductions.
+
+The one module with distributed code (STYLE.md 9); the trainer calls the helpers
+below and the pure losses, never `torch.distributed` itself. Every helper also
+works without a process group (a single, unsharded process), where it is the
+identity or a local operation. Only torch and peft are imported, so GPU
+benchmarks can use this module without pydantic.
+
+Choices:
+
+* Backend: `gloo` on CPU, `nccl` on CUDA; rendezvous over TCP on 127.0.0.1 and a
+  free port (`init_process_group(..., port=)`), or `env://` under torchrun.
+* Sharding (`shard_model`): FSDP2 `fully_shard` on each decoder layer, found
+  generically as the module list of identical blocks with the most parameters,
+  then on the root (torchtune `training/_distributed.py`, torchtitan). Mixed
+  precision `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`
+  only on CUDA with bf16 support; on CPU params and compute stay in their dtype.
+  Activation checkpointing uses the composable `checkpoint` (FQNs unchanged, so
+  PEFT state-dict keys stay the same as unsharded).
+* Gradient reduction is a SUM across ranks, not FSDP2's default mean:
+  `set_gradient_divide_factor(1.0)` plus `set_force_sum_reduction_for_comms(True)`
+  on every FSDP module (torch >= 2.8). The trainer weights each rank's loss by
+  GLOBAL token / sequence counts, so the summed gradient equals the gradient of
+  the global-batch loss and 1-process and N-process runs agree. Forcing SUM also
+  sidesteps gloo's AVG reduce-scatter (pytorch#162338) and NCCL PreMulSum.
+* Gradient clipping: `torch.nn.utils.clip_grad_norm_` on DTensor gradients
+  takes per-shard norms whose total is a DTensor with a partial (norm)
+  placement; computing the clip coefficient redistributes it (an all-reduce),
+  so every rank clips with the global norm. `clip_grad_norm_` here returns that
+  norm as a float (`full_tensor()`). Checked by the 2-process test, where
+  clipping is active on every step and the weights match 1 process.
+* Gathers (`gather_lora_state`, `full_tensor`) go one parameter at a time, so the
+  full model is never materialised on any rank.
+
+Left out: HSDP / 2-D meshes, CPU offload, tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from peft import get_peft_model_state_dict
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: str | torch.device) -> str:
+    """`nccl` for CUDA devices, `gloo` otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_process_group(
+    device: str | torch.device,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    port: int | None = None,
+    timeout_s: float = 600.0,
+) -> None:
+    """Join the default process group (gloo on CPU, nccl on CUDA).
+
+    Args:
+        device: `cpu` or `cuda` (the backend follows it); on CUDA, call `torch.cuda.set_device` first.
+        rank / world_size / port: rendezvous at `tcp://127.0.0.1:<port>`; all None = `env://`
+            (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+        timeout_s: how long a collective may wait for the other ranks before it raises.
+    """
+    kwargs: dict[str, Any] = {"backend": backend_for(device), "timeout": datetime.timedelta(seconds=timeout_s)}
+    if port is not None:
+        kwargs.update(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(**kwargs)
+
+
+def destroy_process_group() -> None:
+    """Leave the default process group, if any."""
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    """True when a default process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """`(rank, world_size)` of the default process group; `(0, 1)` without one."""
+    if not is_distributed():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer's block list: the `nn.ModuleList` of same-type modules with the most parameters.
+
+    For Llama / Qwen2 under PEFT this is `model.get_base_model().model.layers`.
+
+    Raises:
+        ValueError: the model has no non-empty `nn.ModuleList` of identical block types.
+    """
+    candidates = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(block) for block in m}) == 1
+    ]
+    if not candidates:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of identical blocks to shard")
+    return max(candidates, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def mixed_precision_policy(device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction on CUDA devices with bf16; otherwise no casting."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(model: nn.Module, *, mixed_precision: bool, activation_checkpointing: bool) -> nn.Module:
+    """Shard `model` in place with FSDP2: each decoder layer, then the root; gradients are SUMMED over ranks.
+
+    Call after `apply_lora` (LoRA params are created unsharded and identically seeded on every rank) and
+    before building the optimizer (FSDP2 replaces parameters with DTensor shards). Needs a process group;
+    the mesh is all ranks, on the device type of the model's parameters.
+
+    Args:
+        model: the (PEFT) model, already on its device.
+        mixed_precision: bf16 params / fp32 reduction where CUDA supports bf16 (ignored on CPU).
+        activation_checkpointing: recompute each decoder layer's activations in backward.
+
+    Returns:
+        The same module object (its class is now also an `FSDPModule`).
+    """
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = mixed_precision_policy(device) if mixed_precision else MixedPrecisionPolicy()
+    for layer in find_decoder_layers(model):
+        if activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            checkpoint(layer)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            _sum_gradients(module)
+    return model
+
+
+def _sum_gradients(module: FSDPModule) -> None:
+    """Make FSDP2 reduce-scatter gradients as a plain SUM over ranks (no division by world size)."""
+    if not hasattr(module, "set_force_sum_reduction_for_comms"):
+        raise RuntimeError(
+            f"sharded training needs torch >= 2.8 (FSDPModule.set_force_sum_...), have {torch.__version__}"
+        )
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: `DTensor.full_tensor()` (a collective: every rank must call it) or the tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full` (the same on every rank) laid out like `like`: this rank's DTensor shard, or a plain copy.
+
+    No communication: each rank slices its own shard (`distribute_tensor(src_data_rank=None)`).
+    """
+    if not isinstance(like, DTensor):
+        return full.to(like.device, copy=True)
+    local_device = like.to_local().device
+    return distribute_tensor(full.to(local_device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+@torch.no_grad()
+def copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor (the same on every rank) into `target`, a parameter or its DTensor shard."""
+    if isinstance(target, DTensor):
+        target.to_local().copy_(shard_like(target, full).to_local())
+    else:
+        target.copy_(full)
+
+
+@torch.no_grad()
+def gather_lora_state(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor] | None:
+    """The adapter's full weights, gathered one parameter at a time; every rank must call it.
+
+    Returns:
+        On rank 0: PEFT-keyed detached CPU tensors (the keys `get_peft_model_state_dict` gives for the
+        unsharded model, e.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), dtype as
+        stored (float32 for LoRA). On other ranks: None.
+    """
+    rank, _ = rank_and_world_size()
+    gathered: dict[str, torch.Tensor] = {}
+    for key, value in get_peft_model_state_dict(model, adapter_name=adapter_name).items():
+        full = full_tensor(value.detach())
+        if rank == 0:
+            gathered[key] = full.to("cpu", copy=True).contiguous()
+    return gathered if rank == 0 else None
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Clip gradients to a global L2 norm of `max_norm` (over all ranks when sharded); returns the pre-clip norm."""
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+    return float(full_tensor(norm))
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(values: dict[str, float], op: dist.ReduceOp.RedOpType) -> dict[str, float]:
+    if not is_distributed():
+        return dict(values)
+    keys = sorted(values)  # every rank must send the same keys
+    packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(packed, op=op)
+    return dict(zip(keys, packed.tolist(), strict=True))
+
+
+def all_reduce_sum(values: dict[str, float]) -> dict[str, float]:
+    """Sum each value over ranks (float64); every rank must pass the same keys. Identity without a group."""
+    return _all_reduce(values, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(values: dict[str, float]) -> dict[str, float]:
+    """Max of each value over ranks (float64); every rank must pass the same keys. Identity without a group."""
+    return _all_reduce(values, dist.ReduceOp.MAX)
+
+
+def gather_objects(obj: Any) -> list[Any] | None:
+    """Pickle-gather one object per rank onto rank 0: the list (by rank) there, None elsewhere."""
+    if not is_distributed():
+        return [obj]
+    rank, world_size = rank_and_world_size()
+    out: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out

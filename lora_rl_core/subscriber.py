@@ -1,0 +1,304 @@
+"""Keep inference engines on a run's newest adapter versions (the hot-swap protocol of DESIGN.md).
+
+`sync_version` is the one piece of code that moves a published version into engines; the
+training flow's `sync_engines` and the long-running `AdapterSubscriber` both call it:
+
+1. load the version under its versioned name `<run>-vNNNNNN` on every engine: from tensors
+   (the tensor path: in-process, or same-host HTTP as safetensors bytes) or from the store
+   (the store path: the engine reads `ref.uri`; the version is sha256-verified in the store first);
+2. check every engine lists it, and that the sha256 an engine reports (our engine server does)
+   equals the store's checksum;
+3. mark it active (the caller switches rollouts to it only after this succeeds);
+4. retire the run's versions beyond the `keep` newest that no request uses, except the active
+   one, and never on an engine that reports generation paused: SGLang's unload waits for
+   reference counts that paused or aborted requests may never release (sglang#36894, miles#2780).
+
+A version that fails (corrupt in the store, refused by an engine, wrong checksum) is skipped
+with its reason and unloaded where it got loaded; the previous active version keeps serving.
+A version that fails because an engine cannot be reached is retried at the next poll.
+
+Left out: coordinating several subscribers of one run (run one per engine pool) and
+persisting the active version (a restarted subscriber re-adopts the newest `keep` versions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lora_rl_core.engines.base import adapter_run, adapter_version
+from lora_rl_core.errors import EngineError, LoraRLError, StoreError
+from lora_rl_core.store import AdapterRef, AdapterStore, adapter_name, validate_run_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncResult:
+    """What one sync of one adapter version did.
+
+    Attributes:
+        name, version: the adapter (`<run>-vNNNNNN`).
+        ok: loaded and verified on every engine; it is now the active version.
+        path: `tensor` or `store`.
+        engines: how many engines were synced.
+        retired: adapter names unloaded because they left the keep window.
+        error: why it is not ok; None when ok.
+        retryable: the failure was an unreachable engine, so the version is tried again later.
+        seconds: wall time of the sync.
+    """
+
+    name: str
+    version: int
+    ok: bool
+    path: str
+    engines: int
+    retired: list[str] = field(default_factory=list)
+    error: str | None = None
+    retryable: bool = False
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        """One log line, e.g. `synced r-v000003 to 2 engines via store in 0.41 s; retired [...]`."""
+        if self.ok:
+            return (
+                f"synced {self.name} to {self.engines} engine(s) via {self.path} in {self.seconds:.2f} s; "
+                f"retired {self.retired or 'none'}"
+            )
+        again = "will retry" if self.retryable else "skipped; the previous version stays active"
+        return f"{self.name} not synced ({again}): {self.error}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict of the fields."""
+        return dataclasses.asdict(self)
+
+
+def engine_list(engines: Any) -> list[Any]:
+    """One engine, a sequence of engines, or a `MultiEngine` (its `.engines`) as a flat list."""
+    items = list(engines) if isinstance(engines, Sequence) else [engines]
+    out: list[Any] = []
+    for engine in items:
+        out += engine_list(engine.engines) if hasattr(engine, "engines") else [engine]
+    return out
+
+
+def sync_version(
+    engines: Any,
+    ref: AdapterRef,
+    *,
+    tensors: dict | None = None,
+    config: dict | None = None,
+    store: AdapterStore | None = None,
+    keep: int,
+) -> SyncResult:
+    """Load `ref` on every engine, verify it, and retire stale versions of its run.
+
+    Args:
+        engines: one engine, a list, or a `MultiEngine`.
+        ref: the published version.
+        tensors, config: the tensor path (PEFT state dict + config); None = the store path.
+        store: on the store path, the version is sha256-verified here before engines read it.
+        keep: versions of the run kept loaded (`max_staleness + 1`), >= 1.
+
+    Returns:
+        A `SyncResult`; `ok` is False (with `error`) instead of raising for adapter problems.
+    """
+    if keep < 1:
+        raise LoraRLError(f"keep must be >= 1, got {keep}")
+    start = time.perf_counter()
+    engines = engine_list(engines)
+    result = SyncResult(ref.name, ref.version, False, "tensor" if tensors is not None else "store", len(engines))
+    try:
+        if tensors is None and store is not None:
+            store.verify(ref.run_id, ref.version)  # sizes, sha256, format: StoreError names the bad object
+        for engine in engines:
+            _load_verified(engine, ref, tensors, config)
+    except LoraRLError as exc:
+        result.error = " ".join(str(exc).split())
+        result.retryable = _unreachable(exc)
+        if not result.retryable:
+            _discard(engines, ref.name)
+    else:
+        result.ok = True
+        result.retired = retire_stale(engines, ref.run_id, keep=keep, protect={ref.name})
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _load_verified(engine: Any, ref: AdapterRef, tensors: dict | None, config: dict | None) -> None:
+    """Load `ref.name` unless listed already, then check the listing (and the sha256 where reported)."""
+    if ref.name not in engine.list_adapters():
+        if tensors is not None:
+            engine.load_adapter(ref.name, tensors=tensors, config=config)
+        else:
+            engine.load_adapter(ref.name, path=ref.uri)
+    info = engine.list_adapters().get(ref.name)
+    if info is None:
+        raise EngineError(f"{engine!r} does not list {ref.name} after loading it")
+    reported = info.get("sha256")
+    if reported and reported != ref.sha256:
+        raise EngineError(
+            f"{engine!r} holds {ref.name} with sha256 {reported}, but the store's adapter_model.safetensors has "
+            f"{ref.sha256}: the engine loaded other weights"
+        )
+
+
+def _unreachable(exc: Exception) -> bool:
+    from lora_rl_core.engines.http import EngineUnavailable  # lazy: keeps httpx out of in-process use
+
+    return isinstance(exc, EngineUnavailable)
+
+
+def _discard(engines: list[Any], name: str) -> None:
+    """Unload a failed version wherever it got loaded (never while paused); failures are logged."""
+    for engine in engines:
+        try:
+            if name in engine.list_adapters() and not is_paused(engine):
+                engine.unload_adapter(name)
+        except LoraRLError as exc:
+            log.warning("could not unload failed version %s from %r: %s", name, engine, exc)
+
+
+def is_paused(engine: Any) -> bool:
+    """Whether the engine reports generation paused (True when it cannot say: then nothing is unloaded)."""
+    try:
+        health = engine.health()
+        return bool(health["paused"] if "paused" in health else engine.metrics().get("paused"))
+    except LoraRLError:
+        return True
+
+
+def retire_stale(engines: Any, run_id: str, *, keep: int, protect: Collection[str] = ()) -> list[str]:
+    """Unload `run_id`'s versions older than its `keep` newest on each engine, except `protect`ed,
+    pinned and in-flight ones; engines that report paused are skipped entirely.
+
+    Returns:
+        The adapter names unloaded (each once).
+    """
+    retired: list[str] = []
+    for engine in engine_list(engines):
+        if is_paused(engine):
+            log.info("generation is paused on %r: retiring nothing there", engine)
+            continue
+        for name in _retire_on(engine, run_id, keep, protect):
+            if name not in retired:
+                retired.append(name)
+    return retired
+
+
+def _retire_on(engine: Any, run_id: str, keep: int, protect: Collection[str]) -> list[str]:
+    listed = engine.list_adapters()
+    mine = sorted((n for n in listed if adapter_run(n) == run_id), key=adapter_version)
+    stale = [n for n in mine[: max(0, len(mine) - keep)] if n not in protect]
+    done = []
+    for name in stale:
+        if listed[name].get("in_flight") or listed[name].get("pinned"):
+            continue  # still referenced (or pinned on purpose): a later poll retires it
+        try:
+            engine.unload_adapter(name)
+            done.append(name)
+        except LoraRLError as exc:
+            log.warning("could not retire %s on %r: %s", name, engine, exc)
+    return done
+
+
+class AdapterSubscriber:
+    """Watch a run in the store and keep engines on its newest versions.
+
+    Args:
+        store: the adapter store.
+        run_id: the run to follow.
+        engines: one engine, a list, or a `MultiEngine`.
+        keep: versions kept loaded (>= 1).
+        poll_interval_s: seconds between polls in `run`.
+        on_sync: called with each `SyncResult` (logging, UI).
+
+    Attributes:
+        active: the ref of the version engines serve as current, or None before the first sync.
+        skipped: version -> reason, for versions that will not be tried again.
+    """
+
+    def __init__(
+        self,
+        store: AdapterStore,
+        run_id: str,
+        engines: Any,
+        *,
+        keep: int = 2,
+        poll_interval_s: float = 5.0,
+        on_sync: Callable[[SyncResult], None] | None = None,
+    ) -> None:
+        if keep < 1:
+            raise LoraRLError(f"keep must be >= 1, got {keep}")
+        self.store = store
+        self.run_id = validate_run_id(run_id)
+        self.engines = engine_list(engines)
+        self.keep = keep
+        self.poll_interval_s = poll_interval_s
+        self.on_sync = on_sync
+        self.active: AdapterRef | None = None
+        self.skipped: dict[int, str] = {}
+
+    def poll_once(self) -> list[SyncResult]:
+        """Sync the versions newer than the active one (at most the newest `keep`: older ones would be
+        retired at once), in order; with nothing new, retire what has become unreferenced.
+
+        Raises:
+            StoreError: the store cannot be listed.
+        """
+        results = [self._sync(version) for version in self._pending()]
+        if self.active is not None and not any(r.ok for r in results):
+            retire_stale(self.engines, self.run_id, keep=self.keep, protect={self.active.name})
+        return results
+
+    def _pending(self) -> list[int]:
+        floor = self.active.version if self.active is not None else -1
+        todo = [v for v in self.store.versions(self.run_id) if v > floor and v not in self.skipped]
+        return todo[-self.keep :]
+
+    def _sync(self, version: int) -> SyncResult:
+        try:
+            ref = self.store.ref(self.run_id, version)
+        except StoreError as exc:
+            name = adapter_name(self.run_id, version)
+            result = SyncResult(name, version, False, "store", len(self.engines), error=str(exc))
+        else:
+            result = sync_version(self.engines, ref, store=self.store, keep=self.keep)
+            if result.ok:
+                self.active = ref
+        if not result.ok and not result.retryable:
+            self.skipped[version] = result.error or "failed"
+        (log.info if result.ok else log.warning)("%s", result.summary())
+        if self.on_sync is not None:
+            self.on_sync(result)
+        return result
+
+    def run(self, stop: threading.Event, max_seconds: float | None = None) -> list[SyncResult]:
+        """Poll every `poll_interval_s` until `stop` is set or `max_seconds` pass.
+
+        A failed poll (store or engine unreachable) is logged and retried at the next one.
+
+        Returns:
+            Every `SyncResult` of the run, in order.
+        """
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        results: list[SyncResult] = []
+        while not stop.is_set():
+            try:
+                results += self.poll_once()
+            except Exception:  # a long-running watcher survives one bad poll; the next one retries
+                log.exception(
+                    "polling %s in %s failed; retrying in %g s", self.run_id, self.store, self.poll_interval_s
+                )
+            wait = self.poll_interval_s
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    break
+            stop.wait(wait)
+        return results

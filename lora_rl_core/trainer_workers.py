@@ -1,0 +1,335 @@
+"""Persistent FSDP2 trainer processes: load the model once, then serve training steps until closed.
+
+`TrainerWorkers(cfg, world_size=N, device="cpu"|"cuda")` starts N processes
+(`torch.multiprocessing`, spawn context). Each joins one process group (gloo on
+CPU, nccl on CUDA, 127.0.0.1 and a free port), loads the base model, applies
+LoRA after `torch.manual_seed(cfg.run.seed)` (so every rank, and a single
+process, starts from the same adapter), shards it with FSDP2
+(`distributed.shard_model`) and builds a `PolicyTrainer`. The parent then sends
+commands over one `Pipe` per rank: every rank gets the same command, rank 0's
+answer is returned (metrics are already global; gathered tensors live on rank 0).
+
+Why torch.multiprocessing and not Ray: Ray is not installed in the project
+environment (nor on the GPU machines) and the DESIGN keeps one dependency-free
+path; spawned processes give the same isolation Ray actors would on one host,
+and the process-group code (`distributed.init_process_group`,
+`build_sharded_trainer`) is the same under torchrun, so a multi-node launcher
+can reuse it. Ray would add value only beyond one machine.
+
+Wire format: commands and results are small picklable objects (`TrainBatch` of
+int/float lists, metric dicts); tensors (adapter, checkpoint) travel as
+safetensors bytes, not as shared-memory tensors, so a killed worker leaks no
+shared memory and thousands of tensors need no file descriptors.
+
+Failure: every call has a timeout. When a worker dies, times out or raises, the
+call raises `TrainerWorkerError` (naming the rank, exit code or traceback) and
+all workers are shut down, because the survivors may be stuck in a collective;
+build new workers and load the last checkpoint. `close()` asks the workers to
+leave the process group, then terminates and kills stragglers; it also runs at
+interpreter exit (atexit), and the class is a context manager. Workers ignore
+SIGINT (Ctrl-C reaches the parent, which closes them) and exit when the
+parent's end of their pipe closes. As with any spawn-based code, a script that
+builds workers must guard its entry point with `if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Literal, NoReturn
+
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from lora_rl_core import distributed
+from lora_rl_core.config import RunConfig
+from lora_rl_core.errors import LoraRLError
+from lora_rl_core.lora import apply_lora
+from lora_rl_core.models import load_model
+from lora_rl_core.trainer import PolicyTrainer, TrainBatch
+
+
+class TrainerWorkerError(LoraRLError):
+    """A trainer worker died, timed out or raised; the workers have been shut down."""
+
+
+def build_sharded_trainer(cfg: RunConfig, *, device: torch.device, mixed_precision: bool = True) -> PolicyTrainer:
+    """Load the model, apply seeded LoRA, shard it with FSDP2 and wrap it in a `PolicyTrainer`.
+
+    Call on every rank after `distributed.init_process_group` (also under torchrun). Activation
+    checkpointing (`trainer.gradient_checkpointing`) is applied per decoder layer by `shard_model`.
+    """
+    model, tokenizer = load_model(cfg.model.model_copy(update={"device": str(device)}))
+    torch.manual_seed(cfg.run.seed)  # the same LoRA init on every rank and in a single process
+    peft_model = apply_lora(model, cfg.lora)
+    distributed.shard_model(
+        peft_model, mixed_precision=mixed_precision, activation_checkpointing=cfg.trainer.gradient_checkpointing
+    )
+    return PolicyTrainer(
+        peft_model,
+        pad_id=tokenizer.pad_token_id,
+        algorithm=cfg.algorithm,
+        trainer=cfg.trainer.model_copy(update={"gradient_checkpointing": False}),  # done by shard_model
+        temperature=cfg.rollout.temperature,
+    )
+
+
+class TrainerWorkers:
+    """`world_size` persistent processes training one FSDP2-sharded LoRA policy.
+
+    Args:
+        cfg: the run config (model, lora, algorithm, trainer, rollout.temperature, run.seed are used).
+        world_size: number of processes (one GPU each on CUDA).
+        device: `cpu` (gloo) or `cuda` (nccl; rank r uses `cuda:r` of the visible devices).
+        mixed_precision: bf16 compute / fp32 reduction where CUDA supports bf16 (ignored on CPU).
+        timeout_s: limit for each call, and for each collective inside the workers.
+        start_timeout_s: limit for start-up (model load and sharding).
+
+    Raises:
+        TrainerWorkerError: a worker failed to start (its traceback is in the message).
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        world_size: int = 1,
+        device: Literal["cpu", "cuda"] = "cpu",
+        mixed_precision: bool = True,
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 900.0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if device == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"world_size {world_size} needs {world_size} GPUs, {torch.cuda.device_count()} visible")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._closed = False
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        atexit.register(self.close)
+        spec = _WorkerSpec(
+            cfg.model_dump(mode="json"), world_size, distributed.free_port(), device, mixed_precision, timeout_s
+        )
+        ctx = mp.get_context("spawn")
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main, args=(rank, spec, child), name=f"lora-rl-trainer-{rank}", daemon=True
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self.info: dict[str, Any] = self._collect("start", start_timeout_s)[0]
+
+    # ------------------------------------------------------------------ commands
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One `PolicyTrainer.train_step` over the whole batch, rows shared across ranks; global metrics."""
+        return self._call("train_step", batch)[0]
+
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The full adapter (PEFT keys, float32 CPU tensors) and its JSON-safe PEFT config, as `lora.adapter_state`."""
+        blob, config = self._call("adapter_state")[0]
+        return load_tensors(blob), config
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer checkpoint (`PolicyTrainer.state_dict` format: full tensors + JSON meta, any world size)."""
+        blob, meta = self._call("state_dict")[0]
+        return {"tensors": load_tensors(blob), "meta": meta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint from `state_dict()` (of any world size, or an in-process `PolicyTrainer`)."""
+        self._call("load_state_dict", save_tensors(state["tensors"]), state["meta"])
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers, by rank."""
+        return [p.pid for p in self._procs]
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, *, graceful: bool = True, grace_s: float = 10.0) -> None:
+        """Stop the workers (idempotent): ask them to leave the process group, then terminate and kill stragglers."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if graceful:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.send(("close", ()))
+        deadline = time.monotonic() + (grace_s if graceful else 0.0)
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self._procs:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+
+    def __enter__(self) -> TrainerWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, cmd: str, *args: Any) -> list[Any]:
+        """Send one command to every rank; the answers by rank."""
+        if self._closed:
+            raise TrainerWorkerError(f"cannot run {cmd!r}: the trainer workers are closed")
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send((cmd, args))
+            except OSError as exc:
+                self._fail(f"cannot send {cmd!r} to trainer worker rank {rank}: {exc}")
+        return self._collect(cmd, self.timeout_s)
+
+    def _collect(self, cmd: str, timeout_s: float) -> list[Any]:
+        """Wait for every rank's answer to `cmd`; fail fast when a worker dies, raises or the time runs out."""
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(f"trainer workers timed out after {timeout_s:.0f} s in {cmd!r}: ranks {sorted(pending)}")
+            ready = wait([self._conns[r] for r in pending] + [p.sentinel for p in self._procs], remaining)
+            for rank in sorted(pending):
+                if self._conns[rank] in ready:
+                    results[rank] = self._receive(rank, cmd)
+                    pending.discard(rank)
+            if pending and self._dead_workers():
+                self._fail(f"a trainer worker died during {cmd!r}")
+        return results
+
+    def _receive(self, rank: int, cmd: str) -> Any:
+        try:
+            status, value = self._conns[rank].recv()
+        except (EOFError, OSError):
+            self._procs[rank].join(1.0)
+            self._fail(f"trainer worker rank {rank} closed its pipe during {cmd!r}")
+        if status == "error":
+            self._fail(f"trainer worker rank {rank} failed in {cmd!r}:\n{value}")
+        return value
+
+    def _dead_workers(self) -> str:
+        return ", ".join(
+            f"rank {r} (pid {p.pid}) died with exit code {p.exitcode}"
+            for r, p in enumerate(self._procs)
+            if p.exitcode is not None
+        )
+
+    def _fail(self, message: str) -> NoReturn:
+        deadline = time.monotonic() + 0.5  # a peer's error often races its cause: let a dying worker finish dying
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        dead = self._dead_workers()
+        self.close(graceful=False)
+        raise TrainerWorkerError(f"{message}{f' [{dead}]' if dead else ''}; all trainer workers were shut down")
+
+
+# ---------------------------------------------------------------------- worker side
+@dataclass(frozen=True)
+class _WorkerSpec:
+    config: dict[str, Any]  # RunConfig.model_dump(mode="json")
+    world_size: int
+    port: int
+    device: str
+    mixed_precision: bool
+    timeout_s: float
+
+
+def _worker_main(rank: int, spec: _WorkerSpec, conn: Connection) -> None:
+    """Entry point of a worker process: set up, report, then serve commands until `close` or the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        trainer = _setup(rank, spec)
+    except BaseException:  # noqa: BLE001 - the parent shows the traceback
+        _reply(conn, "error", traceback.format_exc())
+        _exit(1)
+    _reply(conn, "ok", {"rank": rank, "pid": os.getpid(), "trainable_params": sum(p.numel() for p in trainer.params)})
+    try:
+        _serve(trainer, conn)
+    finally:
+        distributed.destroy_process_group()
+        _exit(0)
+
+
+def _exit(code: int) -> NoReturn:
+    """Leave without interpreter teardown: torch's C++ destructors take seconds there, and nothing is left to save."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _setup(rank: int, spec: _WorkerSpec) -> PolicyTrainer:
+    cfg = RunConfig.model_validate(spec.config)
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))  # no oversubscription
+        device = torch.device("cpu")
+    distributed.init_process_group(
+        device, rank=rank, world_size=spec.world_size, port=spec.port, timeout_s=spec.timeout_s
+    )
+    return build_sharded_trainer(cfg, device=device, mixed_precision=spec.mixed_precision)
+
+
+def _serve(trainer: PolicyTrainer, conn: Connection) -> None:
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if cmd == "close":
+            return
+        try:
+            result = _COMMANDS[cmd](trainer, *args)
+        except BaseException:  # noqa: BLE001 - reported to the parent, which shuts the workers down
+            _reply(conn, "error", traceback.format_exc())
+            continue
+        _reply(conn, "ok", result)
+
+
+def _reply(conn: Connection, status: str, value: Any) -> None:
+    with contextlib.suppress(OSError):
+        conn.send((status, value))
+
+
+def _adapter_state(trainer: PolicyTrainer) -> tuple[bytes, dict[str, Any]] | None:
+    state = trainer.adapter_state()
+    return None if state is None else (save_tensors(state[0]), state[1])
+
+
+def _state_dict(trainer: PolicyTrainer) -> tuple[bytes, dict[str, Any]] | None:
+    state = trainer.state_dict()
+    return None if state is None else (save_tensors(state["tensors"]), state["meta"])
+
+
+def _load_state_dict(trainer: PolicyTrainer, blob: bytes, meta: dict[str, Any]) -> None:
+    trainer.load_state_dict({"tensors": load_tensors(blob), "meta": meta})
+
+
+_COMMANDS = {
+    "train_step": PolicyTrainer.train_step,
+    "adapter_state": _adapter_state,
+    "state_dict": _state_dict,
+    "load_state_dict": _load_state_dict,
+}

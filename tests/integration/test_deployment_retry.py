@@ -1,0 +1,165 @@
+"""Deployments and UI-style retries against a real local Prefect server.
+
+A temporary `PREFECT_HOME`, `prefect server start` on 127.0.0.1, a process work pool, `prefect deploy --all`
+from the project's prefect.yaml, a worker, and `prefect deployment run` with a tiny random model:
+
+1. an injected fault (`LORA_RL_FAULT=train_step:2`) fails the flow run; `prefect flow-run retry` (what the UI's
+   Retry does: AwaitingRetry, then a worker runs it again) completes it, and the finished steps show as Cached;
+2. `kill -9` of the worker (and its flow process) while publish_adapter has written version 2's files but not its
+   manifest leaves no partial version; setting the run to AwaitingRetry and starting a new worker completes it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from lora_rl_core.store import AdapterStore
+
+REPO = Path(__file__).resolve().parents[2]
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+DEPLOYMENT = "lora-rl-train/smollm2-arith"
+POOL = "lora-rl"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_harness():  # overrides the package-wide test harness: this module runs a real server
+    yield
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "false", "LORA_RL_HOME": str(REPO), "PREFECT_WORKER_QUERY_SECONDS": "1",
+           "PREFECT_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    api = f"http://127.0.0.1:{port}/api"
+    env["PREFECT_API_URL"] = api
+    try:
+        _wait(lambda: httpx.get(f"{api}/health", timeout=2).status_code == 200, 90, "prefect server health")
+        _cli(env, "work-pool", "create", POOL, "--type", "process")
+        _cli(env, "--no-prompt", "deploy", "--all")
+        yield api, env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _cli(env: dict[str, str], *args: str) -> str:
+    out = subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def _wait(predicate, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+
+
+def _worker(env: dict[str, str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--limit", "1"], cwd=REPO,
+                            env={**env, **(extra_env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _stop(worker: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    os.killpg(worker.pid, sig)
+    worker.wait(timeout=60)
+
+
+def _state(api: str, run_id: str) -> str:
+    return httpx.get(f"{api}/flow_runs/{run_id}", timeout=10).json()["state"]["type"]
+
+
+def _task_states(api: str, flow_run_id: str) -> dict[str, str]:
+    body = {"flow_runs": {"id": {"any_": [flow_run_id]}}, "limit": 200, "offset": 0, "sort": "EXPECTED_START_TIME_ASC"}
+    runs = httpx.post(f"{api}/task_runs/filter", json=body, timeout=10).json()
+    return {r["name"]: r["state"]["name"] for r in runs}
+
+
+def _run_deployment(env: dict[str, str], config: Path, run_id: str) -> str:
+    out = _cli(env, "deployment", "run", DEPLOYMENT, "--param", f"config_path={config}", "--param", f"run_id={run_id}")
+    return re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
+
+
+def _config(tmp_path: Path, tiny_model_dir: Path, steps: int = 3) -> tuple[Path, Path]:
+    store = tmp_path / "store"
+    cfg = {
+        "run": {"name": "deploy", "output_dir": str(tmp_path / "runs"), "eval_before_after": False},
+        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "algorithm": {"skip_uniform_groups": False},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
+        "trainer": {"steps": steps, "lr": 1e-2},
+        "data": {"source": "arithmetic", "train_size": 32, "eval_size": 4},
+        "reward": {"functions": [{"name": "tests.integration.rewards:digit_fraction"}]},
+        "store": {"uri": f"file://{store}"},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, store
+
+
+def test_injected_fault_then_ui_retry_completes_from_cache(server, tiny_model_dir, tmp_path):
+    api, env = server
+    config, store = _config(tmp_path, tiny_model_dir)
+    worker = _worker(env, {"LORA_RL_FAULT": "train_step:2"})
+    try:
+        flow_run = _run_deployment(env, config, "it-fault")
+        _wait(lambda: _state(api, flow_run) == "FAILED", 240, "the injected fault to fail the flow run")
+        assert AdapterStore(f"file://{store}").versions("it-fault") == [0, 1]
+        _cli(env, "flow-run", "retry", flow_run)  # the UI's Retry: AwaitingRetry, picked up by the worker
+        _wait(lambda: _state(api, flow_run) == "COMPLETED", 240, "the retried flow run to complete")
+    finally:
+        _stop(worker)
+    states = _task_states(api, flow_run)
+    assert states["rollout-1"] == "Cached" and states["publish_adapter-1"] == "Cached"
+    assert states["train_step-1"] == "Cached"  # checkpoint_every 1: the update of step 1 is not recomputed
+    assert AdapterStore(f"file://{store}").versions("it-fault") == [0, 1, 2, 3]
+
+
+def test_kill_worker_mid_publish_leaves_no_partial_version(server, tiny_model_dir, tmp_path):
+    api, env = server
+    config, store = _config(tmp_path, tiny_model_dir)
+    worker = _worker(env, {"LORA_RL_FAULT": "publish_adapter:2:hang"})
+    flow_run = _run_deployment(env, config, "it-kill")
+    attempt_dir = store / "it-kill" / "adapters" / "v000002"
+    _wait(lambda: any(attempt_dir.glob("*/adapter_model.safetensors")), 240, "publish of v2 to write its files")
+    _stop(worker, signal.SIGKILL)  # kill -9 the worker and the flow process it started
+    assert AdapterStore(f"file://{store}").versions("it-kill") == [0, 1]  # no partial version
+    assert not (attempt_dir / "manifest.json").exists()
+    body = {"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}, "force": True}
+    assert httpx.post(f"{api}/flow_runs/{flow_run}/set_state", json=body, timeout=10).status_code in (200, 201)
+    worker = _worker(env)
+    try:
+        _wait(lambda: _state(api, flow_run) == "COMPLETED", 240, "the retried flow run to complete")
+    finally:
+        _stop(worker)
+    assert AdapterStore(f"file://{store}").versions("it-kill") == [0, 1, 2, 3]

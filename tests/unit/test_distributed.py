@@ -1,0 +1,232 @@
+"""FSDP2 training on CPU (gloo) with persistent worker processes, against the in-process trainer.
+
+Tests marked `spawn` start worker processes (seconds each); the two worker groups are shared by the
+module, and each test that trains first resets them to the initial checkpoint, so order does not matter.
+The config exercises every collective pattern: two minibatches (old-logprob passes), KL to the adapter-
+disabled reference, TIS, one-row micro-batches, batches that leave a rank with fewer (or no) rows, and
+gradient clipping that is active on every step (so a per-rank instead of global norm would show).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from peft import get_peft_model_state_dict
+
+from lora_rl_core.config import RunConfig
+from lora_rl_core.distributed import find_decoder_layers
+from lora_rl_core.lora import adapter_state, apply_lora
+from lora_rl_core.models import load_model
+from lora_rl_core.trainer import PolicyTrainer, TrainBatch, rank_micro_batches
+from lora_rl_core.trainer_workers import TrainerWorkerError, TrainerWorkers, _serve
+
+spawn = pytest.mark.spawn
+VOCAB = 64  # random token ids stay below this; the tiny tokenizer has 78 tokens
+METRICS = ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_fraction", "ratio_mean", "ratio_max", "lr")
+
+
+def make_config(model_dir, **model) -> RunConfig:
+    with warnings.catch_warnings():  # two minibatches depart from the LoRA recipe: expected here
+        warnings.simplefilter("ignore")
+        return RunConfig.model_validate(
+            {
+                "model": {"name_or_path": str(model_dir), "dtype": "float32", "device": "cpu", **model},
+                "lora": {"rank": 4, "alpha": 8},
+                "algorithm": {"num_minibatches": 2, "kl_coef": 0.05, "tis_cap": 2.0},
+                "trainer": {"lr": 1e-2, "micro_batch_size": 1, "warmup_steps": 2, "max_grad_norm": 0.02},
+                "run": {"seed": 3},
+            }
+        )
+
+
+def make_batch(rows: int, seed: int) -> TrainBatch:
+    """Random prompts (2-6 tokens) and completions (1-5), fixed advantages, random inference logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [
+        (int(torch.randint(2, 7, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))) for _ in range(rows)
+    ]
+    prompts = [torch.randint(1, VOCAB, (p,), generator=g).tolist() for p, _ in sizes]
+    completions = [torch.randint(1, VOCAB, (c,), generator=g).tolist() for _, c in sizes]
+    advantages = [(-1.0) ** i * (1 + i % 3) / 2 for i in range(rows)]
+    inference = [(-3 * torch.rand(c, generator=g)).tolist() for _, c in sizes]
+    return TrainBatch(prompts, completions, advantages, inference)
+
+
+# 8 rows split evenly; 5 rows leave rank 1 a dummy micro-batch; 1 row leaves rank 1 without rows
+BATCHES = [make_batch(8, 1), make_batch(8, 2), make_batch(5, 3), make_batch(1, 4)]
+
+
+def inprocess_trainer(cfg: RunConfig) -> PolicyTrainer:
+    model, tokenizer = load_model(cfg.model)
+    torch.manual_seed(cfg.run.seed)  # as build_sharded_trainer does
+    return PolicyTrainer(
+        apply_lora(model, cfg.lora),
+        pad_id=tokenizer.pad_token_id,
+        algorithm=cfg.algorithm,
+        trainer=cfg.trainer,
+        temperature=cfg.rollout.temperature,
+    )
+
+
+def assert_adapters_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.allclose(got[key], value, atol=atol), (key, (got[key] - value).abs().max())
+
+
+def assert_metrics_close(got: dict[str, float], want: dict[str, float]) -> None:
+    for key in METRICS:
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+    assert got["train_tokens"] == want["train_tokens"]
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_model_dir) -> RunConfig:
+    return make_config(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def initial_state(cfg):
+    return inprocess_trainer(cfg).state_dict()
+
+
+@pytest.fixture(scope="module")
+def groups(cfg, initial_state):
+    """Worker groups started concurrently (start-up is mostly imports): world sizes 2 and 1, and one to kill."""
+    sizes = {"two": 2, "one": 1, "doomed": 2}
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        futures = {name: pool.submit(TrainerWorkers, cfg, world_size=n, timeout_s=120) for name, n in sizes.items()}
+    started = {name: f.result() for name, f in futures.items() if f.exception() is None}
+    try:
+        assert len(started) == len(sizes), [f.exception() for f in futures.values()]
+        yield started
+    finally:
+        for workers in started.values():
+            workers.close()
+
+
+@pytest.fixture(scope="module")
+def workers2(groups) -> TrainerWorkers:
+    return groups["two"]
+
+
+@pytest.fixture(scope="module")
+def workers1(groups) -> TrainerWorkers:
+    return groups["one"]
+
+
+# ---------------------------------------------------------------------- pure helpers (no processes)
+def test_rank_micro_batches_share_rows_and_pad_to_equal_counts():
+    lengths = [5, 1, 4, 2, 3, 9, 7]  # length order: rows 1, 3, 4, 2, 0, 6, 5
+    rows = list(range(7))
+    plans = [rank_micro_batches(lengths, rows, size=3, rank=r, world_size=2) for r in range(2)]
+    assert plans == [[[1, 4, 0], [5]], [[3, 2, 6], []]]  # dealt round-robin; rank 1 padded with a dummy
+    assert rank_micro_batches(lengths, rows, size=3) == [[1, 3, 4], [2, 0, 6], [5]]  # one process: length order
+    assert rank_micro_batches(lengths, [5, 6], size=3) == [[6, 5]]  # only the minibatch's rows
+
+
+def test_rank_micro_batches_gives_empty_plans_to_idle_ranks():
+    assert rank_micro_batches([4, 2], [0], size=4, rank=1, world_size=2) == [[]]
+    assert rank_micro_batches([4, 2], [0], size=4, rank=0, world_size=2) == [[0]]
+
+
+def test_find_decoder_layers_finds_the_block_list(cfg):
+    model, _ = load_model(cfg.model)
+    peft_model = apply_lora(model, cfg.lora)
+    assert find_decoder_layers(peft_model) is peft_model.get_base_model().model.layers
+
+
+def test_worker_loop_reports_errors_and_keeps_serving():
+    class Broken:
+        def state_dict(self):
+            raise ValueError("boom")
+
+    parent, child = multiprocessing.Pipe()
+    parent.send(("state_dict", ()))
+    parent.send(("close", ()))
+    _serve(Broken(), child)  # returns on "close"
+    status, text = parent.recv()
+    assert status == "error" and "ValueError: boom" in text
+
+
+# ---------------------------------------------------------------------- worker processes
+@spawn
+def test_sharded_training_matches_single_process(cfg, initial_state, workers1, workers2):
+    reference = inprocess_trainer(cfg)
+    for workers in (workers1, workers2):
+        workers.load_state_dict(initial_state)
+    for batch in BATCHES:
+        want = reference.train_step(batch)
+        for workers in (workers1, workers2):
+            assert_metrics_close(workers.train_step(batch), want)
+    want_adapter, want_config = adapter_state(reference.model)
+    for workers in (workers1, workers2):
+        got_adapter, got_config = workers.adapter_state()
+        assert got_config == want_config
+        assert_adapters_close(got_adapter, want_adapter, atol=1e-5)
+
+
+@spawn
+def test_gathered_adapter_has_peft_keys(cfg, workers2):
+    tensors, config = workers2.adapter_state()
+    model, _ = load_model(cfg.model)
+    unsharded = get_peft_model_state_dict(apply_lora(model, cfg.lora))
+    assert tensors.keys() == unsharded.keys()
+    for key, value in unsharded.items():
+        assert tensors[key].shape == value.shape and tensors[key].dtype == torch.float32, key
+    assert config["r"] == 4
+
+
+@spawn
+def test_checkpoint_round_trip(cfg, initial_state, workers1, workers2):
+    workers2.load_state_dict(initial_state)
+    for batch in BATCHES[:2]:
+        workers2.train_step(batch)
+    saved = workers2.state_dict()
+    assert json.loads(json.dumps(saved["meta"]))["world_size"] == 2
+    assert {"rng/rank0/cpu", "rng/rank1/cpu"} <= saved["tensors"].keys()
+    want = workers2.train_step(BATCHES[2])
+    want_adapter = workers2.adapter_state()[0]
+    workers2.load_state_dict(saved)  # the same workers, after training on
+    assert workers2.train_step(BATCHES[2])["loss"] == pytest.approx(want["loss"], abs=1e-7)
+    assert_adapters_close(workers2.adapter_state()[0], want_adapter, atol=1e-7)
+    workers1.load_state_dict(saved)  # other workers, another world size
+    assert_metrics_close(workers1.train_step(BATCHES[2]), want)
+    assert_adapters_close(workers1.adapter_state()[0], want_adapter, atol=1e-5)
+    fresh = inprocess_trainer(cfg)  # a fresh optimizer without state
+    fresh.load_state_dict(saved)
+    assert_metrics_close(fresh.train_step(BATCHES[2]), want)
+    assert_adapters_close(adapter_state(fresh.model)[0], want_adapter, atol=1e-5)
+
+
+@spawn
+def test_killed_worker_fails_the_next_call_and_close_is_prompt(groups):
+    workers = groups["doomed"]
+    os.kill(workers.pids[1], signal.SIGTERM)
+    start = time.monotonic()
+    with pytest.raises(TrainerWorkerError, match="rank 1"):
+        workers.train_step(BATCHES[0])
+    assert time.monotonic() - start < 15
+    start = time.monotonic()
+    workers.close()
+    assert time.monotonic() - start < 2
+    assert not any(p.is_alive() for p in workers._procs)
+    with pytest.raises(TrainerWorkerError, match="closed"):
+        workers.train_step(BATCHES[0])
+
+
+@spawn
+def test_worker_start_failure_is_reported(tmp_path, tiny_model_dir):
+    cfg = make_config(tiny_model_dir, name_or_path=str(tmp_path / "no-such-model"))
+    start = time.monotonic()
+    with pytest.raises(TrainerWorkerError, match="(?s)rank 0 failed in 'start'.*ModelError"):
+        TrainerWorkers(cfg, world_size=1, start_timeout_s=60)
+    assert time.monotonic() - start < 60

@@ -1,0 +1,108 @@
+"""sglang_launch_command: flags rendered as SGLang parses them, and SGLang's start-up checks."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from lora_rl_core.config import EngineConfig, config_from_dict
+from lora_rl_core.engines.launch import render, sglang_launch_command, sglang_launch_command_from_config
+from lora_rl_core.errors import ConfigError
+
+POOL_FIELDS = {"max_loras_per_batch", "max_loaded_loras", "eviction_policy", "max_lora_rank"}
+
+
+def flag(argv: list[str], name: str) -> list[str]:
+    """The values after `name`, up to the next `--flag`."""
+    values = []
+    for arg in argv[argv.index(name) + 1 :]:
+        if arg.startswith("--"):
+            break
+        values.append(arg)
+    return values
+
+
+def test_renders_pool_targets_and_pinned_paths():
+    argv = sglang_launch_command(
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        max_lora_rank=16,
+        target_modules=["q_proj", "v_proj"],
+        max_loras_per_batch=4,
+        max_loaded_loras=8,
+        eviction_policy="fifo",
+        lora_paths=[("run-v000001", "/adapters/v1", False), ("run-v000002", "/adapters/v2", True)],
+        host="0.0.0.0",
+        port=31000,
+        extra=["--api-key", "k"],
+    )
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    assert flag(argv, "--model-path") == ["Qwen/Qwen2.5-0.5B-Instruct"]
+    assert flag(argv, "--host") == ["0.0.0.0"] and flag(argv, "--port") == ["31000"]
+    assert "--enable-lora" in argv
+    assert flag(argv, "--max-lora-rank") == ["16"]
+    assert flag(argv, "--lora-target-modules") == ["q_proj", "v_proj"]
+    assert flag(argv, "--max-loras-per-batch") == ["4"]
+    assert flag(argv, "--max-loaded-loras") == ["8"]
+    assert flag(argv, "--lora-eviction-policy") == ["fifo"]
+    plain, pinned = flag(argv, "--lora-paths")
+    assert plain == "run-v000001=/adapters/v1"
+    assert json.loads(pinned) == {"lora_name": "run-v000002", "lora_path": "/adapters/v2", "pinned": True}
+    assert argv[-2:] == ["--api-key", "k"]
+    assert shlex.split(render(argv)) == argv  # the JSON entry survives shell quoting
+
+
+def test_defaults_all_linear_and_no_cap():
+    argv = sglang_launch_command("m", max_lora_rank=8, target_modules="all-linear")
+    assert flag(argv, "--lora-target-modules") == ["all"]
+    assert "--max-loaded-loras" not in argv and "--lora-paths" not in argv
+    assert flag(argv, "--max-loras-per-batch") == ["8"] and flag(argv, "--lora-eviction-policy") == ["lru"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_loaded_loras": 2}, "--max-loaded-loras"),
+        ({"target_modules": ["all", "q_proj"]}, "stand alone"),
+        ({"target_modules": []}, "at least one"),
+        ({"eviction_policy": "random"}, "lru"),
+        ({"max_lora_rank": 0}, "--max-lora-rank"),
+        ({"lora_paths": [(f"r-v00000{i}", f"/a/{i}", True) for i in range(4)]}, "at most"),
+        ({"lora_paths": [("r-v000001", "/a", False), ("r-v000001", "/b", False)]}, "more than once"),
+        ({"lora_paths": [("../evil", "/a", False)]}, "bad adapter name"),
+        ({"max_loaded_loras": 4, "lora_paths": [(f"r-v00000{i}", "/a", False) for i in range(5)]}, "more than"),
+    ],
+)
+def test_refuses_what_sglang_refuses(kwargs, message):
+    args = {"max_lora_rank": 8, "target_modules": ["q_proj"], "max_loras_per_batch": 4, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        sglang_launch_command("m", **args)
+
+
+def test_three_pinned_of_four_slots_is_allowed():
+    paths = [(f"r-v00000{i}", f"/a/{i}", True) for i in range(3)]
+    argv = sglang_launch_command(
+        "m", max_lora_rank=8, target_modules=["q_proj"], max_loras_per_batch=4, lora_paths=paths
+    )
+    assert len(flag(argv, "--lora-paths")) == 3
+
+
+@pytest.mark.skipif(not POOL_FIELDS <= set(EngineConfig.model_fields), reason="EngineConfig pool fields not added yet")
+def test_from_config_uses_model_lora_and_engine_sections():
+    cfg = config_from_dict(
+        {
+            "model": {"name_or_path": "smollm2-135m-instruct", "dtype": "bfloat16"},
+            "lora": {"rank": 8, "target_modules": ["q_proj", "v_proj", "o_proj"], "exclude_modules": ["o_proj"]},
+            "engine": {"max_loras_per_batch": 4, "max_loaded_loras": 6, "eviction_policy": "lru"},
+        }
+    )
+    argv = sglang_launch_command_from_config(cfg, lora_paths=[("r-v000001", "/a", True)], port=30001)
+    assert flag(argv, "--model-path") == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert flag(argv, "--max-lora-rank") == ["8"]
+    assert flag(argv, "--lora-target-modules") == ["q_proj", "v_proj"]
+    assert flag(argv, "--max-loras-per-batch") == ["4"] and flag(argv, "--max-loaded-loras") == ["6"]
+    assert flag(argv, "--dtype") == ["bfloat16"] and flag(argv, "--port") == ["30001"]
+    cfg = config_from_dict({"lora": {"exclude_modules": ["o_proj"]}})
+    with pytest.raises(ConfigError, match="exclude_modules"):
+        sglang_launch_command_from_config(cfg)
