@@ -1,0 +1,64 @@
+"""A run that fails at step k and is resumed equals an uninterrupted run, without recomputing earlier steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from lora_rl_core.faults import InjectedFault
+from lora_rl_core.session import RunSession
+from lora_rl_core.store import AdapterStore
+
+
+def _write_config(tmp_path, tiny_model_dir, run_id: str):
+    cfg = {
+        "run": {"id": run_id, "output_dir": str(tmp_path / "runs"), "eval_before_after": False},
+        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "algorithm": {"skip_uniform_groups": False},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
+        "trainer": {"steps": 4, "lr": 1e-2},
+        "data": {"source": "arithmetic", "train_size": 32, "eval_size": 4},
+        "reward": {"functions": [{"name": "tests.integration.rewards:digit_fraction"}]},
+        "store": {"uri": f"file://{tmp_path / 'store'}"},
+    }
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
+    from flows.grpo_lora import train
+
+    executed: list[tuple[str, int]] = []
+    for phase in ("rollout", "train_step"):
+        original = getattr(RunSession, phase)
+
+        def traced(self, step, _original=original, _phase=phase):
+            executed.append((_phase, step))
+            return _original(self, step)
+
+        monkeypatch.setattr(RunSession, phase, traced)
+
+    train(config_path=_write_config(tmp_path, tiny_model_dir, "straight"))
+    executed.clear()
+
+    monkeypatch.setenv("LORA_RL_FAULT", "train_step:3")
+    resumed_cfg = _write_config(tmp_path, tiny_model_dir, "resumed")
+    with pytest.raises(InjectedFault):
+        train(config_path=resumed_cfg)
+    assert ("train_step", 3) in executed
+    executed.clear()
+    train(config_path=resumed_cfg)  # a new flow run with the same run id resumes it
+    # steps 1-2 come from the cache and the step-2 checkpoint; step 3's rollout was cached before the fault
+    assert executed == [("train_step", 3), ("rollout", 4), ("train_step", 4)]
+
+    store = AdapterStore(f"file://{tmp_path / 'store'}")
+    assert store.versions("resumed") == store.versions("straight") == [0, 1, 2, 3, 4]
+    straight, _ = store.load_tensors("straight", 4)
+    resumed, _ = store.load_tensors("resumed", 4)
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=1e-4)
+    assert any(not torch.equal(straight[k], store.load_tensors("straight", 1)[0][k]) for k in straight)
