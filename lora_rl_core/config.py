@@ -181,6 +181,10 @@ class TrainerConfig(Section):
     micro_batch_size: int = Field(16, ge=1)
     """Sequences per forward/backward pass (gradient accumulation over the rest)."""
     gradient_checkpointing: bool = False
+    world_size: int = Field(0, ge=0)
+    """0: train in this process; N >= 1: N persistent FSDP2 worker processes (gloo on CPU, NCCL on GPUs)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device of the FSDP2 workers (world_size >= 1)."""
     checkpoint_every: int = Field(1, ge=1)
     """Save a checkpoint (adapter, optimizer, scheduler, RNG, data cursor) every this many steps."""
     keep_checkpoints: int = Field(2, ge=1)

@@ -86,6 +86,18 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     return model.to(resolve_device(cfg.device)).eval(), tokenizer
 
 
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The model's tokenizer alone (pad token = EOS when it has none). ModelError as `load_model`."""
+    folder = model_folder(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the tokenizer from {folder}: {_first_line(exc)}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def model_folder(cfg: ModelConfig) -> str:
     """Where `cfg.name_or_path` lives as a transformers folder; fetches offline models.
 

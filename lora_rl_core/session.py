@@ -32,12 +32,13 @@ from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, InferenceEng
 from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.evaluation import evaluate_accuracy
 from lora_rl_core.faults import maybe_fail
-from lora_rl_core.lora import adapter_state, apply_lora
-from lora_rl_core.models import load_model, model_folder
+from lora_rl_core.lora import apply_lora
+from lora_rl_core.models import load_model, load_tokenizer, model_folder
 from lora_rl_core.rewards import load_reward, score_completions
 from lora_rl_core.store import AdapterRef, adapter_name, validate_run_id
 from lora_rl_core.subscriber import sync_version
 from lora_rl_core.trainer import PolicyTrainer, TrainBatch
+from lora_rl_core.trainer_workers import TrainerWorkers
 
 _SESSIONS: dict[str, RunSession] = {}
 _REGISTRY_LOCK = threading.Lock()
@@ -91,15 +92,9 @@ class RunSession:
         self.test_problems = build_problems(cfg.data, "test", cfg.run.seed)
         self.sampler = PromptSampler(self.train_problems, seed=cfg.run.seed)
         _seed_everything(cfg.run.seed)
-        trainer_model, self.tokenizer = load_model(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model)
         self.engine = self._build_engine()
-        self.trainer = PolicyTrainer(
-            apply_lora(trainer_model, cfg.lora),
-            pad_id=self.tokenizer.pad_token_id,
-            algorithm=cfg.algorithm,
-            trainer=cfg.trainer,
-            temperature=cfg.rollout.temperature,
-        )
+        self.trainer = self._build_trainer()
         self.policy_version: int | None = None  # version the engine serves for rollouts
         self._pending: tuple[dict, dict] | None = None  # tensors of the last publish, for the tensor sync path
         self.checkpoints = CheckpointStore(self.store.uri, cfg.store.storage_options)
@@ -123,6 +118,27 @@ class RunSession:
             store=self.store,
             default_timeout_s=e.timeout_s,
         )
+
+    def _build_trainer(self) -> PolicyTrainer | TrainerWorkers:
+        """The in-process trainer (`trainer.world_size: 0`) or persistent FSDP2 worker processes."""
+        cfg = self.cfg
+        if cfg.trainer.world_size >= 1:
+            return TrainerWorkers(cfg, world_size=cfg.trainer.world_size, device=cfg.trainer.device)
+        model, _ = load_model(cfg.model)
+        return PolicyTrainer(
+            apply_lora(model, cfg.lora),
+            pad_id=self.tokenizer.pad_token_id,
+            algorithm=cfg.algorithm,
+            trainer=cfg.trainer,
+            temperature=cfg.rollout.temperature,
+        )
+
+    def close(self) -> None:
+        """Stop the trainer workers and the engine's worker thread."""
+        self.trainer.close()
+        close_engine = getattr(self.engine, "close", None)
+        if close_engine is not None:
+            close_engine()
 
     # ------------------------------------------------------------------ resume
     def _restore(self) -> int:
@@ -158,7 +174,7 @@ class RunSession:
     # ------------------------------------------------------------------ phases
     def publish(self, step: int, metrics: dict[str, float] | None = None) -> AdapterRef:
         """Write the current LoRA weights to the store as version `step` (immutable)."""
-        tensors, config = adapter_state(self.trainer.model)
+        tensors, config = self.trainer.adapter_state()
         ref = self.store.publish(
             self.run_id,
             step,
@@ -367,4 +383,6 @@ def get_session(run_id: str) -> RunSession:
 def close_session(run_id: str) -> None:
     """Drop the session (models, engine, optimizer) of `run_id` from this process."""
     with _REGISTRY_LOCK:
-        _SESSIONS.pop(run_id, None)
+        session = _SESSIONS.pop(run_id, None)
+    if session is not None:
+        session.close()
