@@ -599,12 +599,14 @@ def _probe(target: _Target, shared: _Shared) -> bool:
     """One greedy 1-token request on the active version completes with that version."""
     if shared.active is None:
         return False
-    request = GenerationRequest([5, 6, 7], shared.active, SamplingParams(max_new_tokens=1, temperature=0.0))
+    prompt = [min(4, shared.settings.vocab_size - 1)] * 3
+    request = GenerationRequest(prompt, shared.active, SamplingParams(max_new_tokens=1, temperature=0.0))
     try:
         done = target.engine.generate([request], timeout_s=shared.settings.control_timeout_s)
     except LoraRLError:
         return False
-    return done[0].finish_reason in ("stop", "length") and done[0].adapter_version == adapter_version(shared.active)
+    ok = len(done) == 1 and done[0].finish_reason in ("stop", "length")
+    return ok and done[0].adapter_version == adapter_version(shared.active)
 
 
 def _report(target: _Target, shared: _Shared, wall_s: float) -> StressReport:

@@ -69,3 +69,21 @@ def test_two_steps_publish_two_distinct_loadable_versions(flow_config, tiny_mode
     table = httpx.get(f"{api}/artifacts/it-run-step-metrics/latest").json()
     assert httpx.get(f"{api}/artifacts/it-run-summary/latest").json()["type"] == "markdown"
     assert [row["step"] for row in json.loads(table["data"])] == [1, 2]
+
+
+def test_flow_with_two_fsdp2_workers_matches_in_process(flow_config, tmp_path):
+    """trainer.world_size=2 runs the same flow on two persistent gloo FSDP2 workers, shut down at the end."""
+    import psutil
+
+    from flows.grpo_lora import train
+
+    path, tmp = flow_config
+    train(config_path=str(path), run_id="it-solo")
+    train(config_path=str(path), run_id="it-fsdp", overrides=["trainer.world_size=2"])
+    store = AdapterStore(f"file://{tmp / 'store'}")
+    solo, _ = store.load_tensors("it-solo", 2)
+    fsdp, _ = store.load_tensors("it-fsdp", 2)
+    for key in solo:
+        torch.testing.assert_close(fsdp[key], solo[key], atol=1e-5, rtol=1e-4)
+    workers = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # workers shut down
