@@ -24,8 +24,16 @@ Every engine call has a deadline, and so does the run. Checked afterwards (`Stre
 * not loaded at admission: a completion whose version's load had not finished when its group was sent, or
   whose unload had already finished then (the admission record itself is the engine's: it aborts a request
   whose adapter is unregistered at admission with `adapter_unloaded`);
-* unloads while paused, calls past their deadline (+ a grace), threads still alive at the run deadline,
-  usage counts still held once everything ended, and a final 1-token request on the active version.
+* unaccounted aborts: the requests that `abort` calls report aborted must be exactly the samples that come
+  back aborted with reason `aborted`;
+* unloads while paused, failed loads or control calls (and crashed threads), calls past their deadline
+  (+ a grace), threads still alive at the run deadline, usage counts still held once everything ended,
+  and a final 1-token request on the active version.
+
+Aborts with reason `adapter_unloaded` are allowed (not lost: they end with a reason): the engine admits a
+queued request only while its adapter is registered, and `subscriber.retire_stale` retires versions that no
+*admitted* request holds, so requests still queued for a retired version end that way. `retire="engine"`
+(`EmbeddedEngine.retire_stale`, which also spares queued requests) gives none.
 
 Targets: an in-process engine (`EmbeddedEngine`; a group is `n` requests sharing the prompt, through
 `generate`), or our engine server over HTTP (a `ServerEngine` or its URL): a group is one SGLang `/generate`
@@ -76,7 +84,7 @@ class StressSettings:
     n: int = 4
     deadline_s: float = 600.0
     abort_prob: float = 0.1
-    pause_prob: float = 0.05
+    pause_prob: float = 0.1
     seed: int = 0
     run_id: str = "stress"
     keep: int = 2
@@ -133,6 +141,7 @@ class StressReport:
     examples: list[str] = field(default_factory=list)
 
     VIOLATIONS = (
+        "swap_failures",
         "lost",
         "missing_reason",
         "unexpected_rejections",
@@ -243,9 +252,21 @@ class _Shared:
     groups: list[_Group] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     late: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
     retire_started: dict[str, int] = field(default_factory=dict)  # name -> sequence of the retire call's start
     deadline: float = 0.0
+
+    def count(self, **increments: int) -> None:
+        """Add to the run's counters (thread-safe)."""
+        with self.lock:
+            self.counts.update(increments)
+
+    def fail(self, what: str, exc: BaseException) -> None:
+        """Record a control call or thread that failed (reported under `errors`)."""
+        with self.lock:
+            self.counts["errors"] += 1
+            self.failures.append(f"{what}: {type(exc).__name__}: {exc}")
 
     def timed(self, what: str, limit_s: float, fn: Callable[[], Any]) -> Any:
         """Call `fn`, and count a late call when it returns after `limit_s` + the grace."""
@@ -352,15 +373,17 @@ def _http_sample(out: dict[str, Any]) -> _Sample:
 
 def _target(engine: Any, settings: StressSettings) -> tuple[_Target, bool]:
     """The target for an engine or URL; True when this function opened the client (and must close it)."""
-    if isinstance(engine, str):
+    owned = isinstance(engine, str)
+    if owned:
         from lora_rl_core.engines.http import ServerEngine
 
-        client = ServerEngine(
+        engine = ServerEngine(
             engine, timeout_s=settings.request_timeout_s, control_timeout_s=settings.control_timeout_s
         )
-        return _Http(client, settings), True
     if hasattr(engine, "url"):
-        return _Http(engine, settings), False
+        if settings.retire == "engine":
+            raise EngineError("retire='engine' calls EmbeddedEngine.retire_stale: in-process only")
+        return _Http(engine, settings), owned
     if settings.samples == "n":
         raise EngineError("samples='n' (SGLang's n) needs an HTTP target; in-process groups are n requests")
     return _InProcess(engine, settings), False
@@ -380,12 +403,13 @@ def _swapper(target: _Target, shared: _Shared, make_adapter: AdapterFactory) -> 
         shared.log.mark("load_start", name)
         try:
             shared.timed(f"load {name}", s.control_timeout_s, lambda: target.load(name, tensors, config))  # noqa: B023
-        except LoraRLError:
-            shared.counts["swap_failures"] += 1
+        except LoraRLError as exc:
+            shared.count(swap_failures=1)
+            shared.fail(f"load {name}", exc)
             continue
         shared.log.mark("load_done", name)
         shared.active = name
-        shared.counts["swaps"] += 1
+        shared.count(swaps=1)
         _retire(target, shared, name)
         time.sleep(rng.uniform(0, 2 * s.swap_interval_s))
 
@@ -395,11 +419,15 @@ def _retire(target: _Target, shared: _Shared, active: str) -> None:
     limit = shared.settings.control_timeout_s * (shared.settings.keep + 1)
     with shared.control:
         start = shared.log.mark("retire_start")
-        retired = shared.timed("retire", limit, lambda: target.retire(active))
+        try:
+            retired = shared.timed("retire", limit, lambda: target.retire(active))
+        except LoraRLError as exc:
+            shared.fail("retire", exc)
+            return
         for name in retired:
             shared.retire_started.setdefault(name, start)
             shared.log.mark("unloaded", name)
-    shared.counts["retired"] += len(retired)
+    shared.count(retired=len(retired))
 
 
 def _client(index: int, target: _Target, shared: _Shared, aborts: _Aborter) -> None:
@@ -477,41 +505,37 @@ class _Aborter:
                 hits, failed = 0, 1
             else:
                 failed = 0
-            with self.shared.lock:
-                self.shared.counts.update(abort_calls=1, aborts_acknowledged=int(hits), abort_failures=failed)
+            self.shared.count(abort_calls=1, aborts_acknowledged=int(hits), abort_failures=failed)
 
 
 def _pauser(target: _Target, shared: _Shared) -> None:
     s = shared.settings
     rng = random.Random(s.seed + 7)
-    paused = False
-    try:
-        while not shared.stop.is_set() and time.monotonic() < shared.deadline:
-            shared.stop.wait(s.pause_tick_s)
-            if rng.random() >= s.pause_prob or shared.stop.is_set():
-                continue
-            mode = rng.choice(PAUSE_MODES)
-            _toggle(target, shared, f"pause:{mode}", lambda: target.engine.pause(mode))  # noqa: B023
-            paused = True
+    while not shared.stop.is_set() and time.monotonic() < shared.deadline:
+        shared.stop.wait(s.pause_tick_s)
+        if rng.random() >= s.pause_prob or shared.stop.is_set():
+            continue
+        mode = rng.choice(PAUSE_MODES)
+        try:
+            _toggle(shared, f"pause:{mode}", lambda: target.engine.pause(mode))  # noqa: B023
             shared.stop.wait(rng.uniform(0, s.max_pause_s))
-            _toggle(target, shared, "resume", target.engine.resume)
-            paused = False
-    finally:
-        if paused:
-            _toggle(target, shared, "resume", target.engine.resume)
+        finally:  # resume even when the pause call failed: it may have taken effect
+            _toggle(shared, "resume", target.engine.resume)
 
 
-def _toggle(target: _Target, shared: _Shared, kind: str, call: Callable[[], Any]) -> None:
-    """Pause or resume under the control lock, marking the paused interval conservatively wide."""
-    limit = shared.settings.control_timeout_s
+def _toggle(shared: _Shared, kind: str, call: Callable[[], Any]) -> None:
+    """Pause or resume under the control lock; the paused interval is marked conservatively wide (pause
+    marked before the call, resume after it). A failed call is recorded, not raised."""
     with shared.control:
-        if kind == "resume":
-            shared.timed(kind, limit, call)
-            shared.log.mark("resume")
-        else:
+        if kind != "resume":
             shared.log.mark("pause")
-            shared.counts[kind] += 1
-            shared.timed(kind, limit, call)
+            shared.count(**{kind: 1})
+        try:
+            shared.timed(kind, shared.settings.control_timeout_s, call)
+        except LoraRLError as exc:
+            shared.fail(kind, exc)
+        if kind == "resume":
+            shared.log.mark("resume")
 
 
 # ----------------------------------------------------------------------------- run + check
@@ -526,7 +550,7 @@ def run_hotswap_stress(
     n: int = 4,
     deadline_s: float = 600.0,
     abort_prob: float = 0.1,
-    pause_prob: float = 0.05,
+    pause_prob: float = 0.1,
     seed: int = 0,
     **options: Any,
 ) -> StressReport:
@@ -565,12 +589,9 @@ def _run(target: _Target, settings: StressSettings, make_adapter: AdapterFactory
     start = time.monotonic()
     shared.deadline = start + settings.deadline_s
     aborter = _Aborter(target, shared)
-    threads = [threading.Thread(target=_client, args=(i, target, shared, aborter)) for i in range(settings.clients)]
-    threads += [threading.Thread(target=_pauser, args=(target, shared)), threading.Thread(target=aborter.run)]
-    swapper = threading.Thread(target=_swapper, args=(target, shared, make_adapter))
-    for t in [swapper, *threads]:
-        t.daemon = True
-        t.start()
+    swapper = _thread(shared, "swapper", _swapper, target, shared, make_adapter)
+    threads = [_thread(shared, f"client-{i}", _client, i, target, shared, aborter) for i in range(settings.clients)]
+    threads += [_thread(shared, "pauser", _pauser, target, shared), _thread(shared, "aborter", aborter.run)]
     swapper.join(max(0.0, shared.deadline - time.monotonic()))
     time.sleep(min(1.0, max(0.0, shared.deadline - time.monotonic())))  # let the last version serve a while
     shared.stop.set()
@@ -583,6 +604,20 @@ def _run(target: _Target, settings: StressSettings, make_adapter: AdapterFactory
     report.leaked_in_flight = 0 if hung else _settled_in_flight(target)
     report.final_probe_failed = 0 if hung else int(not _probe(target, shared))
     return report
+
+
+def _thread(shared: _Shared, name: str, fn: Callable[..., None], *args: Any) -> threading.Thread:
+    """Start a daemon thread running `fn(*args)`; an exception that escapes it is recorded as an error."""
+
+    def guarded() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # a crashed thread must show in the report, not only on stderr
+            shared.fail(f"thread {name} crashed", exc)
+
+    thread = threading.Thread(target=guarded, name=f"stress-{name}", daemon=True)
+    thread.start()
+    return thread
 
 
 def _settled_in_flight(target: _Target, wait_s: float = 10.0) -> int:
@@ -624,7 +659,8 @@ def _report(target: _Target, shared: _Shared, wall_s: float) -> StressReport:
     report.abort_calls, report.aborts_acknowledged = c["abort_calls"], c["aborts_acknowledged"]
     report.abort_failures = c["abort_failures"]
     report.late_calls = len(shared.late)
-    report.examples += shared.late[:5]
+    report.errors = c["errors"]
+    report.examples += shared.late[:5] + shared.failures[:5]
     _check_groups(report, shared)
     report.unloads_while_paused = _unloads_while_paused(shared.log, report)
     report.unaccounted_aborts = abs(report.aborts_acknowledged - report.aborted.get("aborted", 0))

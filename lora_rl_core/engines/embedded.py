@@ -932,9 +932,11 @@ def _token_logprobs(step_logits: tuple[torch.Tensor, ...], tokens_BT: torch.Tens
     """Log-probs `[B, T]` of the sampled tokens under softmax(logits / temperature); one step at a time
     so the `[B, T, V]` tensor is never built."""
     temp = temperature if temperature > 0 else 1.0
-    out = torch.empty(tokens_BT.shape, dtype=torch.float32)
-    for t, logits_BV in enumerate(step_logits):
-        scaled = logits_BV.float().cpu() / temp
-        picked = scaled.gather(1, tokens_BT[:, t : t + 1]).squeeze(1)
-        out[:, t] = picked - torch.logsumexp(scaled, dim=-1)
-    return out
+    if not step_logits:
+        return torch.empty(tokens_BT.shape, dtype=torch.float32)
+    tokens = tokens_BT.to(step_logits[0].device)
+    out = torch.empty(tokens.shape, dtype=torch.float32, device=tokens.device)
+    for t, logits_BV in enumerate(step_logits):  # on the logits' device: only [B, T] floats cross to the host
+        scaled = logits_BV.float() / temp
+        out[:, t] = scaled.gather(1, tokens[:, t : t + 1]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+    return out.cpu()

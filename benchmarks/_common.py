@@ -1,0 +1,159 @@
+"""Shared helpers of the engine benchmarks: random-weight models from a config, machine facts, table + JSON.
+
+Imports only torch, transformers, rich and the standard library (no prefect, pydantic, gguf or s3fs), so the
+benchmarks run on the GPU machine from a plain checkout: `PYTHONPATH=. python benchmarks/X.py ...`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script from a checkout without installing the project
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+MODEL_CONFIGS = ROOT.parent / "shared" / "model_configs"
+RESULTS = ROOT / "benchmarks" / "results"
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TINY_CONFIG = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""A Qwen2-shaped model small enough for CPU smoke runs (`--tiny`)."""
+
+BUILT_IN_CONFIGS = {
+    "qwen2.5-0.5b.json": {
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "use_sliding_window": False,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    }
+}
+"""Copies of published shapes in `../shared/model_configs`, used when that folder did not travel (GPU machine)."""
+
+
+@dataclass
+class StubTokenizer:
+    """What `EmbeddedEngine` reads from a tokenizer when it is given token ids: the pad and EOS ids."""
+
+    pad_token_id: int
+    eos_token_id: int | None
+
+
+def model_config(path: Path | None, *, layers: int | None = None) -> dict[str, Any]:
+    """A model config dict: the JSON at `path` (e.g. `qwen2.5-0.5b.json`; the built-in copy of that shape
+    when the file is missing), or `TINY_CONFIG` for None; `layers` truncates `num_hidden_layers` (a quicker
+    CPU run of the same layer shapes)."""
+    if path is None:
+        cfg = dict(TINY_CONFIG)
+    elif not Path(path).exists() and Path(path).name in BUILT_IN_CONFIGS:
+        cfg = dict(BUILT_IN_CONFIGS[Path(path).name])
+    else:
+        cfg = json.loads(Path(path).read_text())
+    for key in ("architectures", "torch_dtype", "transformers_version"):
+        cfg.pop(key, None)
+    if layers is not None:
+        cfg["num_hidden_layers"] = min(layers, cfg["num_hidden_layers"])
+    return cfg
+
+
+def random_model(cfg: dict[str, Any], *, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """A random-weight causal LM of config `cfg`, built directly on `device` in `dtype`, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=dtype)
+    return model.eval()
+
+
+def stub_tokenizer(cfg: dict[str, Any]) -> StubTokenizer:
+    """Pad = BOS (or 0), EOS from the config."""
+    eos = cfg.get("eos_token_id")
+    return StubTokenizer(pad_token_id=cfg.get("bos_token_id") or 0, eos_token_id=eos if isinstance(eos, int) else None)
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> cuda when available, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def default_dtype(device: str, name: str) -> torch.dtype:
+    """`auto` -> bfloat16 on CUDA, float32 on CPU; else the named torch dtype."""
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """Device name, CPU count, load, platform, Python and package versions."""
+    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu"
+    versions = {}
+    for package in ("torch", "transformers", "peft", "safetensors"):
+        try:
+            versions[package] = package_version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    return {
+        "device": device,
+        "device_name": name,
+        "cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "versions": versions,
+    }
+
+
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    """A rich table; floats are shown with 3 significant decimals."""
+    table = Table(*columns, title=title)
+    for row in rows:
+        table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row])
+    Console(width=max(Console().width, 160)).print(table)
+
+
+def write_json(record: dict[str, Any], out: Path) -> None:
+    """Write `record` (with a UTC `date` added first) as indented JSON to `out`."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"date": datetime.now(UTC).isoformat(timespec="seconds"), **record}
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"wrote {out}")

@@ -1,0 +1,118 @@
+"""Hot-swap stress at full size: 200 adapter swaps while 32 clients sample groups of n=4, with random aborts
+and pauses, in-process and over HTTP; prints the counts and writes `benchmarks/results/hotswap_stress.json`.
+
+The run and its checks are `lora_rl_core.stress.run_hotswap_stress` (read its docstring for the invariants).
+Targets: `in-process` (`EmbeddedEngine`, groups of n requests), `http-n` (our engine server over HTTP, one
+SGLang `/generate` with `sampling_params.n` per group, versions as the server reports them) and `http-group`
+(n requests per group through `ServerEngine.generate`, the rollout path); the server runs in a thread of
+this process on 127.0.0.1. The model is a tiny random Qwen2-shaped one by default (this measures protocol
+correctness, not speed); `--model-config` gives a real shape, `--layers` truncates it. Exits 1 when an
+invariant is breached.
+
+Usage::
+
+    PYTHONPATH=. python benchmarks/hotswap_stress.py [--swaps 200 --clients 32 --n 4] [--targets in-process,http-n]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import _common
+from _common import RESULTS, machine_info, model_config, print_table, random_model, stub_tokenizer, write_json
+
+from lora_rl_core.engines import EmbeddedEngine
+from lora_rl_core.stress import StressReport, random_lora_factory, run_hotswap_stress, serve_in_thread
+
+TARGETS = ("in-process", "http-n", "http-group")
+ROWS = (
+    "wall_s", "swaps", "retired", "pauses", "groups", "requests", "completed", "aborted",
+    "rejected", "abort_calls", "aborts_acknowledged", "latency_mean_s", "latency_p99_s", "latency_max_s",
+    *StressReport.VIOLATIONS,
+)  # fmt: skip
+
+
+def run_target(target: str, args: argparse.Namespace, cfg: dict) -> StressReport:
+    """One stress run against a fresh engine on a fresh random model."""
+    model = random_model(cfg, device=args.device, dtype=_common.default_dtype(args.device, "auto"))
+    make_adapter = random_lora_factory(model, rank=args.rank)
+    engine = EmbeddedEngine(model, stub_tokenizer(cfg), max_batch_size=args.max_batch_size, keep_versions=2)
+    options = {
+        "swaps": args.swaps, "clients": args.clients, "n": args.n, "deadline_s": args.deadline,
+        "abort_prob": args.abort_prob, "pause_prob": args.pause_prob, "seed": args.seed,
+        "vocab_size": cfg["vocab_size"], "run_id": target.replace("-", ""),
+    }  # fmt: skip
+    with engine:
+        if target == "in-process":
+            return run_hotswap_stress(engine, make_adapter, **options, retire=args.retire)
+        with serve_in_thread(engine, request_timeout_s=args.request_timeout, control_timeout_s=30.0) as url:
+            return run_hotswap_stress(url, make_adapter, **options, samples=target.removeprefix("http-"))
+
+
+def show(reports: dict[str, StressReport], title: str) -> None:
+    """One row per count, one column per target."""
+    rows = []
+    for key in ROWS:
+        values = [getattr(r, key) for r in reports.values()]
+        rows.append([key, *[_cell(v) for v in values]])
+    rows.append(["ok", *[str(r.ok) for r in reports.values()]])
+    print_table(title, ["count", *reports], rows)
+    for target, report in reports.items():
+        for example in report.examples[:5]:
+            print(f"{target}: {example}")
+
+
+def _cell(value: object) -> object:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+    return value
+
+
+def main() -> int:
+    """Parse arguments, run each target, print the table, write the JSON; 1 when an invariant broke."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--swaps", type=int, default=200)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--abort-prob", type=float, default=0.1)
+    parser.add_argument("--pause-prob", type=float, default=0.1, help="per 0.1 s tick")
+    parser.add_argument("--deadline", type=float, default=600.0, help="seconds, per target")
+    parser.add_argument("--request-timeout", type=float, default=60.0, help="server-side /generate deadline (s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rank", type=int, default=2)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--retire", choices=["subscriber", "engine"], default="subscriber", help="in-process only")
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--model-config", type=Path, default=None, help="default: a tiny Qwen2-shaped model")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS / "hotswap_stress.json")
+    args = parser.parse_args()
+    args.device = _common.resolve_device(args.device)
+    cfg = model_config(args.model_config, layers=args.layers)
+
+    targets = [t for t in args.targets.split(",") if t]
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        parser.error(f"unknown targets {unknown}; choose from {TARGETS}")
+    reports = {target: run_target(target, args, cfg) for target in targets}
+    model_name = args.model_config.stem if args.model_config else "tiny-qwen2"
+    show(reports, f"hot-swap stress: {args.swaps} swaps, {args.clients} clients, n={args.n}, {model_name}")
+    write_json(
+        {
+            "benchmark": "hotswap_stress",
+            "model": {"name": model_name, "config": cfg},
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "machine": machine_info(args.device),
+            "ok": all(r.ok for r in reports.values()),
+            "results": {target: report.as_dict() for target, report in reports.items()},
+        },
+        args.out,
+    )
+    return 0 if all(r.ok for r in reports.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
