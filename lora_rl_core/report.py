@@ -42,8 +42,14 @@ def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:
         alpha=0.2,
         color="tab:blue",
     )
-    ax.plot(steps, [h.get("accuracy", 0.0) for h in history], label="rollout accuracy", color="tab:green",
-            linestyle="--", marker=".")
+    ax.plot(
+        steps,
+        [h.get("accuracy", 0.0) for h in history],
+        label="rollout accuracy",
+        color="tab:green",
+        linestyle="--",
+        marker=".",
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title("reward per training step")

@@ -299,9 +299,19 @@ class EmbeddedEngine:
         return [e.name for e in old if e.name != active and not e.holders and e.name not in queued]
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
-        """Loaded adapters: name -> {version, source, loaded_at (unix s), in_flight, pinned, resident}."""
+        """Loaded adapters: name -> {version, source, loaded_at (unix s), in_flight, pinned, resident}.
+
+        `in_flight` counts running and queued requests (SGLang counts a request from its arrival), so a
+        subscriber never retires a version that queued requests still name.
+        """
         keys = ("version", "source", "loaded_at", "in_flight", "pinned", "resident")
-        return {n: {k: info[k] for k in keys} for n, info in self._pool.snapshot().items()}
+        with self._cond:
+            queued = Counter(j.adapter for j in self._queue)
+            snapshot = self._pool.snapshot()
+        return {
+            n: {**{k: info[k] for k in keys}, "in_flight": info["in_flight"] + queued[n]}
+            for n, info in snapshot.items()
+        }
 
     # ----------------------------------------------------------------- requests
     def submit(self, request: GenerationRequest) -> Future[Completion]:

@@ -73,6 +73,8 @@ class EngineUnavailable(EngineError):
 
 
 class SGLangEngine:
+    # Real SGLang's meta_info.weight_version names the base weights, not the LoRA adapter; ours names the adapter.
+    reports_adapter_version = False
     """`InferenceEngine` over a real SGLang server's HTTP API.
 
     Args:
@@ -185,7 +187,10 @@ class SGLangEngine:
                 raise
         if not isinstance(answer, list) or len(answer) != len(requests):
             raise EngineError(f"{self.url}/generate answered {type(answer).__name__}, not {len(requests)} outputs")
-        completions = [_to_completion(r, out, self.url) for r, out in zip(requests, answer, strict=True)]
+        completions = [
+            _to_completion(r, out, self.url, check_version=self.reports_adapter_version)
+            for r, out in zip(requests, answer, strict=True)
+        ]
         self._count(completions)
         return completions
 
@@ -346,6 +351,8 @@ class SGLangEngine:
 class ServerEngine(SGLangEngine):
     """`SGLangEngine` for our engine server (`lora-rl serve`): adds tensor loads (safetensors bytes),
     fsspec URIs as adapter paths, the server's health facts and its Prometheus metrics."""
+
+    reports_adapter_version = True
 
     def _server_path(self, path: str) -> str:
         return path  # the server reads any fsspec URI
@@ -601,10 +608,23 @@ def _chunks(requests: list[GenerationRequest], size: int) -> list[tuple[list[int
     return out
 
 
-def _to_completion(request: GenerationRequest, out: dict[str, Any], url: str) -> Completion:
+def _to_completion(
+    request: GenerationRequest, out: dict[str, Any], url: str, *, check_version: bool = False
+) -> Completion:
     """One `/generate` output -> Completion; token ids and logprobs from `output_token_logprobs`
-    (`[logprob, token_id, text]` triples), finish reason from `meta_info.finish_reason.type`."""
+    (`[logprob, token_id, text]` triples), finish reason from `meta_info.finish_reason.type`.
+
+    With `check_version` (our server), the adapter version the server reports in `meta_info.weight_version`
+    must be the one the request named: EngineError otherwise, so a wrong version never reaches training.
+    """
     meta = out.get("meta_info") or {}
+    expected = adapter_version(request.adapter)
+    reported = meta.get("weight_version")
+    if check_version and reported is not None and str(reported) != str(expected):
+        raise EngineError(
+            f"{url}/generate served request {request.request_id} with version {reported}, "
+            f"but it named {request.adapter!r} (version {expected})"
+        )
     triples = meta.get("output_token_logprobs")
     if triples is None:
         raise EngineError(f"{url}/generate returned no output_token_logprobs (return_logprob was set)")

@@ -47,12 +47,24 @@ def _free_port() -> int:
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_ENABLED": "false", "LORA_RL_HOME": str(REPO), "PREFECT_WORKER_QUERY_SECONDS": "1",
-           "PREFECT_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+        "LORA_RL_HOME": str(REPO),
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "HF_HUB_OFFLINE": "1",
+    }
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     api = f"http://127.0.0.1:{port}/api"
     env["PREFECT_API_URL"] = api
     try:
@@ -84,9 +96,14 @@ def _wait(predicate, seconds: float, what: str) -> None:
 
 
 def _worker(env: dict[str, str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--limit", "1"], cwd=REPO,
-                            env={**env, **(extra_env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", POOL, "--limit", "1"],
+        cwd=REPO,
+        env={**env, **(extra_env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _stop(worker: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
