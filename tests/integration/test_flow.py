@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.store import AdapterStore
 
@@ -87,3 +87,29 @@ def test_flow_with_two_fsdp2_workers_matches_in_process(flow_config, tmp_path):
         torch.testing.assert_close(fsdp[key], solo[key], atol=1e-5, rtol=1e-4)
     workers = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
     assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # workers shut down
+
+
+@pytest.mark.parametrize("sync", ["tensor", "store"])
+def test_flow_against_an_engine_server(flow_config, tiny_model_dir, sync):
+    """engine.type=server: rollouts go over SGLang's HTTP API to our engine server; each version reaches it
+    as safetensors bytes (tensor path) or is read by the server from the store (store path)."""
+    from flows.grpo_lora import train
+    from lora_rl_core.engines import EmbeddedEngine
+    from lora_rl_core.stress import serve_in_thread
+
+    path, tmp = flow_config
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    engine = EmbeddedEngine(model, AutoTokenizer.from_pretrained(tiny_model_dir))
+    store = AdapterStore(f"file://{tmp / 'store'}")
+    try:
+        with serve_in_thread(engine, store=store) as url:
+            overrides = ["engine.type=server", f"engine.urls=[{url}]", f"engine.sync={sync}", "trainer.steps=2"]
+            summary = train(config_path=str(path), run_id=f"it-server-{sync}", overrides=overrides)
+            served = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+    finally:
+        engine.close()
+    assert summary["final_adapter"] == f"it-server-{sync}-v000002"
+    assert store.versions(f"it-server-{sync}") == [0, 1, 2]
+    cards = {card["id"]: card for card in served}
+    assert f"it-server-{sync}-v000002" in cards and f"it-server-{sync}-v000000" not in cards  # retired
+    assert cards[f"it-server-{sync}-v000002"]["sha256"] == store.ref(f"it-server-{sync}", 2).sha256
