@@ -154,6 +154,17 @@ def write_json(record: dict[str, Any], out: Path) -> None:
     """Write `record` (with a UTC `date` added first) as indented JSON to `out`."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"date": datetime.now(UTC).isoformat(timespec="seconds"), **record}
+    record = _no_machine_paths({"date": datetime.now(UTC).isoformat(timespec="seconds"), **record})
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(f"wrote {out}")
+
+
+def _no_machine_paths(value: Any) -> Any:
+    """Absolute paths become their file names, so committed results name no machine's folders."""
+    if isinstance(value, dict):
+        return {k: _no_machine_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_machine_paths(v) for v in value]
+    if isinstance(value, Path) or (isinstance(value, str) and value.startswith("/") and "\n" not in value):
+        return Path(value).name
+    return value
