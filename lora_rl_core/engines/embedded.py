@@ -95,6 +95,7 @@ class _Job:
     future: Future = field(default_factory=Future)
     version: int | None = None  # adapter version at admission
     held: bool = False  # counted in the pool's usage of its adapter
+    owner: int | None = None  # thread that runs it (`generate(inline=True)`); None = the worker
 
     @property
     def rid(self) -> str:
@@ -324,19 +325,31 @@ class EmbeddedEngine:
         """
         return self._enqueue([self._prepare(request)])[0].future
 
-    def generate(self, requests: list[GenerationRequest], *, timeout_s: float | None = None) -> list[Completion]:
+    def generate(
+        self, requests: list[GenerationRequest], *, timeout_s: float | None = None, inline: bool = False
+    ) -> list[Completion]:
         """Complete every request with its named adapter; order is preserved.
 
         Args:
             requests: the requests; all are checked before any is queued.
             timeout_s: deadline for the whole call (default `default_timeout_s`). Requests unfinished then
                 are aborted and returned with `finish_reason="abort"`, `abort_reason="timeout"`.
+            inline: run this call's batches on the calling thread instead of the worker (same admission,
+                usage counting, pause and abort rules; the deadline is checked between batches). For a
+                single synchronous caller that also trains: torch's OpenMP pool runs ~40 % slower on CPU
+                when two threads take turns with it (measured: 64 x 48 tokens, 7.4 s vs 10.5 s).
 
         Raises:
             EngineError: as `submit` (nothing is queued then), or a forward pass failed.
         """
         deadline = time.monotonic() + (self._timeout if timeout_s is None else timeout_s)
-        jobs = self._enqueue([self._prepare(r) for r in requests])
+        jobs = [self._prepare(r) for r in requests]
+        owner = threading.get_ident() if inline else None
+        for job in jobs:
+            job.owner = owner
+        self._enqueue(jobs)
+        if inline:
+            self._drive(jobs, deadline, owner)
         _, late = wait_futures([j.future for j in jobs], timeout=max(0.0, deadline - time.monotonic()))
         for job in jobs:
             if job.future in late:
@@ -494,6 +507,16 @@ class EmbeddedEngine:
                 out[run] = max(out.get(run, e.version), e.version)
         return out
 
+    def _drive(self, jobs: list[_Job], deadline: float, owner: int | None) -> None:
+        """Run `owner`'s queued jobs on the calling thread until they end or the deadline passes."""
+        while not all(j.future.done() for j in jobs) and time.monotonic() < deadline:
+            with self._cond:
+                batch = self._admit(owner) if self._ready(owner) else []
+                if not batch:
+                    self._cond.wait(min(_IDLE_WAIT_S, max(0.0, deadline - time.monotonic())))
+                    continue
+            self._run_batch(batch)
+
     # ------------------------------------------------------------------- worker
     def _step(self) -> bool:
         """One worker turn: wait briefly for work, admit a batch and run it. False once closed."""
@@ -509,20 +532,20 @@ class EmbeddedEngine:
             self._reap(0.0)
         return True
 
-    def _ready(self) -> bool:
-        return bool(self._queue) and not self._paused
+    def _ready(self, owner: int | None = None) -> bool:
+        return not self._paused and any(j.owner == owner for j in self._queue)
 
-    def _admit(self) -> list[_Job]:
-        """Take the next batch off the queue and admit its requests (condition held)."""
+    def _admit(self, owner: int | None = None) -> list[_Job]:
+        """Take the next batch of `owner`'s jobs off the queue and admit its requests (condition held)."""
         for job in [j for j in self._queue if j.future.cancelled()]:
             self._jobs.pop(job.rid, None)
         self._queue = [j for j in self._queue if not j.future.cancelled()]
-        picked = form_batch([(j.adapter, j.request.sampling) for j in self._queue], self._batch_limits())
-        chosen = [self._queue[i] for i in picked]
-        taken = set(picked)
-        self._queue = [j for i, j in enumerate(self._queue) if i not in taken]
+        mine = [j for j in self._queue if j.owner == owner]
+        chosen = [mine[i] for i in form_batch([(j.adapter, j.request.sampling) for j in mine], self._batch_limits())]
+        taken = {id(j) for j in chosen}
+        self._queue = [j for j in self._queue if id(j) not in taken]
         admitted = [j for j in chosen if self._start(j)]
-        self._batch = admitted
+        self._batch.extend(admitted)
         return admitted
 
     def _batch_limits(self) -> BatchLimits:
@@ -583,7 +606,8 @@ class EmbeddedEngine:
                 out = results.get(job.rid)
                 if isinstance(out, Completion) and self._jobs.get(job.rid) is job:
                     self._record(job, out)
-            self._batch = []
+            ended = {id(j) for j in jobs}
+            self._batch = [j for j in self._batch if id(j) not in ended]
             self._counters["batches"] += 1
             self._cond.notify_all()
 
