@@ -54,22 +54,12 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout without install
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from _common import TINY_CONFIG  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from lora_rl_core import distributed  # noqa: E402
 from lora_rl_core.algorithm import ppo_clip_loss, selective_log_softmax  # noqa: E402
 
 GIB = 1024**3
-TINY_CONFIG = {
-    "model_type": "qwen2",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
 
 
 @dataclass(frozen=True)
