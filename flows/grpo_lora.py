@@ -9,7 +9,6 @@ Runs on an ephemeral Prefect server when no `PREFECT_API_URL` is set.
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -19,9 +18,9 @@ from prefect.runtime import flow_run
 
 from lora_rl_core import progress
 from lora_rl_core.config import load_config
-from lora_rl_core.report import step_table, summary_markdown
+from lora_rl_core.report import run_summary, step_table, summary_markdown
 from lora_rl_core.session import close_session, get_session
-from tasks.steps import result_storage, step_tasks
+from tasks.steps import prefect_slug, result_storage, step_tasks
 
 
 @flow(name="lora-rl-train")
@@ -64,7 +63,9 @@ def train(
             logger.info(progress.format_step(metrics))
             progress.emit("step", metrics)
         final_eval = _evaluate(t, run_id, ref.name, "after", cfg.run.eval_before_after, logger)
-        summary = _summary(run_id, cfg, history, base_eval, final_eval, ref.name, time.perf_counter() - start)
+        summary = run_summary(
+            run_id, history, base_eval, final_eval, ref.name, time.perf_counter() - start, get_session(run_id).store.uri
+        )
         summary["report"] = t.write_report(run_id, history, summary)
         _artifacts(run_id, cfg, history, summary)
         progress.emit("run_finished", summary)
@@ -84,34 +85,8 @@ def _evaluate(
     return result
 
 
-def _summary(
-    run_id: str,
-    cfg: Any,
-    history: list[dict[str, Any]],
-    base: dict | None,
-    final: dict | None,
-    final_adapter: str,
-    wall: float,
-) -> dict[str, Any]:
-    train_seconds = sum(h["step_seconds"] for h in history)
-    completions = sum(h["completions"] for h in history)
-    return {
-        "run_id": run_id,
-        "final_adapter": final_adapter,
-        "steps": len(history),
-        "wall_seconds": wall,
-        "seconds_per_step": train_seconds / max(1, len(history)),
-        "completions_per_second": completions / max(sum(h["rollout_seconds"] for h in history), 1e-9),
-        "base_accuracy": base["accuracy"] if base else None,
-        "final_accuracy": final["accuracy"] if final else None,
-        "base_eval": base,
-        "final_eval": final,
-        "store_uri": get_session(run_id).store.uri,
-    }
-
-
 def _artifacts(run_id: str, cfg: Any, history: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    key = re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-")
+    key = prefect_slug(run_id)
     create_table_artifact(step_table(history), key=f"{key}-step-metrics", description=f"Step metrics of {run_id}")
     create_markdown_artifact(
         summary_markdown(run_id, cfg, summary), key=f"{key}-summary", description=f"Summary of {run_id}"

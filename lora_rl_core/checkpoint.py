@@ -7,7 +7,9 @@ policy version, with tensors replaced by `{"__tensor__": key}`) and
 `manifest.json`, written LAST with the sha256 and size of each file. A
 checkpoint exists iff its manifest exists and every file matches it, so a
 writer killed mid-upload leaves nothing a reader would load. No pickle:
-arbitrary nested state is flattened into safetensors + JSON.
+arbitrary nested state is flattened into safetensors + JSON. All I/O goes
+through the adapter store's `StoreIO`: transient errors are retried with
+backoff, symlinks in local stores are refused, reads are size-capped.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from safetensors.torch import save as save_safetensors
 
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store import validate_run_id
+from lora_rl_core.store.io import RetryPolicy, StoreIO
 
 _STEP_DIR = re.compile(r"step-(\d{6})$")
 _FILES = ("tensors.safetensors", "state.json")
+MAX_CHECKPOINT_FILE_BYTES = 64 * 2**30  # LoRA weights + AdamW moments stay far below this
 
 
 def flatten_state(obj: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
@@ -80,10 +84,14 @@ class CheckpointStore:
     Args:
         uri: the store root, e.g. `file://./runs` or `s3://bucket/prefix`.
         storage_options: passed to fsspec.
+        retry: backoff policy for transient store errors.
     """
 
-    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None) -> None:
-        self._fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    def __init__(
+        self, uri: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+    ) -> None:
+        fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        self._io = StoreIO(fs, retry or RetryPolicy())
         self._root = root.rstrip("/")
 
     def _dir(self, run_id: str, step: int | None = None) -> str:
@@ -93,34 +101,33 @@ class CheckpointStore:
     def save(self, run_id: str, step: int, state: dict[str, Any]) -> str:
         """Write the checkpoint of `step` (files first, manifest last); returns its folder path.
 
-        Overwrites leftovers of an attempt that died before its manifest; an existing complete
-        checkpoint of the same step is replaced only after its manifest is removed first.
+        Leftovers of an attempt that died before its manifest are overwritten; an existing complete
+        checkpoint of the same step loses its manifest first, so no reader mixes old and new files.
+
+        Raises:
+            TypeError: `state` holds something that is neither a tensor nor a JSON scalar.
+            StoreError: the store failed after retries.
         """
         tensors, tree = flatten_state(state)
         blobs = {"tensors.safetensors": save_safetensors(tensors), "state.json": json.dumps(tree).encode()}
         folder = self._dir(run_id, step)
-        if self._fs.exists(f"{folder}/manifest.json"):
-            self._fs.rm(f"{folder}/manifest.json")
-        self._fs.makedirs(folder, exist_ok=True)
+        if self._io.size(f"{folder}/manifest.json") is not None:
+            self._io.rm(f"{folder}/manifest.json")
         for name, data in blobs.items():
-            self._fs.pipe_file(f"{folder}/{name}", data)
+            self._io.put(f"{folder}/{name}", data)
         manifest = {
             "run_id": run_id,
             "step": step,
             "created_at": _dt.datetime.now(_dt.UTC).isoformat(),
             "files": {n: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)} for n, d in blobs.items()},
         }
-        self._fs.pipe_file(f"{folder}/manifest.json", json.dumps(manifest, indent=1).encode())
+        self._io.put(f"{folder}/manifest.json", json.dumps(manifest, indent=1).encode())
         return folder
 
     def steps(self, run_id: str) -> list[int]:
         """Steps with a manifest (complete checkpoints), ascending."""
-        try:
-            names = self._fs.ls(self._dir(run_id), detail=False)
-        except FileNotFoundError:
-            return []
-        found = [int(m[1]) for n in names if (m := _STEP_DIR.search(n.rstrip("/")))]
-        return sorted(s for s in found if self._fs.exists(f"{self._dir(run_id, s)}/manifest.json"))
+        found = [int(m[1]) for name in self._io.ls_dirs(self._dir(run_id)) if (m := _STEP_DIR.search(name))]
+        return sorted(s for s in found if self._io.size(f"{self._dir(run_id, s)}/manifest.json") is not None)
 
     def latest(self, run_id: str) -> int | None:
         """The newest complete checkpoint step, or None."""
@@ -131,18 +138,20 @@ class CheckpointStore:
         """Read and verify the checkpoint of `step`.
 
         Raises:
-            StoreError: missing manifest, or a file whose sha256/size differs (names the file).
+            StoreError: missing manifest, or a file missing or whose sha256/size differs (names the file).
         """
         folder = self._dir(run_id, step)
-        try:
-            manifest = json.loads(self._fs.cat_file(f"{folder}/manifest.json"))
-        except FileNotFoundError:
-            raise StoreError(f"no checkpoint of run {run_id!r} at step {step} (have {self.steps(run_id)})") from None
+        raw = self._io.get(f"{folder}/manifest.json", 2**20)
+        if raw is None:
+            raise StoreError(f"no checkpoint of run {run_id!r} at step {step} (have {self.steps(run_id)})")
+        manifest = json.loads(raw)
         blobs = {name: self._verified(folder, name, manifest["files"][name]) for name in _FILES}
         return unflatten_state(json.loads(blobs["state.json"]), load_safetensors(blobs["tensors.safetensors"]))
 
     def _verified(self, folder: str, name: str, entry: dict[str, Any]) -> bytes:
-        data = self._fs.cat_file(f"{folder}/{name}")
+        data = self._io.get(f"{folder}/{name}", MAX_CHECKPOINT_FILE_BYTES)
+        if data is None:
+            raise StoreError(f"checkpoint file {folder}/{name} is missing although its manifest lists it")
         digest = hashlib.sha256(data).hexdigest()
         if digest != entry["sha256"] or len(data) != entry["size"]:
             raise StoreError(
@@ -156,7 +165,6 @@ class CheckpointStore:
         steps = self.steps(run_id)
         doomed = steps[: max(0, len(steps) - keep_last)]
         for step in doomed:
-            folder = self._dir(run_id, step)
-            self._fs.rm(f"{folder}/manifest.json")
-            self._fs.rm(folder, recursive=True)
+            self._io.rm(f"{self._dir(run_id, step)}/manifest.json")
+            self._io.rm_tree(self._dir(run_id, step))
         return doomed

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.config import RolloutConfig
 from lora_rl_core.data import Problem, render_prompt
-from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, InferenceEngine, SamplingParams
+from lora_rl_core.engines import GenerationRequest, InferenceEngine, SamplingParams
 from lora_rl_core.rewards import math_reward
 
 
@@ -40,10 +40,7 @@ def evaluate_accuracy(
         )
         for p in problems
     ]
-    # The embedded engine runs inline: on this thread, as the trainer does (see EmbeddedEngine.generate).
-    completions = (
-        engine.generate(requests, inline=True) if isinstance(engine, EmbeddedEngine) else engine.generate(requests)
-    )
+    completions = engine.generate(requests, inline=True)  # on this thread, as the trainer computes
     texts = [tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
     correct = [math_reward(t, p.answer) for t, p in zip(texts, problems, strict=True)]
     return {

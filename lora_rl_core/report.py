@@ -95,6 +95,39 @@ def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> st
     )
 
 
+def run_summary(
+    run_id: str,
+    history: list[dict[str, Any]],
+    base_eval: dict[str, Any] | None,
+    final_eval: dict[str, Any] | None,
+    final_adapter: str,
+    wall_seconds: float,
+    store_uri: str,
+) -> dict[str, Any]:
+    """The run's headline numbers from its step metrics and evaluations.
+
+    Returns:
+        run_id, final_adapter, steps, wall_seconds, seconds_per_step (mean step wall time, s),
+        completions_per_second (completions / rollout seconds), base_accuracy / final_accuracy
+        (fractions, None when not measured), base_eval, final_eval, store_uri.
+    """
+    steps = len(history)
+    rollout_seconds = sum(h["rollout_seconds"] for h in history)
+    return {
+        "run_id": run_id,
+        "final_adapter": final_adapter,
+        "steps": steps,
+        "wall_seconds": wall_seconds,
+        "seconds_per_step": sum(h["step_seconds"] for h in history) / max(1, steps),
+        "completions_per_second": sum(h["completions"] for h in history) / max(rollout_seconds, 1e-9),
+        "base_accuracy": base_eval["accuracy"] if base_eval else None,
+        "final_accuracy": final_eval["accuracy"] if final_eval else None,
+        "base_eval": base_eval,
+        "final_eval": final_eval,
+        "store_uri": store_uri,
+    }
+
+
 def write_report(
     workdir: Path, run_id: str, cfg: RunConfig, history: list[dict[str, Any]], summary: dict[str, Any]
 ) -> Path:

@@ -28,7 +28,7 @@ from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal
 from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import DataConfig, RunConfig
 from lora_rl_core.data import Problem, PromptSampler, arithmetic_split, load_dataset, render_prompt, stable_seed
-from lora_rl_core.engines import Completion, EmbeddedEngine, GenerationRequest, InferenceEngine, SamplingParams
+from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, InferenceEngine, SamplingParams
 from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.evaluation import evaluate_accuracy
 from lora_rl_core.faults import maybe_fail
@@ -255,7 +255,7 @@ class RunSession:
             render_prompt(self.tokenizer, p, system_prompt=r.system_prompt, instruction=r.instruction) for p in problems
         ]
         requests = [GenerationRequest(ids, self.policy_adapter, params) for ids in prompts for _ in range(r.group_size)]
-        completions = self._generate(requests)
+        completions = self.engine.generate(requests, inline=True)  # the training thread computes (see EmbeddedEngine)
         aborted = [c for c in completions if c.finish_reason == "abort"]
         if aborted:  # a group with missing samples would skew its advantages: fail the phase, let a retry redo it
             reason = aborted[0].abort_reason
@@ -346,12 +346,6 @@ class RunSession:
             rollout=cfg.rollout,
             max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
         )
-
-    def _generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        """Generate on the engine; the embedded engine runs the batches on this (the training) thread."""
-        if isinstance(self.engine, EmbeddedEngine):
-            return self.engine.generate(requests, inline=True)
-        return self.engine.generate(requests)
 
     def _write_phase(self, phase: str, step: int, data: dict[str, Any]) -> None:
         """Write a phase's output to `<store>/<run>/<phase>/step-NNNNNN.json` (any machine can read it back)."""

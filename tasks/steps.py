@@ -111,8 +111,13 @@ def result_storage(store: StoreConfig, run_id: str) -> WritableFileSystem:
         if url.startswith("file://")
         else RemoteFileSystem(basepath=url, settings=store.storage_options)
     )
-    block.save(f"lora-rl-results-{re.sub(r'[^a-z0-9-]+', '-', run_id.lower())}"[:120], overwrite=True)
+    block.save(f"lora-rl-results-{prefect_slug(run_id)}"[:120], overwrite=True)
     return block
+
+
+def prefect_slug(text: str) -> str:
+    """`text` as a Prefect block/artifact key: lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
 
 
 def step_tasks(storage: WritableFileSystem) -> SimpleNamespace:

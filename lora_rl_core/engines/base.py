@@ -115,9 +115,12 @@ class InferenceEngine(Protocol):
     see `EmbeddedEngine` for the reference implementation and docs/SGLANG_API.md for the wire format.
     """
 
-    def generate(self, requests: list[GenerationRequest], *, timeout_s: float | None = None) -> list[Completion]:
+    def generate(
+        self, requests: list[GenerationRequest], *, timeout_s: float | None = None, inline: bool = False
+    ) -> list[Completion]:
         """Complete every request with its named adapter; order is preserved. Requests still unfinished
-        at the deadline come back with `finish_reason="abort"`, `abort_reason="timeout"`."""
+        at the deadline come back with `finish_reason="abort"`, `abort_reason="timeout"`. `inline` asks an
+        in-process engine to compute on the calling thread; remote engines ignore it."""
 
     def abort(self, request_id: str | None = None) -> int:
         """Abort one request (or all when None); returns how many were aborted."""

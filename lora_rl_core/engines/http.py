@@ -143,7 +143,9 @@ class SGLangEngine:
 
     # ------------------------------------------------------------- generation
 
-    def generate(self, requests: list[GenerationRequest], *, timeout_s: float | None = None) -> list[Completion]:
+    def generate(
+        self, requests: list[GenerationRequest], *, timeout_s: float | None = None, inline: bool = False
+    ) -> list[Completion]:
         """Complete every request with its named adapter; order is preserved.
 
         Raises:
@@ -435,7 +437,9 @@ class MultiEngine:
     def __repr__(self) -> str:
         return f"MultiEngine({self.engines!r})"
 
-    def generate(self, requests: list[GenerationRequest], *, timeout_s: float | None = None) -> list[Completion]:
+    def generate(
+        self, requests: list[GenerationRequest], *, timeout_s: float | None = None, inline: bool = False
+    ) -> list[Completion]:
         """Deal prompts round-robin (all samples of a prompt on one engine); order is preserved.
 
         Raises:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from lora_rl_core.store import AdapterStore
+from tests.integration.tiny_run import write_tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -126,22 +126,14 @@ def _run_deployment(env: dict[str, str], config: Path, run_id: str) -> str:
     return re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
 
 
-def _config(tmp_path: Path, tiny_model_dir: Path, steps: int = 3) -> tuple[Path, Path]:
-    store = tmp_path / "store"
-    cfg = {
-        "run": {"name": "deploy", "output_dir": str(tmp_path / "runs"), "eval_before_after": False},
-        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
-        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-        "algorithm": {"skip_uniform_groups": False},
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
-        "trainer": {"steps": steps, "lr": 1e-2},
-        "data": {"source": "arithmetic", "train_size": 32, "eval_size": 4},
-        "reward": {"functions": [{"name": "tests.integration.rewards:digit_fraction"}]},
-        "store": {"uri": f"file://{store}"},
+def _config(tmp_path: Path, tiny_model_dir: Path) -> tuple[Path, Path]:
+    sections = {
+        "run": {"eval_before_after": False},
+        "rollout": {"max_new_tokens": 6},
+        "trainer": {"steps": 3},
+        "data": {"train_size": 32},
     }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path, store
+    return write_tiny_config(tmp_path, tiny_model_dir, "deploy", **sections), tmp_path / "store"
 
 
 def test_injected_fault_then_ui_retry_completes_from_cache(server, tiny_model_dir, tmp_path):

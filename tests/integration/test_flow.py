@@ -7,29 +7,16 @@ import json
 import httpx
 import pytest
 import torch
-import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.store import AdapterStore
+from tests.integration.tiny_run import write_tiny_config
 
 
 @pytest.fixture()
 def flow_config(tiny_model_dir, tmp_path):
-    cfg = {
-        "run": {"name": "it", "output_dir": str(tmp_path / "runs")},
-        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
-        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-        "algorithm": {"skip_uniform_groups": False},
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},
-        "trainer": {"steps": 2, "lr": 1e-2, "micro_batch_size": 4},
-        "data": {"source": "arithmetic", "train_size": 64, "eval_size": 4},
-        "reward": {"functions": [{"name": "tests.integration.rewards:digit_fraction"}]},
-        "store": {"uri": f"file://{tmp_path / 'store'}"},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path, tmp_path
+    return write_tiny_config(tmp_path, tiny_model_dir, "it"), tmp_path
 
 
 def _lora_weights(model: PeftModel) -> dict[str, torch.Tensor]:

@@ -4,28 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 
 from lora_rl_core.faults import InjectedFault
 from lora_rl_core.session import RunSession
 from lora_rl_core.store import AdapterStore
+from tests.integration.tiny_run import write_tiny_config
 
 
 def _write_config(tmp_path, tiny_model_dir, run_id: str):
-    cfg = {
-        "run": {"id": run_id, "output_dir": str(tmp_path / "runs"), "eval_before_after": False},
-        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
-        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-        "algorithm": {"skip_uniform_groups": False},
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
-        "trainer": {"steps": 4, "lr": 1e-2},
-        "data": {"source": "arithmetic", "train_size": 32, "eval_size": 4},
-        "reward": {"functions": [{"name": "tests.integration.rewards:digit_fraction"}]},
-        "store": {"uri": f"file://{tmp_path / 'store'}"},
-    }
-    path = tmp_path / f"{run_id}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
+    return str(
+        write_tiny_config(
+            tmp_path,
+            tiny_model_dir,
+            run_id,
+            run={"id": run_id, "eval_before_after": False},
+            rollout={"max_new_tokens": 6},
+            trainer={"steps": 4},
+            data={"train_size": 32},
+        )
+    )
 
 
 def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
