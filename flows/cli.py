@@ -58,6 +58,7 @@ def train(
     def on_event(event: str, data: dict[str, Any]) -> None:
         if event == "run_started":
             bar.update(task_id, total=data["steps"], description=f"training {data['run_id']}")
+            bar.console.print(progress.format_runtime(data["runtime"]), markup=False)
         elif event == "step":
             bar.console.print(progress.format_step(data))
             bar.advance(task_id)
@@ -97,9 +98,11 @@ def eval_(
     from lora_rl_core.engines import EmbeddedEngine
     from lora_rl_core.evaluation import evaluate_accuracy
     from lora_rl_core.models import load_model
+    from lora_rl_core.runtime import configure_threads
     from lora_rl_core.session import build_problems
 
     cfg = load_config(config, overrides or [])
+    configure_threads()
     problems = build_problems(cfg.data, "test", cfg.run.seed)
     model, tokenizer = load_model(cfg.model)
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.engine.max_batch_size)
@@ -140,15 +143,23 @@ def serve(
     eviction_policy: Annotated[str, typer.Option(help="lru or fifo")] = "lru",
     max_lora_rank: Annotated[int | None, typer.Option(help="largest adapter rank accepted")] = None,
     store: Annotated[str | None, typer.Option(help="adapter store URI, for loads by RUN@VERSION")] = None,
-    dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32")] = "bfloat16",
+    dtype: Annotated[
+        str,
+        typer.Option(help="auto (bf16 on CUDA or a CPU with native bf16, else fp32), bfloat16, float16, float32"),
+    ] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1, ...")] = "auto",
 ) -> None:
     """Serve a model through the SGLang HTTP API subset (/generate, LoRA load/unload, /metrics)."""
     from lora_rl_core.engines.server import check_bind
     from lora_rl_core.engines.server import serve as serve_engine
+    from lora_rl_core.models import resolve_device
+    from lora_rl_core.runtime import choose_dtype, configure_threads
 
-    check_bind(host, api_key)  # before loading the model
+    check_bind(host, api_key)
+    configure_threads()  # before loading the model
     console.print(f"serving {model} on http://{host}:{port} (control endpoints {'need a key' if api_key else 'open'})")
+    choice = choose_dtype(dtype, resolve_device(device))
+    console.print(f"model dtype {choice.name}: {choice.reason}", markup=False)
     serve_engine(
         model,
         host=host,

@@ -49,6 +49,7 @@ def train(
     try:
         progress.emit("run_started", {"run_id": run_id, "steps": steps, **resumed})
         logger.info(f"run {run_id}: {steps} steps, resuming after checkpoint step {resumed['restored_step']}")
+        logger.info(progress.format_runtime(resumed["runtime"]))
         ref = t.publish_adapter(run_id, 0, {})
         t.sync_engines(run_id, ref)
         base_eval = _evaluate(t, run_id, None, "before", cfg.run.eval_before_after, logger)
@@ -63,8 +64,16 @@ def train(
             logger.info(progress.format_step(metrics))
             progress.emit("step", metrics)
         final_eval = _evaluate(t, run_id, ref.name, "after", cfg.run.eval_before_after, logger)
+        session = get_session(run_id)
         summary = run_summary(
-            run_id, history, base_eval, final_eval, ref.name, time.perf_counter() - start, get_session(run_id).store.uri
+            run_id,
+            history,
+            base_eval,
+            final_eval,
+            ref.name,
+            time.perf_counter() - start,
+            session.store.uri,
+            session.runtime,
         )
         summary["report"] = t.write_report(run_id, history, summary)
         _artifacts(run_id, cfg, history, summary)

@@ -33,8 +33,9 @@ class ModelConfig(Section):
 
     name_or_path: str = "smollm2-135m-instruct"
     """A local folder, a Hugging Face hub id, or the offline name `smollm2-135m-instruct`."""
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    """Dtype of the base weights. LoRA weights are always kept in float32."""
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
+    """Dtype of the base weights; LoRA weights are always kept in float32. `auto`: bfloat16 on CUDA, and on
+    a CPU only where it computes bfloat16 natively (AVX512-BF16 or AMX), else float32 (`lora_rl_core.runtime`)."""
     device: str = "auto"
     """`auto` (cuda when available, else cpu), `cpu`, `cuda`, `cuda:1`, ..."""
     revision: str | None = None

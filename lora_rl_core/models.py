@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from lora_rl_core.config import ModelConfig
 from lora_rl_core.errors import ModelError
+from lora_rl_core.runtime import DtypeChoice, choose_dtype
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,6 @@ OFFLINE_MODELS = {
     )
 }
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
 
 def cache_dir() -> Path:
     """Root of lora-rl's cache: `$LORA_RL_CACHE`, default `~/.cache/lora-rl`."""
@@ -63,8 +62,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def model_dtype(cfg: ModelConfig) -> DtypeChoice:
+    """The dtype `load_model` uses for `cfg` on its device, with the reason (`runtime.choose_dtype`)."""
+    return choose_dtype(cfg.dtype, resolve_device(cfg.device))
+
+
 def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the base causal LM and its tokenizer, in eval mode on `cfg.device`.
+    """Load the base causal LM and its tokenizer, in eval mode on `cfg.device`, in `model_dtype(cfg)`.
 
     Returns:
         (model, tokenizer); the tokenizer has a pad token (EOS when it had none).
@@ -77,7 +81,7 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=_DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+            folder, dtype=model_dtype(cfg).torch_dtype, trust_remote_code=cfg.trust_remote_code
         )
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load model from {folder}: {_first_line(exc)}") from exc

@@ -41,3 +41,11 @@ def format_step(m: dict[str, Any]) -> str:
         f"gnorm {m.get('grad_norm', 0):.3f} len {m.get('completion_length', 0):.1f} "
         f"{m.get('completions_per_second', 0):.1f} compl/s {m.get('step_seconds', 0):.1f}s"
     )
+
+
+def format_runtime(runtime: dict[str, Any]) -> str:
+    """One line for the run log: device, model dtype and why, CPU threads (`session.runtime_info`)."""
+    return (
+        f"model dtype {runtime['dtype']} on {runtime['device']}: {runtime['dtype_reason']}; "
+        f"{runtime['cpu_threads']} CPU threads"
+    )

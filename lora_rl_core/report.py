@@ -86,12 +86,22 @@ def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> st
         f"targets {cfg.lora.target_modules}\n"
         f"- data: {cfg.data.source}; {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples, "
         f"{cfg.rollout.max_new_tokens} new tokens; {cfg.algorithm.advantage}, lr {cfg.trainer.lr}\n"
+        f"{_runtime_line(summary.get('runtime'))}"
         f"- greedy accuracy before training: {acc(base)}\n"
         f"- greedy accuracy after training: {acc(final)} (adapter `{summary.get('final_adapter')}`)\n"
         f"- steps: {summary.get('steps')}; wall time {summary.get('wall_seconds', 0):.0f} s; "
         f"{summary.get('seconds_per_step', 0):.1f} s/step; "
         f"{summary.get('completions_per_second', 0):.2f} completions/s\n"
         f"- adapters: `{summary.get('store_uri')}/{run_id}/adapters/`\n"
+    )
+
+
+def _runtime_line(runtime: dict[str, Any] | None) -> str:
+    if not runtime:
+        return ""
+    return (
+        f"- compute: {runtime['device']}, {runtime['dtype']} ({runtime['dtype_reason']}); "
+        f"{runtime['cpu_threads']} CPU threads\n"
     )
 
 
@@ -103,13 +113,15 @@ def run_summary(
     final_adapter: str,
     wall_seconds: float,
     store_uri: str,
+    runtime: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run's headline numbers from its step metrics and evaluations.
 
     Returns:
         run_id, final_adapter, steps, wall_seconds, seconds_per_step (mean step wall time, s),
         completions_per_second (completions / rollout seconds), base_accuracy / final_accuracy
-        (fractions, None when not measured), base_eval, final_eval, store_uri.
+        (fractions, None when not measured), base_eval, final_eval, store_uri, runtime (device, dtype and
+        why, CPU threads: `session.runtime_info`).
     """
     steps = len(history)
     rollout_seconds = sum(h["rollout_seconds"] for h in history)
@@ -125,6 +137,7 @@ def run_summary(
         "base_eval": base_eval,
         "final_eval": final_eval,
         "store_uri": store_uri,
+        "runtime": runtime,
     }
 
 

@@ -33,8 +33,9 @@ from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.evaluation import evaluate_accuracy
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.lora import apply_lora
-from lora_rl_core.models import load_model, load_tokenizer, model_folder
+from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
 from lora_rl_core.rewards import load_reward, score_completions
+from lora_rl_core.runtime import configure_threads
 from lora_rl_core.store import AdapterRef, adapter_name, validate_run_id
 from lora_rl_core.subscriber import sync_version
 from lora_rl_core.trainer import PolicyTrainer, TrainBatch
@@ -71,6 +72,18 @@ def preflight(cfg: RunConfig) -> None:
     model_folder(cfg.model)
 
 
+def runtime_info(cfg: RunConfig) -> dict[str, Any]:
+    """What the run computes on, for the run log, `run.json` and the report: `{"device", "dtype",
+    "dtype_reason", "cpu_threads"}` (the dtype `model.dtype` resolved to on the model's device)."""
+    choice = model_dtype(cfg.model)
+    return {
+        "device": str(resolve_device(cfg.model.device)),
+        "dtype": choice.name,
+        "dtype_reason": choice.reason,
+        "cpu_threads": configure_threads(),
+    }
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -84,7 +97,8 @@ class RunSession:
         self.run_id = validate_run_id(run_id)
         self.workdir = Path(cfg.run.output_dir) / run_id
         self.store = cfg.store.build()
-        self.store.write_run_config(run_id, cfg.model_dump(mode="json"))
+        self.runtime = runtime_info(cfg)
+        self.store.write_run_config(run_id, {**cfg.model_dump(mode="json"), "runtime": self.runtime})
         self.run_url = f"{self.store.uri.rstrip('/')}/{run_id}"
         self._fs, self._run_root = fsspec.core.url_to_fs(self.run_url, **cfg.store.storage_options)
         self.reward_fns = [(f.name, load_reward(f.name), f.weight) for f in cfg.reward.functions]
@@ -156,8 +170,13 @@ class RunSession:
         return step or 0
 
     def resume_info(self) -> dict[str, Any]:
-        """Where this session starts: `{"run_id", "restored_step", "policy_version"}`."""
-        return {"run_id": self.run_id, "restored_step": self.restored_step, "policy_version": self.policy_version}
+        """Where this session starts, and on what: `{"run_id", "restored_step", "policy_version", "runtime"}`."""
+        return {
+            "run_id": self.run_id,
+            "restored_step": self.restored_step,
+            "policy_version": self.policy_version,
+            "runtime": self.runtime,
+        }
 
     def save_checkpoint(self, step: int) -> None:
         """Checkpoint the trainer (LoRA weights, optimizer, scheduler), RNG states and data cursor after `step`."""

@@ -55,6 +55,7 @@ from lora_rl_core.config import RunConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
+from lora_rl_core.runtime import cpu_threads
 from lora_rl_core.trainer import PolicyTrainer, TrainBatch
 
 
@@ -284,7 +285,7 @@ def _setup(rank: int, spec: _WorkerSpec) -> PolicyTrainer:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))  # no oversubscription
+        torch.set_num_threads(max(1, cpu_threads() // spec.world_size))  # share the usable cores: no oversubscription
         device = torch.device("cpu")
     distributed.init_process_group(
         device, rank=rank, world_size=spec.world_size, port=spec.port, timeout_s=spec.timeout_s

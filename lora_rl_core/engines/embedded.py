@@ -31,7 +31,9 @@ Semantics chosen here (SGLang: `sglang/srt/managers/scheduler.py`, `managers/tok
 * Model changes (inject, evict, delete) and forward passes share one model lock; the registry and the
   queue share one condition. Waiting for holders (unload) holds neither, so loads go on meanwhile.
 
-Left out: continuous batching (a batch runs to its end), streaming, a KV/prefix cache, and SGLang's
+Generation itself (`generation.py`) samples by inverse CDF and prefills a prompt repeated in one batch
+(GRPO's group, SGLang's `n`) once. Left out: continuous batching (a batch runs to its end), streaming, a
+prefix cache across batches, and SGLang's
 tensor wire format for `load_lora_adapter_from_tensors` (the HTTP server's job).
 """
 
@@ -59,7 +61,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load as load_safetensors
 from torch import nn
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lora_rl_core.engines.base import (
     ABORT_REASONS,
@@ -67,12 +69,12 @@ from lora_rl_core.engines.base import (
     STORE_URI_PREFIX,
     Completion,
     GenerationRequest,
-    SamplingParams,
     adapter_run,
     adapter_version,
     check_adapter_name,
     unknown_adapter_message,
 )
+from lora_rl_core.engines.generation import generate_batch
 from lora_rl_core.engines.pool import AdapterPool
 from lora_rl_core.engines.scheduler import BatchLimits, form_batch
 from lora_rl_core.errors import EngineError, StoreError
@@ -721,22 +723,19 @@ class EmbeddedEngine:
 
     # --------------------------------------------------------------- generation
     def _generate_rows(self, requests: list[GenerationRequest]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """One HF `generate` over requests with equal sampling params: new tokens `[B, T]` and per-step logits."""
-        params = requests[0].sampling
-        input_ids, attention_mask = _left_pad([r.prompt_ids for r in requests], self._tokenizer.pad_token_id)
-        device = next(self._model.parameters()).device
-        kwargs: dict[str, Any] = {}
+        """One generate call over requests with equal sampling params: new tokens `[B, T]` and per-step logits
+        (`generation.generate_batch`: inverse-CDF sampling, shared prefill of repeated prompts)."""
+        adapters = None
         if isinstance(self._model, PeftModel):
-            kwargs["adapter_names"] = [r.adapter or BASE_ADAPTER for r in requests]
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
-        out = self._model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            generation_config=self._generation_config(params),
-            **kwargs,
+            adapters = [r.adapter or BASE_ADAPTER for r in requests]
+        return generate_batch(
+            self._model,
+            [r.prompt_ids for r in requests],
+            adapters,
+            requests[0].sampling,
+            pad_id=self._tokenizer.pad_token_id,
+            eos_ids=self._eos_ids,
         )
-        return out.sequences[:, input_ids.shape[1] :].cpu(), out.logits
 
     def _completions(
         self, jobs: list[_Job], tokens_BT: torch.Tensor, step_logits: tuple[torch.Tensor, ...]
@@ -757,21 +756,6 @@ class EmbeddedEngine:
             finish_reason="stop" if stop is not None else "length",
             adapter=job.adapter,
             adapter_version=job.version,
-        )
-
-    def _generation_config(self, p: SamplingParams) -> GenerationConfig:
-        greedy = p.temperature == 0
-        return GenerationConfig(
-            max_new_tokens=p.max_new_tokens,
-            do_sample=not greedy,
-            temperature=None if greedy else p.temperature,
-            top_p=None if greedy else p.top_p,
-            top_k=None if greedy else p.top_k,
-            pad_token_id=self._tokenizer.pad_token_id,
-            eos_token_id=self._eos_ids,
-            bos_token_id=None,
-            return_dict_in_generate=True,
-            output_logits=True,
         )
 
 
@@ -949,17 +933,6 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     return sorted(i for i in ids if i is not None)
-
-
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad prompts to `[B, P]` ids and attention mask (generation appends on the right)."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return ids, mask
 
 
 def _token_logprobs(step_logits: tuple[torch.Tensor, ...], tokens_BT: torch.Tensor, temperature: float) -> torch.Tensor:

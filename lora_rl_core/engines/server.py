@@ -729,7 +729,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 30000,
     api_key: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     device: str = "auto",
     max_batch_size: int = 64,
     max_loras_per_batch: int = 8,

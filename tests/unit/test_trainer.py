@@ -69,8 +69,9 @@ def test_pack_places_completion_in_shifted_frame():
     inference = [[-0.1, -0.2, -0.3, -0.4], [-0.5, -0.6]]
     packed = pack(TrainBatch(prompts, completions, [1.0, -1.0], inference), pad_id=0, device=torch.device("cpu"))
     assert packed.mask_BT.sum(dim=1).tolist() == [4.0, 2.0]
+    assert packed.frame_start == 2  # the shortest prompt's last token: no logits before it
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        positions = list(range(len(p) - 1, len(p) - 1 + len(c)))
+        positions = list(range(len(p) - 1 - packed.frame_start, len(p) - 1 - packed.frame_start + len(c)))
         assert packed.mask_BT[i].nonzero().flatten().tolist() == positions
         assert packed.targets_BT[i, positions].tolist() == c
         torch.testing.assert_close(packed.inference_logprobs_BT[i, positions], torch.tensor(inference[i]))
@@ -86,7 +87,24 @@ def test_pack_right_pads():
     )
     assert packed.input_ids.tolist() == [[5, 6, 9, 0, 0, 0], [5, 6, 7, 8, 9, 9]]
     assert packed.attention_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
-    assert packed.mask_BT.tolist() == [[0, 1, 0, 0, 0], [0, 0, 0, 1, 1]]
+    assert packed.frame_start == 1  # the frame drops input position 0, which predicts no completion token
+    assert packed.targets_BT.tolist() == [[9, 0, 0, 0], [7, 8, 9, 9]]
+    assert packed.mask_BT.tolist() == [[1, 0, 0, 0], [0, 0, 1, 1]]
+
+
+def test_frame_logprobs_equal_a_full_forward(make_trainer):
+    """Logits only from the frame start on (`logits_to_keep`) give the completion logprobs of a full forward."""
+    trainer = make_trainer(nonzero_b=True)
+    batch = random_batch([1.0, -1.0, 0.5, 2.0], seed=3)
+    packed = pack(batch, trainer.pad_id, trainer.device)
+    assert packed.frame_start > 0
+    with torch.no_grad():
+        cut = selective_log_softmax(trainer._logits(packed), packed.targets_BT)
+        full_logits = trainer.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+        full = selective_log_softmax(full_logits[:, :-1].float(), packed.input_ids[:, 1:])
+    for i, (p, c) in enumerate(zip(batch.prompt_ids, batch.completion_ids, strict=True)):
+        want = full[i, len(p) - 1 : len(p) - 1 + len(c)]
+        torch.testing.assert_close(cut[i][packed.mask_BT[i].bool()], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum"])

@@ -1,0 +1,130 @@
+"""Generation batch: the inverse-CDF sampler draws from the right distribution; shared prefill of repeated
+prompts gives the same tokens and logits as plain HF generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from lora_rl_core.engines import SamplingParams
+from lora_rl_core.engines.generation import InverseCdfSampler, generate_batch, left_pad, shared_prefill
+
+PAD, EOS = 0, 2
+
+
+def _sample(sampler: InverseCdfSampler, logits_V: torch.Tensor, n: int) -> torch.Tensor:
+    scores = sampler(torch.zeros(n, 1, dtype=torch.long), logits_V.expand(n, -1).clone())
+    assert torch.isfinite(scores).sum(dim=-1).eq(1).all(), "exactly one finite score per row"
+    return scores.argmax(dim=-1)
+
+
+def test_sampler_matches_softmax_distribution() -> None:
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
+    for temperature in (1.0, 0.7):
+        counts = torch.bincount(_sample(InverseCdfSampler(temperature), logits, 200_000), minlength=5)
+        expected = torch.softmax(logits / temperature, dim=-1)
+        # 200k draws: the standard error of each frequency is below 0.0012
+        assert torch.allclose(counts / counts.sum(), expected, atol=0.005), (temperature, counts)
+
+
+def test_sampler_never_draws_filtered_or_zero_probability_tokens() -> None:
+    torch.manual_seed(1)
+    logits = torch.tensor([3.0, 2.5, 0.0, -1.0, float("-inf"), 1.0])
+    top_k = _sample(InverseCdfSampler(1.0, top_k=2), logits, 20_000)
+    assert set(top_k.tolist()) == {0, 1}
+    top_p = _sample(InverseCdfSampler(1.0, top_p=0.5), logits, 20_000)
+    assert set(top_p.tolist()) == {0}  # p(token 0) = 0.53 already covers top_p = 0.5
+    plain = _sample(InverseCdfSampler(1.0), logits, 20_000)
+    assert 4 not in plain.tolist()
+
+
+def test_sampler_rejects_greedy_temperature() -> None:
+    with pytest.raises(ValueError, match="temperature > 0"):
+        InverseCdfSampler(0.0)
+
+
+def test_sampler_is_reproducible_from_the_seed() -> None:
+    logits = torch.randn(49_152)
+    torch.manual_seed(7)
+    a = _sample(InverseCdfSampler(1.0), logits, 64)
+    torch.manual_seed(7)
+    b = _sample(InverseCdfSampler(1.0), logits, 64)
+    assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    peft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        adapter_name="a1",
+    ).eval()
+    return base, peft
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [10, 11], [5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+
+
+def _plain_generate(model, prompts, adapters, max_new_tokens=6):
+    ids, mask = left_pad(prompts, PAD)
+    kwargs = {"adapter_names": adapters} if adapters else {}
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=PAD,
+        eos_token_id=[EOS],
+        bos_token_id=None,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kwargs)
+    return out.sequences[:, ids.shape[1] :], out.logits
+
+
+@pytest.mark.parametrize("with_adapters", [False, True])
+def test_shared_prefill_equals_plain_generation(models, with_adapters: bool) -> None:
+    base, peft = models
+    model = peft if with_adapters else base
+    # rows 0 and 1 share prompt and adapter; row 3 has the same prompt under another adapter
+    adapters = ["a1", "a1", "a1", "__base__", "__base__", "a1"] if with_adapters else None
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    tokens, logits = generate_batch(model, PROMPTS, adapters, greedy, pad_id=PAD, eos_ids=[EOS])
+    ref_tokens, ref_logits = _plain_generate(model, PROMPTS, adapters)
+    assert torch.equal(tokens, ref_tokens)
+    assert len(logits) == len(ref_logits)
+    for got, want in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_shared_prefill_runs_each_distinct_prompt_once(models) -> None:
+    base, peft = models
+    ids, mask = left_pad(PROMPTS, PAD)
+    seen: list[int] = []
+    handle = base.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        cache = shared_prefill(base, ids, mask, None)
+    finally:
+        handle.remove()
+    assert seen == [3]  # three distinct prompts
+    assert cache is not None and cache.get_seq_length() == ids.shape[1] - 1
+    assert cache.layers[0].keys.shape[0] == len(PROMPTS)
+    # the same prompt under two adapters is two prefills; all-distinct rows need none
+    assert shared_prefill(peft, ids, mask, ["a1", "__base__", "a1", "a1", "a1", "a1"]) is not None
+    distinct, distinct_mask = left_pad([[5, 6], [7, 8]], PAD)
+    assert shared_prefill(base, distinct, distinct_mask, None) is None
+
+
+def test_sampled_generation_with_shared_prefill_follows_the_seed(models) -> None:
+    base, _ = models
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
+    a, _ = generate_batch(base, PROMPTS, None, params, pad_id=PAD, eos_ids=[EOS])
+    b, _ = generate_batch(base, PROMPTS, None, params, pad_id=PAD, eos_ids=[EOS])
+    assert torch.equal(a, b)
+    assert not torch.equal(a[0], a[1]) or not torch.equal(a[1], a[3])  # samples of one prompt differ
