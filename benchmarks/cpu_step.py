@@ -1,0 +1,194 @@
+"""One GRPO step of the default job on the CPU, per phase, for model.dtype bfloat16, float32 and auto.
+
+Each dtype runs in its own process (so peak RSS is its own) on the real model and the default config
+(`configs/smollm2-arith-grpo.yaml`), phase by phase through `RunSession`, without Prefect: rollout
+(generation), score (rewards + advantages), train (one PPO/GRPO update), publish (adapter to the store),
+sync (the engine loads the new version). By default every group is trained on
+(`algorithm.skip_uniform_groups=false`), so the train phase has the same 64 rows whatever the rewards; the
+first `--warmup` steps are reported apart. With `--busy`, the `auto` run is repeated while `yes > /dev/null`
+keeps one core busy, and the table shows the busy/idle step-time ratio.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/cpu_step.py                       # bf16, fp32, auto (slow: bf16)
+    PYTHONPATH=. .venv/bin/python benchmarks/cpu_step.py --dtypes float32 auto --busy --steps 3
+
+Writes `benchmarks/results/cpu_step.json` (or `--out`) and prints a table naming the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, before torch loads:
+import lora_rl_core  # noqa: E402, F401 - sets OMP_WAIT_POLICY before torch loads, as the CLI does
+
+# isort: split
+from _common import RESULTS, ROOT, machine_info, print_table, write_json  # noqa: E402
+
+PHASES = ("rollout", "score", "train", "publish", "sync")
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    """In a child process: build a session for one dtype and time `args.steps` steps phase by phase."""
+    from lora_rl_core.config import load_config
+    from lora_rl_core.session import RunSession
+
+    with tempfile.TemporaryDirectory(prefix="cpu-step-") as tmp:
+        overrides = [
+            f"model.dtype={args.dtype}",
+            f"algorithm.skip_uniform_groups={str(args.skip_uniform).lower()}",
+            f"run.output_dir={tmp}",
+            f"store.uri=file://{tmp}/store",
+            "engine.sync=tensor",
+            *args.override,
+        ]
+        cfg = load_config(args.config, overrides)
+        start = time.perf_counter()
+        session = RunSession(cfg, "cpu-step")
+        setup_s = time.perf_counter() - start
+        try:
+            session.sync(session.publish(0))
+            steps = []
+            for step in range(1, args.steps + 1):
+                times: dict[str, float] = {}
+                t = time.perf_counter()
+                rollout = session.rollout(step)
+                times["rollout"] = time.perf_counter() - t
+                t = time.perf_counter()
+                score = session.score(step)
+                times["score"] = time.perf_counter() - t
+                t = time.perf_counter()
+                train = session.train_step(step)
+                times["train"] = time.perf_counter() - t
+                t = time.perf_counter()
+                ref = session.publish(step)
+                times["publish"] = time.perf_counter() - t
+                t = time.perf_counter()
+                session.sync(ref)
+                times["sync"] = time.perf_counter() - t
+                steps.append(
+                    {
+                        "step": step,
+                        "seconds": times,
+                        "step_seconds": sum(times.values()),
+                        "completions": rollout["completions"],
+                        "completion_tokens": rollout["completion_tokens"],
+                        "train_sequences": train.get("train_sequences", 0.0),
+                        "train_tokens": train.get("train_tokens", 0.0),
+                        "accuracy": score["accuracy"],
+                    }
+                )
+                print(f"  {args.dtype}: step {step} {sum(times.values()):.1f} s {times}", file=sys.stderr, flush=True)
+            runtime = session.runtime
+        finally:
+            session.close()
+    return {
+        "requested_dtype": args.dtype,
+        "runtime": runtime,
+        "setup_seconds": setup_s,
+        "steps": steps,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+    }
+
+
+def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """Mean seconds per phase over the steps after `warmup`, completions/s of the rollout phase."""
+    timed = result["steps"][warmup:] or result["steps"]
+    phases = {p: statistics.mean(s["seconds"][p] for s in timed) for p in PHASES}
+    step_s = statistics.mean(s["step_seconds"] for s in timed)
+    completions = sum(s["completions"] for s in timed)
+    return {
+        "phases_s": phases,
+        "step_s": step_s,
+        "completions_per_s": completions / sum(s["seconds"]["rollout"] for s in timed),
+        "steps_timed": len(timed),
+    }
+
+
+def child(args: argparse.Namespace, dtype: str, *, busy: bool) -> dict[str, Any]:
+    """Run `run_one` for `dtype` in a fresh interpreter (optionally with `yes` keeping one core busy)."""
+    cmd = [sys.executable, __file__, "--child", "--dtype", dtype, "--steps", str(args.steps), "--config", args.config]
+    cmd += ["--skip-uniform"] if args.skip_uniform else []
+    for o in args.override:
+        cmd += ["--override", o]
+    hog = subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) if busy else None
+    try:
+        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env={**os.environ})
+    finally:
+        if hog is not None:
+            hog.terminate()
+            hog.wait()
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32", "auto"])
+    parser.add_argument("--steps", type=int, default=2, help="steps per dtype (the first --warmup are not timed)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--busy", action="store_true", help="also run auto with one core kept busy by `yes`")
+    parser.add_argument("--skip-uniform", action="store_true", help="train only groups whose rewards differ")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "smollm2-arith-grpo.yaml"))
+    parser.add_argument("--override", action="append", default=[], help="dotted config override (repeatable)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu_step.json")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_one(args)))
+        return
+
+    from lora_rl_core.runtime import cpu_description
+
+    runs: dict[str, dict[str, Any]] = {}
+    cases = [(d, False) for d in args.dtypes] + ([("auto", True)] if args.busy else [])
+    for dtype, busy in cases:
+        label = f"{dtype} (1 core busy)" if busy else dtype
+        print(f"running {label} ...", file=sys.stderr, flush=True)
+        result = child(args, dtype, busy=busy)
+        runs[label] = {**result, "summary": summarize(result, args.warmup), "busy_core": busy}
+    if "auto" in runs and "auto (1 core busy)" in runs:
+        ratio = runs["auto (1 core busy)"]["summary"]["step_s"] / runs["auto"]["summary"]["step_s"]
+        runs["auto (1 core busy)"]["summary"]["busy_over_idle"] = ratio
+
+    cpu = cpu_description()
+    rows = []
+    for label, r in runs.items():
+        s = r["summary"]
+        rows.append(
+            [label, r["runtime"]["dtype"], *(s["phases_s"][p] for p in PHASES), s["step_s"], s["completions_per_s"]]
+            + [r["peak_rss_bytes"] / 2**30, s.get("busy_over_idle", "")]
+        )
+    title = (
+        f"GRPO step of {Path(args.config).name} on {cpu}, {runs[next(iter(runs))]['runtime']['cpu_threads']} threads; "
+        f"mean of {args.steps - args.warmup} step(s) after {args.warmup} warm-up; "
+        f"{'signal groups only' if args.skip_uniform else 'all 64 rows trained'}"
+    )
+    columns = ["run", "dtype", *(f"{p} s" for p in PHASES), "step s", "compl/s", "peak RSS GiB", "busy/idle"]
+    print_table(title, columns, rows)
+    write_json(
+        {
+            "benchmark": "cpu_step",
+            "command": "PYTHONPATH=. .venv/bin/python benchmarks/cpu_step.py " + " ".join(sys.argv[1:]),
+            "cpu": cpu,
+            "machine": machine_info("cpu"),
+            "config": Path(args.config).name,
+            "overrides": args.override,
+            "skip_uniform_groups": args.skip_uniform,
+            "runs": runs,
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
