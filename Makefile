@@ -1,5 +1,6 @@
 # `make run`: install, fetch the model, train on the embedded default config.
 # `make test`: install, run the tests. Both are idempotent on a fresh machine.
+# `make test-fast`: the tests not marked slow (no subprocesses, servers, spawn workers or Prefect).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/smollm2-arith-grpo.yaml
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint clean
+.PHONY: install run test test-fast lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ run: install
 
 test: install
 	$(VENV)/bin/pytest -q
+
+test-fast: install
+	$(VENV)/bin/pytest -q -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

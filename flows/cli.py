@@ -1,7 +1,10 @@
-"""`lora-rl` command line: train, eval, adapters.
+"""`lora-rl` command line: train, eval, serve, subscribe, adapters.
 
 User errors (bad config, missing data, unloadable reward or model, store
 problems) print one line `lora-rl: error: ...` and exit with code 2.
+SIGINT or SIGTERM stops what the command started (trainer workers, engine,
+Prefect's ephemeral server), prints one line `lora-rl: interrupted by ...`
+and exits with 130 or 143 (`flows.shutdown`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from flows import shutdown
 from flows.cli_adapters import adapters_app
 from lora_rl_core import progress
 from lora_rl_core.errors import LoraRLError
@@ -29,6 +33,7 @@ ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="YAML run config,
 
 
 @app.command()
+@shutdown.stops("trainer workers, engine and Prefect server")
 def train(
     config: ConfigOpt,
     overrides: Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. lora.rank=32")] = None,
@@ -44,6 +49,9 @@ def train(
 
     preflight(load_config(config, overrides or []))  # bad config, data, reward or model: one line, before Prefect
     from flows.grpo_lora import train as train_flow
+
+    shutdown.quiet_console_logs()  # Prefect's handlers exist now: its crash lines on SIGTERM stay off the terminal
+    shutdown.isolate_prefect_server()  # a terminal's Ctrl-C reaches lora-rl, which stops the server last
 
     bar = Progress(
         TextColumn("[bold]{task.description}"),
@@ -131,6 +139,7 @@ def eval_(
 
 
 @app.command()
+@shutdown.stops("the HTTP server and the engine")
 def serve(
     model: Annotated[str, typer.Option("--model", help="model folder, hub id or offline name")],
     host: Annotated[str, typer.Option(help="bind address; beyond loopback needs --api-key")] = "127.0.0.1",
@@ -176,6 +185,7 @@ def serve(
 
 
 @app.command()
+@shutdown.stops("the subscriber and closed its engine connections")
 def subscribe(
     store: Annotated[str, typer.Option(help="adapter store URI, e.g. file://./runs")],
     run: Annotated[str, typer.Option(help="run id to follow")],
@@ -216,19 +226,26 @@ def subscribe(
 
 
 def main() -> None:
-    """Console-script entry point: run the app, turning user errors into one line and exit code 2."""
+    """Console-script entry point: run the app, turning user errors into one line and exit code 2,
+    and SIGINT/SIGTERM into an orderly shutdown, one line and exit code 128 + signal (`flows.shutdown`)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    shutdown.install()
     try:
         code = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising it
         sys.exit(code if isinstance(code, int) else 0)
     except LoraRLError as exc:
+        if shutdown.received():  # failed while shutting down after a signal: the signal is the news
+            shutdown.exit_interrupted(shutdown.received())
         print(f"lora-rl: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(1)
-    except Exception as exc:  # click usage errors
+    except BaseException as exc:  # SIGINT/SIGTERM (`shutdown.Interrupted`), click usage errors, crashes
+        signum = shutdown.signal_of(exc)
+        if signum is not None:
+            shutdown.exit_interrupted(signum)
         import click
 
         if isinstance(exc, click.ClickException):

@@ -49,6 +49,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+from transformers.utils import logging as hf_logging
 
 from lora_rl_core import distributed
 from lora_rl_core.config import RunConfig
@@ -259,6 +260,9 @@ class _WorkerSpec:
 def _worker_main(rank: int, spec: _WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process: set up, report, then serve commands until `close` or the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # No weight-loading progress bars: the parent shows its own, and tqdm's multiprocessing lock would be
+    # a named semaphore that `_exit` leaves behind (the resource tracker then warns "leaked semaphore").
+    hf_logging.disable_progress_bar()
     try:
         trainer = _setup(rank, spec)
     except BaseException:  # noqa: BLE001 - the parent shows the traceback

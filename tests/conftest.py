@@ -1,12 +1,22 @@
-"""Shared fixtures: a tiny random Llama model with a character-level chat tokenizer, saved to disk."""
+"""Shared fixtures: a tiny random Llama model with a character-level chat tokenizer, saved to disk.
+
+And the check that no test leaves a process behind (`tests.support.processes`): every fixture wider than a
+test owns the processes it started until its teardown; after each test any other live descendant of pytest,
+member of a process group a test started, or orphan marked with this run in its environment is ended and
+fails that test's teardown; the same check runs once more when the session ends.
+"""
 
 from __future__ import annotations
+
+import lora_rl_core  # noqa: F401  # isort: skip - first: sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP
 
 import string
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support import processes
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -53,3 +63,10 @@ def build_tiny_model_dir(path: Path, *, seed: int = 0, layers: int = 2) -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Folder of a tiny random Llama + tokenizer, built once per test session."""
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+# ----------------------------------------------------------------------------- no process outlives its test
+def pytest_configure(config: pytest.Config) -> None:
+    # A plugin, not hooks of this conftest: conftest hooks skip session-scoped fixtures (their node is the
+    # session, above tests/), and the processes those start must be seen.
+    config.pluginmanager.register(processes.LeakCheckPlugin(), "no-leftover-processes")

@@ -769,4 +769,7 @@ def serve(
     app = create_app(
         engine, served_model_name=name, api_key=api_key, tokenizer=tokenizer, model_path=model, store=store
     )
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=5)
+    try:  # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal (see flows.shutdown)
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=5)
+    finally:
+        engine.close()  # stop the worker thread: queued requests end aborted

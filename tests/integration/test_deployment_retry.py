@@ -7,6 +7,10 @@ from the project's prefect.yaml, a worker, and `prefect deployment run` with a t
    Retry does: AwaitingRetry, then a worker runs it again) completes it, and the finished steps show as Cached;
 2. `kill -9` of the worker (and its flow process) while publish_adapter has written version 2's files but not its
    manifest leaves no partial version; setting the run to AwaitingRetry and starting a new worker completes it.
+
+Every process runs in a process group of its own (`tests.support.processes`) and is stopped with its group and
+its descendants, which covers the flow-run processes a worker starts in sessions of their own: the hung one of
+the kill test (`publish_adapter:2:hang`) once outlived the test suite.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import pytest
 
 from lora_rl_core.store import AdapterStore
 from tests.integration.tiny_run import write_tiny_config
+from tests.support import processes
+
+pytestmark = pytest.mark.slow  # a Prefect server, workers and flow-run processes
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -58,12 +65,11 @@ def server(tmp_path_factory):
         "HF_HUB_OFFLINE": "1",
     }
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen(
+    proc = processes.popen(
         [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,
     )
     api = f"http://127.0.0.1:{port}/api"
     env["PREFECT_API_URL"] = api
@@ -73,12 +79,11 @@ def server(tmp_path_factory):
         _cli(env, "--no-prompt", "deploy", "--all")
         yield api, env
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        processes.stop(proc, grace_s=30)
 
 
 def _cli(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = processes.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
     return out.stdout
 
@@ -96,19 +101,18 @@ def _wait(predicate, seconds: float, what: str) -> None:
 
 
 def _worker(env: dict[str, str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
+    return processes.popen(
         [PREFECT, "worker", "start", "--pool", POOL, "--limit", "1"],
         cwd=REPO,
         env={**env, **(extra_env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,
     )
 
 
 def _stop(worker: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    os.killpg(worker.pid, sig)
-    worker.wait(timeout=60)
+    """Stop the worker, its group and its flow-run processes (in sessions of their own), with `sig` first."""
+    processes.stop(worker, sig, grace_s=60)
 
 
 def _state(api: str, run_id: str) -> str:
@@ -158,10 +162,12 @@ def test_kill_worker_mid_publish_leaves_no_partial_version(server, tiny_model_di
     api, env = server
     config, store = _config(tmp_path, tiny_model_dir)
     worker = _worker(env, {"LORA_RL_FAULT": "publish_adapter:2:hang"})
-    flow_run = _run_deployment(env, config, "it-kill")
     attempt_dir = store / "it-kill" / "adapters" / "v000002"
-    _wait(lambda: any(attempt_dir.glob("*/adapter_model.safetensors")), 240, "publish of v2 to write its files")
-    _stop(worker, signal.SIGKILL)  # kill -9 the worker and the flow process it started
+    try:
+        flow_run = _run_deployment(env, config, "it-kill")
+        _wait(lambda: any(attempt_dir.glob("*/adapter_model.safetensors")), 240, "publish of v2 to write its files")
+    finally:
+        _stop(worker, signal.SIGKILL)  # kill -9 the worker and the (hung) flow process it started
     assert AdapterStore(f"file://{store}").versions("it-kill") == [0, 1]  # no partial version
     assert not (attempt_dir / "manifest.json").exists()
     body = {"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}, "force": True}

@@ -33,6 +33,8 @@ from lora_rl_core.engines.server import check_bind, create_app
 from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.lora import peft_config_dict
 
+pytestmark = pytest.mark.slow  # uvicorn in a thread (and the in-process TestClient app)
+
 SERVED = "tiny"
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 GREEDY_P = SamplingParams(max_new_tokens=6, temperature=0.0)

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lora_rl_core.store import AdapterStore
 from tests.integration.tiny_run import write_tiny_config
 
+pytestmark = pytest.mark.slow  # the flow under the Prefect test server; FSDP2 workers; an engine server
+
 
 @pytest.fixture()
 def flow_config(tiny_model_dir, tmp_path):

@@ -18,6 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lora_rl_core.engines import EmbeddedEngine
 from lora_rl_core.stress import StressReport, random_lora_factory, run_hotswap_stress, serve_in_thread
 
+pytestmark = pytest.mark.slow  # uvicorn in a thread, stress at CI size
+
 CI_SIZE = {"swaps": 20, "clients": 8, "n": 4, "deadline_s": 60.0, "abort_prob": 0.2, "pause_prob": 0.3}
 
 

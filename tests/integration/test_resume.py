@@ -10,6 +10,8 @@ from lora_rl_core.session import RunSession
 from lora_rl_core.store import AdapterStore
 from tests.integration.tiny_run import write_tiny_config
 
+pytestmark = pytest.mark.slow  # the flow under the Prefect test server
+
 
 def _write_config(tmp_path, tiny_model_dir, run_id: str):
     return str(

@@ -1,7 +1,8 @@
 """FSDP2 training on CPU (gloo) with persistent worker processes, against the in-process trainer.
 
-Tests marked `spawn` start worker processes (seconds each); the two worker groups are shared by the
-module, and each test that trains first resets them to the initial checkpoint, so order does not matter.
+Tests marked `spawn` (and `slow`) start worker processes (seconds each); the two worker groups are shared
+by the module, and each test that trains first resets them to the initial checkpoint, so order does not
+matter. The kill test ends the two-rank group; a test that needs it afterwards starts its own.
 The config exercises every collective pattern: two minibatches (old-logprob passes), KL to the adapter-
 disabled reference, TIS, one-row micro-batches, batches that leave a rank with fewer (or no) rows, and
 gradient clipping that is active on every step (so a per-rank instead of global norm would show).
@@ -15,6 +16,7 @@ import os
 import signal
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -28,7 +30,12 @@ from lora_rl_core.models import load_model
 from lora_rl_core.trainer import PolicyTrainer, TrainBatch, rank_micro_batches
 from lora_rl_core.trainer_workers import TrainerWorkerError, TrainerWorkers, _serve
 
-spawn = pytest.mark.spawn
+
+def spawn(test):
+    """Starts worker processes: `spawn` and `slow`."""
+    return pytest.mark.slow(pytest.mark.spawn(test))
+
+
 VOCAB = 64  # random token ids stay below this; the tiny tokenizer has 78 tokens
 METRICS = ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_fraction", "ratio_mean", "ratio_max", "lr")
 
@@ -100,8 +107,8 @@ def initial_state(cfg):
 
 @pytest.fixture(scope="module")
 def groups(cfg, initial_state):
-    """Worker groups started concurrently (start-up is mostly imports): world sizes 2 and 1, and one to kill."""
-    sizes = {"two": 2, "one": 1, "doomed": 2}
+    """Worker groups started concurrently (start-up is mostly imports): world sizes 2 and 1."""
+    sizes = {"two": 2, "one": 1}
     with ThreadPoolExecutor(len(sizes)) as pool:
         futures = {name: pool.submit(TrainerWorkers, cfg, world_size=n, timeout_s=120) for name, n in sizes.items()}
     started = {name: f.result() for name, f in futures.items() if f.exception() is None}
@@ -113,9 +120,14 @@ def groups(cfg, initial_state):
             workers.close()
 
 
-@pytest.fixture(scope="module")
-def workers2(groups) -> TrainerWorkers:
-    return groups["two"]
+@pytest.fixture
+def workers2(cfg, groups) -> Iterator[TrainerWorkers]:
+    """The shared two-rank group; a group of the test's own if the kill test (last in the file) ended it."""
+    if not groups["two"]._closed:
+        yield groups["two"]
+        return
+    with TrainerWorkers(cfg, world_size=2, timeout_s=120) as workers:
+        yield workers
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +220,8 @@ def test_checkpoint_round_trip(cfg, initial_state, workers1, workers2):
 
 
 @spawn
-def test_killed_worker_fails_the_next_call_and_close_is_prompt(groups):
-    workers = groups["doomed"]
+def test_killed_worker_fails_the_next_call_and_close_is_prompt(workers2):
+    workers = workers2  # ended here: runs after the other tests that share it
     os.kill(workers.pids[1], signal.SIGTERM)
     start = time.monotonic()
     with pytest.raises(TrainerWorkerError, match="rank 1"):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from tests.support import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +24,8 @@ print(len(names))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_core_never_imports_prefect():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = processes.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) > 10

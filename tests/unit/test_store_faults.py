@@ -28,6 +28,7 @@ from s3fs.errors import translate_boto_error
 
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store import AdapterStore, RetryPolicy, is_transient
+from tests.support import processes
 from tests.unit.test_store import SMALL_CONFIG, SMALL_KEY, small_lora
 
 REPO = Path(__file__).resolve().parents[2]
@@ -268,7 +269,7 @@ def kill_mid_upload(store: AdapterStore, uri: str, options: dict, tmp_path: Path
     shapes = {k: list(t.shape) for k, t in small_lora().items()}
     args = [uri, json.dumps(options), str(marker), "7", json.dumps(shapes), json.dumps(SMALL_CONFIG)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, *args], env=env, cwd=REPO, stderr=subprocess.PIPE)
+    child = processes.popen([sys.executable, "-c", KILL_CHILD, *args], env=env, cwd=REPO, stderr=subprocess.PIPE)
     seen: list[tuple[list[int], int]] = []
     try:
         deadline = time.monotonic() + 60
@@ -280,8 +281,7 @@ def kill_mid_upload(store: AdapterStore, uri: str, options: dict, tmp_path: Path
             seen.append((store.versions("r1"), store.latest("r1").version))
         os.kill(child.pid, signal.SIGKILL)
     finally:
-        child.kill()
-        child.wait(10)
+        processes.stop(child, signal.SIGKILL)
         child.stderr.close()
     assert child.returncode == -signal.SIGKILL
     seen.append((store.versions("r1"), store.latest("r1").version))
@@ -295,6 +295,7 @@ def kill_mid_upload(store: AdapterStore, uri: str, options: dict, tmp_path: Path
     assert all(torch.equal(tensors[k], v2[k]) for k in v2)
 
 
+@pytest.mark.slow  # a writer subprocess
 def test_writer_killed_mid_upload_is_never_visible_file(tmp_path):
     uri = f"file://{tmp_path}/runs"
     kill_mid_upload(AdapterStore(uri), uri, {}, tmp_path)

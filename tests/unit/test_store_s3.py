@@ -29,6 +29,7 @@ from lora_rl_core.store import AdapterStore, RetentionPolicy, RetryPolicy
 from tests.unit.test_store import SMALL_CONFIG, SMALL_KEY, _tiny_base, check_race_outcome, race, small_lora
 from tests.unit.test_store_faults import FlakyFS, client_error, kill_mid_upload
 
+pytestmark = pytest.mark.slow  # a moto S3 server (and one writer subprocess)
 moto_server = pytest.importorskip("moto.server")
 BUCKET = "lora-rl-test"
 FAST = RetryPolicy(attempts=3, base_delay_s=0.001, max_delay_s=0.005)

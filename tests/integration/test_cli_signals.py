@@ -1,0 +1,182 @@
+"""SIGTERM and SIGINT to `lora-rl train`, `serve` and `subscribe`: an orderly stop.
+
+Each command runs as a real process in a session of its own (`tests.support.processes`). Once it is busy
+(train: version 1 published, so the trainer workers have trained; serve: /health answers; subscribe: the
+engine holds the newest version), it gets the signal: `kill -TERM PID` (to the process alone, as a process
+manager sends it) or a terminal's Ctrl-C (SIGINT to the whole process group). It must exit with 128 +
+the signal number, print exactly one `lora-rl:` line (the last line of stderr, no traceback), and leave
+no process behind: not its trainer workers, not Prefect's ephemeral server (which runs in a session of
+its own), nothing else it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lora_rl_core.engines import EmbeddedEngine
+from lora_rl_core.store import AdapterStore
+from lora_rl_core.stress import random_lora_factory, serve_in_thread
+from tests.integration.tiny_run import write_tiny_config
+from tests.support import processes
+
+pytestmark = pytest.mark.slow  # `lora-rl` processes, Prefect's ephemeral server, trainer workers
+
+REPO = Path(__file__).resolve().parents[2]
+LORA_RL = str(Path(sys.executable).with_name("lora-rl"))
+PREFECT_SERVER = "prefect.server.api.server:create_app"  # in the command line of Prefect's ephemeral server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_harness():
+    """No Prefect test server: `lora-rl train` starts its own ephemeral one. Overrides the package's harness."""
+    yield
+
+
+@pytest.fixture()
+def env(tmp_path) -> dict[str, str]:
+    """No PREFECT_API_URL (so train starts an ephemeral server), a fresh PREFECT_HOME, offline HF."""
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "HF_HUB_OFFLINE": "1",
+        "LORA_RL_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),  # the reward
+    }
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
+class Command:
+    """A `lora-rl` process with stdout and stderr in files."""
+
+    def __init__(self, args: list[str], env: dict[str, str], tmp_path: Path) -> None:
+        self.out, self.err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = processes.popen([LORA_RL, *args], cwd=REPO, env=env, stdout=out, stderr=err)
+
+    def wait_until(self, ready: Callable[[], bool], what: str, seconds: float = 240) -> None:
+        deadline = time.monotonic() + seconds
+        while not ready():
+            assert self.proc.poll() is None, f"exited with {self.proc.returncode} before {what}:\n{self.stderr()}"
+            assert time.monotonic() < deadline, f"timed out after {seconds} s waiting for {what}:\n{self.stderr()}"
+            time.sleep(0.2)
+
+    def tree(self) -> list[processes.Proc]:
+        """The process and everything it started, wherever it runs."""
+        table = processes.process_table()
+        return [table[self.proc.pid], *processes.descendants(self.proc.pid, table)]
+
+    def interrupt(self, sig: int, *, group: bool) -> list[processes.Proc]:
+        """Send `sig` (to the process, or its whole group as a terminal's Ctrl-C does) and wait for the exit;
+        the processes that ran just before."""
+        tree = self.tree()
+        (os.killpg if group else os.kill)(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 90 s after {signal.Signals(sig).name}:\n{self.stderr()}")
+        return tree
+
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")[-4000:]
+
+
+@pytest.fixture()
+def command(env, tmp_path) -> Iterator[Callable[..., Command]]:
+    started: list[Command] = []
+
+    def start(*args: str) -> Command:
+        started.append(Command(list(args), env, tmp_path))
+        return started[-1]
+
+    yield start
+    for cmd in started:  # pass or fail: the process, its group and its descendants end with the test
+        processes.stop(cmd.proc)
+
+
+def assert_stopped_in_order(cmd: Command, tree: list[processes.Proc], sig: int, stopped: str) -> None:
+    name = signal.Signals(sig).name
+    err = cmd.err.read_text(errors="replace")
+    assert cmd.proc.returncode == 128 + sig, err[-4000:]
+    ours = [line for line in err.splitlines() if line.startswith("lora-rl:")]
+    assert ours == [f"lora-rl: interrupted by {name}; stopped {stopped}"], err[-4000:]
+    assert err.rstrip().splitlines()[-1] == ours[0], err[-4000:]  # nothing after it (no late log, no warning)
+    assert "Traceback" not in err, err[-4000:]
+    deadline = time.monotonic() + 5  # the exit status is in; give a child's own exit a moment
+    while (left := [p for p in tree if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"left running after {name}: {processes.describe(left)}"
+    assert not processes.group_members(cmd.proc.pid), processes.describe(processes.group_members(cmd.proc.pid))
+
+
+def _alive(proc: processes.Proc) -> bool:
+    now = processes.process_table().get(proc.pid)
+    return now is not None and now.key == proc.key and now.alive
+
+
+@pytest.mark.parametrize(
+    ("sig", "group"), [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["kill-TERM", "ctrl-C"]
+)
+def test_train_stops_trainer_workers_and_prefect_server(command, tiny_model_dir, tmp_path, sig, group):
+    config = write_tiny_config(
+        tmp_path,
+        tiny_model_dir,
+        "sig",
+        run={"eval_before_after": False},
+        trainer={"steps": 1000, "world_size": 2},  # never finishes: interrupted while training
+    )
+    cmd = command("train", "-c", str(config), "--run-id", "sig")
+    manifest = tmp_path / "store" / "sig" / "adapters" / "v000001" / "manifest.json"
+    cmd.wait_until(manifest.exists, "version 1 (the first trained step)")
+    commands = [p.cmdline() for p in cmd.tree()]
+    assert sum("spawn_main" in c for c in commands) == 2, commands  # the trainer workers
+    assert sum(PREFECT_SERVER in c for c in commands) == 1, commands  # the ephemeral Prefect server
+    tree = cmd.interrupt(sig, group=group)
+    assert_stopped_in_order(cmd, tree, sig, "trainer workers, engine and Prefect server")
+
+
+def test_serve_stops_on_ctrl_c(command, tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = command(
+        "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"
+    )
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    cmd.wait_until(healthy, "the server to answer /health")
+    tree = cmd.interrupt(signal.SIGINT, group=True)
+    assert_stopped_in_order(cmd, tree, signal.SIGINT, "the HTTP server and the engine")
+
+
+def test_subscribe_stops_on_sigterm(command, tiny_model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    make_adapter = random_lora_factory(model)
+    store = AdapterStore(f"file://{tmp_path / 'store'}")
+    for version in (0, 1):
+        tensors, config = make_adapter(version)
+        store.publish("sub", version, tensors=tensors, adapter_config=config, step=version, base_model="tiny")
+    with EmbeddedEngine(model, AutoTokenizer.from_pretrained(tiny_model_dir)) as engine:
+        with serve_in_thread(engine, store=store) as url:
+            cmd = command("subscribe", "--store", store.uri, "--run", "sub", "--engine", url, "--poll-interval", "0.2")
+            cmd.wait_until(lambda: "sub-v000001" in engine.list_adapters(), "version 1 to reach the engine")
+            tree = cmd.interrupt(signal.SIGTERM, group=False)
+    assert_stopped_in_order(cmd, tree, signal.SIGTERM, "the subscriber and closed its engine connections")
