@@ -114,9 +114,9 @@ def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
     }
 
 
-def child(args: argparse.Namespace, dtype: str, *, busy: bool) -> dict[str, Any]:
+def child(args: argparse.Namespace, dtype: str, *, busy: bool, steps: int) -> dict[str, Any]:
     """Run `run_one` for `dtype` in a fresh interpreter (optionally with `yes` keeping one core busy)."""
-    cmd = [sys.executable, __file__, "--child", "--dtype", dtype, "--steps", str(args.steps), "--config", args.config]
+    cmd = [sys.executable, __file__, "--child", "--dtype", dtype, "--steps", str(steps), "--config", args.config]
     cmd += ["--skip-uniform"] if args.skip_uniform else []
     for o in args.override:
         cmd += ["--override", o]
@@ -135,6 +135,12 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32", "auto"])
     parser.add_argument("--steps", type=int, default=2, help="steps per dtype (the first --warmup are not timed)")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--emulated-steps",
+        type=int,
+        default=1,
+        help="steps for a bf16 run on a CPU without native bf16 (each takes minutes), all timed",
+    )
     parser.add_argument("--busy", action="store_true", help="also run auto with one core kept busy by `yes`")
     parser.add_argument("--skip-uniform", action="store_true", help="train only groups whose rewards differ")
     parser.add_argument("--config", default=str(ROOT / "configs" / "smollm2-arith-grpo.yaml"))
@@ -147,15 +153,23 @@ def main() -> None:
         print(json.dumps(run_one(args)))
         return
 
-    from lora_rl_core.runtime import cpu_description
+    from lora_rl_core.runtime import choose_dtype, cpu_description
 
     runs: dict[str, dict[str, Any]] = {}
     cases = [(d, False) for d in args.dtypes] + ([("auto", True)] if args.busy else [])
     for dtype, busy in cases:
         label = f"{dtype} (1 core busy)" if busy else dtype
-        print(f"running {label} ...", file=sys.stderr, flush=True)
-        result = child(args, dtype, busy=busy)
-        runs[label] = {**result, "summary": summarize(result, args.warmup), "busy_core": busy}
+        emulated = dtype == "bfloat16" and choose_dtype("auto", "cpu").name != "bfloat16"
+        steps, warmup = (args.emulated_steps, 0) if emulated else (args.steps, args.warmup)
+        print(f"running {label} for {steps} step(s) ...", file=sys.stderr, flush=True)
+        result = child(args, dtype, busy=busy, steps=steps)
+        runs[label] = {
+            **result,
+            "summary": summarize(result, warmup),
+            "busy_core": busy,
+            "emulated_bf16": emulated,
+            "warmup_steps": warmup,
+        }
     if "auto" in runs and "auto (1 core busy)" in runs:
         ratio = runs["auto (1 core busy)"]["summary"]["step_s"] / runs["auto"]["summary"]["step_s"]
         runs["auto (1 core busy)"]["summary"]["busy_over_idle"] = ratio
@@ -165,7 +179,8 @@ def main() -> None:
     for label, r in runs.items():
         s = r["summary"]
         rows.append(
-            [label, r["runtime"]["dtype"], *(s["phases_s"][p] for p in PHASES), s["step_s"], s["completions_per_s"]]
+            [label + (" (no warm-up)" if r["warmup_steps"] == 0 else ""), r["runtime"]["dtype"]]
+            + [*(s["phases_s"][p] for p in PHASES), s["step_s"], s["completions_per_s"]]
             + [r["peak_rss_bytes"] / 2**30, s.get("busy_over_idle", "")]
         )
     title = (
