@@ -74,14 +74,13 @@ from lora_rl_core.engines.base import (
     check_adapter_name,
     unknown_adapter_message,
 )
-from lora_rl_core.engines.generation import generate_batch
+from lora_rl_core.engines.generation import BASE_ADAPTER, generate_batch
 from lora_rl_core.engines.pool import AdapterPool
 from lora_rl_core.engines.scheduler import BatchLimits, form_batch
 from lora_rl_core.errors import EngineError, StoreError
 
 log = logging.getLogger(__name__)
 
-BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in adapter_names
 _IDLE_WAIT_S = 0.2  # how often an idle worker wakes to check for shutdown and free unloaded adapters
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _STORE_VERSION_DIR = re.compile(r"^(?P<root>.+)/(?P<run>[^/]+)/adapters/v(?P<version>\d{6,})$")

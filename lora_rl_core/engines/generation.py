@@ -20,6 +20,8 @@ plain `model.generate` call, both for CPU speed and both exact:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +37,8 @@ from transformers import (
 )
 
 from lora_rl_core.engines.base import SamplingParams
+
+BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in adapter_names
 
 
 class InverseCdfSampler(LogitsProcessor):
@@ -158,20 +162,39 @@ def generate_batch(
     input_ids, attention_mask = left_pad(prompts, pad_id)
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    kwargs: dict[str, Any] = {"adapter_names": adapters} if adapters else {}
-    if params.seed is not None:
-        torch.manual_seed(params.seed)
-    cache = shared_prefill(model, input_ids, attention_mask, adapters)
-    if cache is not None:
-        kwargs["past_key_values"] = cache
-    processors = None
-    if params.temperature > 0:
-        processors = LogitsProcessorList([InverseCdfSampler(params.temperature, params.top_k, params.top_p)])
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=generation_config(params, pad_id, eos_ids),
-        logits_processor=processors,
-        **kwargs,
-    )
+    with _one_adapter(model, adapters) as adapters:
+        kwargs: dict[str, Any] = {"adapter_names": adapters} if adapters else {}
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        cache = shared_prefill(model, input_ids, attention_mask, adapters)
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        processors = None
+        if params.temperature > 0:
+            processors = LogitsProcessorList([InverseCdfSampler(params.temperature, params.top_k, params.top_p)])
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=generation_config(params, pad_id, eos_ids),
+            logits_processor=processors,
+            **kwargs,
+        )
     return out.sequences[:, input_ids.shape[1] :].cpu(), out.logits
+
+
+@contextmanager
+def _one_adapter(model: Any, adapters: list[str] | None) -> Iterator[list[str] | None]:
+    """When every row names the same adapter (a GRPO rollout), make it PEFT's active adapter (or disable
+    adapters for the base model) and yield None, so the forward skips PEFT's mixed-batch path: per module
+    it splits the batch by adapter, a dozen small ops that made a 64 x 48-token rollout on a 2-core CPU
+    about 20 % slower. Otherwise yield `adapters` unchanged. Callers hold the engine's model lock."""
+    if not adapters or len(set(adapters)) != 1:
+        yield adapters
+        return
+    name = adapters[0]
+    if name == BASE_ADAPTER:
+        with model.disable_adapter():
+            yield None
+        return
+    model.set_adapter(name)  # the engine always names adapters per batch: the active one need not be restored
+    yield None
