@@ -101,6 +101,22 @@ def test_shared_prefill_equals_plain_generation(models, with_adapters: bool) -> 
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("adapter", ["a1", "__base__"])
+def test_one_adapter_batch_equals_the_mixed_batch_path(models, adapter: str) -> None:
+    """A batch naming one adapter runs PEFT's plain forward (active adapter, or adapters disabled for the
+    base model); its tokens and logits equal PEFT's per-row routing of the same batch."""
+    _, peft = models
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    tokens, logits = generate_batch(peft, PROMPTS, [adapter] * len(PROMPTS), greedy, pad_id=PAD, eos_ids=[EOS])
+    ref_tokens, ref_logits = _plain_generate(peft, PROMPTS, [adapter] * len(PROMPTS))
+    assert torch.equal(tokens, ref_tokens)
+    for got, want in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    if adapter == "__base__":  # and the adapter really was off: the base model's own output
+        base_tokens, _ = _plain_generate(models[0], PROMPTS, None)
+        assert torch.equal(tokens, base_tokens)
+
+
 def test_shared_prefill_runs_each_distinct_prompt_once(models) -> None:
     base, peft = models
     ids, mask = left_pad(PROMPTS, PAD)
