@@ -60,21 +60,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             steps = []
             for step in range(1, args.steps + 1):
                 times: dict[str, float] = {}
-                t = time.perf_counter()
-                rollout = session.rollout(step)
-                times["rollout"] = time.perf_counter() - t
-                t = time.perf_counter()
-                score = session.score(step)
-                times["score"] = time.perf_counter() - t
-                t = time.perf_counter()
-                train = session.train_step(step)
-                times["train"] = time.perf_counter() - t
-                t = time.perf_counter()
-                ref = session.publish(step)
-                times["publish"] = time.perf_counter() - t
-                t = time.perf_counter()
-                session.sync(ref)
-                times["sync"] = time.perf_counter() - t
+                rollout = _timed(times, "rollout", session.rollout, step)
+                score = _timed(times, "score", session.score, step)
+                train = _timed(times, "train", session.train_step, step)
+                ref = _timed(times, "publish", session.publish, step)
+                _timed(times, "sync", session.sync, ref)
                 steps.append(
                     {
                         "step": step,
@@ -98,6 +88,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }
+
+
+def _timed(times: dict[str, float], phase: str, fn: Any, *args: Any) -> Any:
+    """Call `fn(*args)`, record its wall seconds under `phase`, return its result."""
+    start = time.perf_counter()
+    result = fn(*args)
+    times[phase] = time.perf_counter() - start
+    return result
 
 
 def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
