@@ -58,11 +58,7 @@ class DtypeChoice:
 
 def cpu_has_native_bf16() -> bool:
     """True when this CPU computes bf16 matmuls natively (x86 AVX512-BF16 or AMX tiles)."""
-    cpu = torch.cpu
-    try:
-        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
-    except AttributeError:  # torch builds without these probes (non-x86): assume no native bf16
-        return False
+    return _probe("_is_avx512_bf16_supported") or _probe("_is_amx_tile_supported")
 
 
 def cpu_description() -> str:
@@ -79,6 +75,7 @@ def cpu_description() -> str:
 
 
 def _probe(name: str) -> bool:
+    """A `torch.cpu._is_*_supported` probe; False where this torch build lacks it (non-x86)."""
     fn = getattr(torch.cpu, name, None)
     return bool(fn()) if fn is not None else False
 

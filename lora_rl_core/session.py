@@ -35,7 +35,7 @@ from lora_rl_core.faults import maybe_fail
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
 from lora_rl_core.rewards import load_reward, score_completions
-from lora_rl_core.runtime import configure_threads
+from lora_rl_core.runtime import configure_threads, cpu_threads
 from lora_rl_core.store import AdapterRef, adapter_name, validate_run_id
 from lora_rl_core.subscriber import sync_version
 from lora_rl_core.trainer import PolicyTrainer, TrainBatch
@@ -80,7 +80,7 @@ def runtime_info(cfg: RunConfig) -> dict[str, Any]:
         "device": str(resolve_device(cfg.model.device)),
         "dtype": choice.name,
         "dtype_reason": choice.reason,
-        "cpu_threads": configure_threads(),
+        "cpu_threads": cpu_threads(),
     }
 
 
@@ -97,6 +97,7 @@ class RunSession:
         self.run_id = validate_run_id(run_id)
         self.workdir = Path(cfg.run.output_dir) / run_id
         self.store = cfg.store.build()
+        configure_threads()
         self.runtime = runtime_info(cfg)
         self.store.write_run_config(run_id, {**cfg.model_dump(mode="json"), "runtime": self.runtime})
         self.run_url = f"{self.store.uri.rstrip('/')}/{run_id}"
