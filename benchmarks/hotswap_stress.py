@@ -1,7 +1,7 @@
 """Hot-swap stress at full size: 200 adapter swaps while 32 clients sample groups of n=4, with random aborts
 and pauses, in-process and over HTTP; prints the counts and writes `benchmarks/results/hotswap_stress.json`.
 
-The run and its checks are `lora_rl_core.stress.run_hotswap_stress` (read its docstring for the invariants).
+The run and its checks are `tests.support.stress.run_hotswap_stress` (read its docstring for the invariants).
 Targets: `in-process` (`EmbeddedEngine`, groups of n requests), `http-n` (our engine server over HTTP, one
 SGLang `/generate` with `sampling_params.n` per group, versions as the server reports them) and `http-group`
 (n requests per group through `ServerEngine.generate`, the rollout path); the server runs in a thread of
@@ -24,7 +24,9 @@ import _common
 from _common import RESULTS, machine_info, model_config, print_table, random_model, stub_tokenizer, write_json
 
 from lora_rl_core.engines import EmbeddedEngine
-from lora_rl_core.stress import StressReport, random_lora_factory, run_hotswap_stress, serve_in_thread
+from tests.support.adapters import random_lora_factory
+from tests.support.servers import serve_in_thread
+from tests.support.stress import StressReport, run_hotswap_stress
 
 TARGETS = ("in-process", "http-n", "http-group")
 ROWS = (
@@ -38,7 +40,7 @@ def run_target(target: str, args: argparse.Namespace, cfg: dict) -> StressReport
     """One stress run against a fresh engine on a fresh random model."""
     model = random_model(cfg, device=args.device, dtype=_common.default_dtype(args.device, "auto"))
     make_adapter = random_lora_factory(model, rank=args.rank)
-    engine = EmbeddedEngine(model, stub_tokenizer(cfg), max_batch_size=args.max_batch_size, keep_versions=2)
+    engine = EmbeddedEngine(model, stub_tokenizer(cfg), max_batch_size=args.max_batch_size)
     options = {
         "swaps": args.swaps, "clients": args.clients, "n": args.n, "deadline_s": args.deadline,
         "abort_prob": args.abort_prob, "pause_prob": args.pause_prob, "seed": args.seed,
@@ -46,7 +48,7 @@ def run_target(target: str, args: argparse.Namespace, cfg: dict) -> StressReport
     }  # fmt: skip
     with engine:
         if target == "in-process":
-            return run_hotswap_stress(engine, make_adapter, **options, retire=args.retire)
+            return run_hotswap_stress(engine, make_adapter, **options)
         with serve_in_thread(engine, request_timeout_s=args.request_timeout, control_timeout_s=30.0) as url:
             return run_hotswap_stress(url, make_adapter, **options, samples=target.removeprefix("http-"))
 
@@ -83,7 +85,6 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rank", type=int, default=2)
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--retire", choices=["subscriber", "engine"], default="subscriber", help="in-process only")
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--model-config", type=Path, default=None, help="default: a tiny Qwen2-shaped model")
     parser.add_argument("--layers", type=int, default=None)

@@ -1,0 +1,425 @@
+"""Hot-swap stress: adapter swaps under concurrent sampling, aborts and pauses, with the invariants checked.
+
+The hot-swap protocol's acceptance run (docs/HOTSWAP.md); the CI test (`tests/integration/test_hotswap_stress.py`,
+reduced size) and the benchmark (`benchmarks/hotswap_stress.py`, full size) both call `run_hotswap_stress`. The
+records and the checks are in `tests/support/stress_report.py`, the random adapters in `tests/support/adapters.py`.
+
+Threads:
+
+* swapper: `swaps` times, loads `<run>-v000001, ...` from fresh random LoRA tensors (the tensor path), each
+  under a new name, makes it the active version, then retires stale versions with `subscriber.retire_stale`
+  (what `sync_version` runs) under the control lock, so no unload can overlap a pause: that function skips
+  engines that report generation paused (the protocol under test).
+* `clients` clients: send groups of `n` samples of one random prompt naming the active version, over and over.
+* aborter: aborts random requests of random groups by id after a random delay (`abort_prob` per group).
+* pauser: every `pause_tick_s`, with probability `pause_prob`, pauses (mode abort | retract | in_place) under
+  the control lock, waits up to `max_pause_s`, and resumes.
+
+Every engine call has a deadline, and so does the run. Checked afterwards (`StressReport.violations`):
+
+* lost: a sample that did not end completed (stop/length), aborted with a reason, or rejected at submit;
+* rejections: a group may be refused at submit only because its version was retired meanwhile;
+* version mismatch: a completion whose adapter or version differs from what its request named (a request
+  names one version, so a group whose samples differ is counted here too, and in `mixed_groups`);
+* not loaded at admission: a completion whose version's load had not finished when its group was sent, or
+  whose unload had already finished then (the admission record itself is the engine's: it aborts a request
+  whose adapter is unregistered at admission with `adapter_unloaded`);
+* unaccounted aborts: the requests that `abort` calls report aborted must be exactly the samples that come
+  back aborted with reason `aborted`;
+* unloads while paused, failed loads or control calls (and crashed threads), calls past their deadline
+  (+ a grace), threads still alive at the run deadline, usage counts still held once everything ended,
+  and a final 1-token request on the active version.
+
+Aborts with reason `adapter_unloaded` are allowed (not lost: they end with a reason): the engine admits a
+queued request only while its adapter is registered, and `subscriber.retire_stale` retires versions that no
+*admitted* request holds, so requests still queued for a retired version end that way.
+
+Targets: an in-process engine (`EmbeddedEngine`; a group is `n` requests sharing the prompt, through
+`generate`), or our engine server over HTTP (a `ServerEngine` or its URL): a group is one SGLang `/generate`
+with `sampling_params.n` (`samples="n"`, the default there), whose per-sample `meta_info.weight_version` is
+the version the server admitted the sample with; or `samples="group"`, `n` requests through
+`ServerEngine.generate` (the rollout path), whose completions derive the version from the adapter name, so
+the version check is weaker there.
+
+Left out: real SGLang (its unload hangs, sglang#36894, are what the protocol avoids), several engines,
+store-path loads (`benchmarks/sync_latency.py` times those).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from lora_rl_core.engines.base import PAUSE_MODES, GenerationRequest, SamplingParams, adapter_version
+from lora_rl_core.engines.http import ServerEngine, SGLangEngine
+from lora_rl_core.errors import EngineError, LoraRLError
+from lora_rl_core.subscriber import retire_stale
+from tests.support.adapters import AdapterFactory
+from tests.support.stress_report import Group, Sample, Shared, StressReport, StressSettings, build_report
+
+__all__ = ["StressReport", "StressSettings", "run_hotswap_stress"]
+
+# ----------------------------------------------------------------------------- targets
+
+
+class _Target:
+    """The engine calls the stress run makes; `_InProcess` and `_Http` fill in how."""
+
+    samples = "group"
+
+    def __init__(self, engine: Any, settings: StressSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.label = type(engine).__name__
+        """What the report names as the target: the engine's class here, the server's URL over HTTP."""
+
+    def send(self, group: Group, prompt: list[int], params: SamplingParams) -> list[Sample]:
+        """`n` requests sharing the prompt through `engine.generate` (raises EngineError when refused)."""
+        requests = [
+            GenerationRequest(prompt, group.name, params, request_id=f"{group.rid}-{j}") for j in range(group.n)
+        ]
+        done = self.engine.generate(requests, timeout_s=self.settings.request_timeout_s)
+        return [Sample(c.request_id, c.finish_reason, c.adapter, c.adapter_version, c.abort_reason) for c in done]
+
+    def abort_ids(self, group: Group, which: int | None) -> list[str]:
+        """Request ids to abort: sample `which` of the group, or all of them (None)."""
+        return [f"{group.rid}-{j}" for j in range(group.n) if which is None or j == which]
+
+    def load(self, name: str, tensors: dict, config: dict) -> None:
+        """Load one version from tensors (the tensor path)."""
+        self.engine.load_adapter(name, tensors=tensors, config=config, timeout_s=self.settings.control_timeout_s)
+
+    def retire(self, active: str) -> list[str]:
+        """Unload stale versions with `subscriber.retire_stale` (which skips a paused engine)."""
+        s = self.settings
+        return retire_stale(self.engine, s.run_id, keep=s.keep, protect={active})
+
+    def in_flight(self) -> int:
+        """Requests holding an adapter now (sum over adapters)."""
+        return sum(int(info.get("in_flight") or 0) for info in self.engine.list_adapters().values())
+
+    def close(self) -> None:
+        """Release what the target opened."""
+
+
+class _InProcess(_Target):
+    """An `EmbeddedEngine` in this process."""
+
+
+class _Http(_Target):
+    """Our engine server over HTTP through `ServerEngine`; `samples="n"` sends SGLang's `n` itself."""
+
+    def __init__(self, engine: SGLangEngine, settings: StressSettings) -> None:
+        super().__init__(engine, settings)
+        self.label = engine.url
+        self.samples = settings.samples or "n"
+        limits = httpx.Limits(max_connections=settings.clients + 8)
+        self._http = httpx.Client(base_url=engine.url, timeout=settings.request_timeout_s, limits=limits)
+
+    def send(self, group: Group, prompt: list[int], params: SamplingParams) -> list[Sample]:
+        """One `/generate` with `sampling_params.n` (or the group path); versions from `weight_version`."""
+        if self.samples == "group":
+            return super().send(group, prompt, params)
+        sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "n": group.n}
+        body = {"input_ids": prompt, "sampling_params": sampling, "lora_path": group.name, "rid": group.rid}
+        response = self._http.post("/generate", json=body)
+        if response.status_code >= 400:
+            raise EngineError(f"HTTP {response.status_code}: {response.text[:300]}")
+        outs = response.json()
+        return [_http_sample(o) for o in (outs if isinstance(outs, list) else [outs])]
+
+    def abort_ids(self, group: Group, which: int | None) -> list[str]:
+        """With SGLang's n the server maps the group's rid to all its samples; single samples are `rid-j`."""
+        if self.samples == "n" and which is None:
+            return [group.rid]
+        return super().abort_ids(group, which)
+
+    def close(self) -> None:
+        """Close the HTTP connections opened for `samples="n"`."""
+        self._http.close()
+
+
+def _http_sample(out: dict[str, Any]) -> Sample:
+    meta = out.get("meta_info") or {}
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    reason = finish.get("message") if isinstance(finish, dict) and kind == "abort" else None
+    return Sample(str(meta.get("id")), str(kind), meta.get("lora_path"), meta.get("weight_version"), reason)
+
+
+def _target(engine: Any, settings: StressSettings) -> tuple[_Target, bool]:
+    """The target for an engine or URL; True when this function opened the client (and must close it)."""
+    owned = isinstance(engine, str)
+    if owned:
+        engine = ServerEngine(
+            engine, timeout_s=settings.request_timeout_s, control_timeout_s=settings.control_timeout_s
+        )
+    if isinstance(engine, SGLangEngine):  # `ServerEngine` included: an HTTP client of our engine server
+        return _Http(engine, settings), owned
+    if settings.samples == "n":
+        raise EngineError("samples='n' (SGLang's n) needs an HTTP target; in-process groups are n requests")
+    return _InProcess(engine, settings), False
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def _swapper(target: _Target, shared: Shared, make_adapter: AdapterFactory) -> None:
+    s = shared.settings
+    rng = random.Random(s.seed)
+    for version in range(1, s.swaps + 1):
+        if time.monotonic() > shared.deadline:
+            break
+        name = f"{s.run_id}-v{version:06d}"
+        tensors, config = make_adapter(version)
+        shared.log.mark("load_start", name)
+        try:
+            shared.timed(f"load {name}", s.control_timeout_s, lambda: target.load(name, tensors, config))  # noqa: B023
+        except LoraRLError as exc:
+            shared.count(swap_failures=1)
+            shared.fail(f"load {name}", exc)
+            continue
+        shared.log.mark("load_done", name)
+        shared.active = name
+        shared.count(swaps=1)
+        _retire(target, shared, name)
+        time.sleep(rng.uniform(0, 2 * s.swap_interval_s))
+
+
+def _retire(target: _Target, shared: Shared, active: str) -> None:
+    """Retire under the control lock, so no pause transition happens while an unload is being decided."""
+    limit = shared.settings.control_timeout_s * (shared.settings.keep + 1)
+    with shared.control:
+        start = shared.log.mark("retire_start")
+        try:
+            retired = shared.timed("retire", limit, lambda: target.retire(active))
+        except LoraRLError as exc:
+            shared.fail("retire", exc)
+            return
+        for name in retired:
+            shared.retire_started.setdefault(name, start)
+            shared.log.mark("unloaded", name)
+    shared.count(retired=len(retired))
+
+
+def _client(index: int, target: _Target, shared: Shared, aborts: _Aborter) -> None:
+    s = shared.settings
+    rng = random.Random(s.seed * 1000 + index)
+    while not shared.stop.is_set() and time.monotonic() < shared.deadline:
+        name = shared.active
+        if name is None:
+            time.sleep(0.01)
+            continue
+        prompt = [rng.randrange(4, s.vocab_size) for _ in range(rng.randint(*s.prompt_len))]
+        params = SamplingParams(max_new_tokens=rng.choice(s.max_new_tokens), temperature=1.0)
+        group = Group(rid=uuid.uuid4().hex[:16], name=name, n=s.n)
+        if rng.random() < s.abort_prob:
+            which = None if rng.random() < 0.3 else rng.randrange(s.n)
+            aborts.schedule(rng.uniform(0, s.max_abort_delay_s), target.abort_ids(group, which))
+        _send(target, shared, group, prompt, params)
+
+
+def _send(target: _Target, shared: Shared, group: Group, prompt: list[int], params: SamplingParams) -> None:
+    limit = shared.settings.request_timeout_s
+    group.submit_seq = shared.log.tick()
+    start = time.monotonic()
+    try:
+        group.samples = shared.timed(f"generate {group.rid}", limit, lambda: target.send(group, prompt, params))
+    except LoraRLError as exc:
+        group.error, group.rejected = str(exc), _is_unknown_adapter(str(exc))
+    except Exception as exc:  # an HTTP transport error, a bug: recorded as an error, never swallowed silently
+        group.error = f"{type(exc).__name__}: {exc}"
+    group.seconds = time.monotonic() - start
+    group.end_seq = shared.log.tick()
+    with shared.lock:
+        shared.groups.append(group)
+
+
+def _is_unknown_adapter(message: str) -> bool:
+    return "has never been loaded or was unloaded" in message
+
+
+class _Aborter:
+    """Aborts request ids at scheduled times: one thread keeps a heap of due times and hands each due abort
+    to a small pool, so slow abort calls (HTTP) don't make later aborts late."""
+
+    def __init__(self, target: _Target, shared: Shared, workers: int = 4) -> None:
+        self.target, self.shared = target, shared
+        self._heap: list[tuple[float, int, list[str]]] = []
+        self._cond = threading.Condition()
+        self._order = itertools.count()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stress-abort")
+
+    def schedule(self, delay_s: float, request_ids: list[str]) -> None:
+        """Abort `request_ids` after `delay_s` seconds (they may have ended by then: a no-op)."""
+        with self._cond:
+            heapq.heappush(self._heap, (time.monotonic() + delay_s, next(self._order), request_ids))
+            self._cond.notify()
+
+    def run(self) -> None:
+        """Until stop: wait for the next due abort and send it; then wait for the sends in progress."""
+        while not self.shared.stop.is_set():
+            with self._cond:
+                wait = self._heap[0][0] - time.monotonic() if self._heap else 0.1
+                if wait > 0:
+                    self._cond.wait(min(wait, 0.1))
+                    continue
+                _, _, ids = heapq.heappop(self._heap)
+            self._pool.submit(self._abort, ids)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _abort(self, ids: list[str]) -> None:
+        limit = self.shared.settings.control_timeout_s
+        for rid in ids:
+            try:
+                hits = self.shared.timed(f"abort {rid}", limit, lambda: self.target.engine.abort(rid))  # noqa: B023
+            except LoraRLError:
+                hits, failed = 0, 1
+            else:
+                failed = 0
+            self.shared.count(abort_calls=1, aborts_acknowledged=int(hits), abort_failures=failed)
+
+
+def _pauser(target: _Target, shared: Shared) -> None:
+    s = shared.settings
+    rng = random.Random(s.seed + 7)
+    while not shared.stop.is_set() and time.monotonic() < shared.deadline:
+        shared.stop.wait(s.pause_tick_s)
+        if rng.random() >= s.pause_prob or shared.stop.is_set():
+            continue
+        mode = rng.choice(PAUSE_MODES)
+        try:
+            _toggle(shared, f"pause:{mode}", lambda: target.engine.pause(mode))  # noqa: B023
+            shared.stop.wait(rng.uniform(0, s.max_pause_s))
+        finally:  # resume even when the pause call failed: it may have taken effect
+            _toggle(shared, "resume", target.engine.resume)
+
+
+def _toggle(shared: Shared, kind: str, call: Callable[[], Any]) -> None:
+    """Pause or resume under the control lock; the paused interval is marked conservatively wide (pause
+    marked before the call, resume after it). A failed call is recorded, not raised."""
+    with shared.control:
+        if kind != "resume":
+            shared.log.mark("pause")
+            shared.count(**{kind: 1})
+        try:
+            shared.timed(kind, shared.settings.control_timeout_s, call)
+        except LoraRLError as exc:
+            shared.fail(kind, exc)
+        if kind == "resume":
+            shared.log.mark("resume")
+
+
+# ----------------------------------------------------------------------------- run + check
+
+
+def run_hotswap_stress(
+    engine: Any,
+    make_adapter: AdapterFactory,
+    *,
+    swaps: int = 200,
+    clients: int = 32,
+    n: int = 4,
+    deadline_s: float = 600.0,
+    abort_prob: float = 0.1,
+    pause_prob: float = 0.1,
+    seed: int = 0,
+    **options: Any,
+) -> StressReport:
+    """Swap `swaps` adapter versions while `clients` threads sample groups of `n`, with random aborts and
+    pauses; then check the invariants (see the module docstring).
+
+    Args:
+        engine: an `EmbeddedEngine` (in-process), a `ServerEngine`, or our engine server's URL.
+        make_adapter: version -> (PEFT-keyed LoRA tensors, PEFT config) for that version's weights;
+            `random_lora_factory(model)` makes small random ones.
+        swaps, clients, n: versions loaded, client threads, samples per group.
+        deadline_s: the whole run's deadline (s): threads still alive then are hangs.
+        abort_prob: probability that a group gets an abort (of one sample, or of the whole group).
+        pause_prob: probability per pauser tick (`pause_tick_s`) of a pause.
+        seed: seeds prompts, sampling of delays and modes (thread timing is not reproducible).
+        options: other `StressSettings` fields (e.g. `vocab_size`, `keep`, `samples`).
+
+    Returns:
+        The `StressReport`; `report.ok` is True when no invariant was breached. Never raises for a breach.
+    """
+    settings = StressSettings(
+        swaps=swaps, clients=clients, n=n, deadline_s=deadline_s, abort_prob=abort_prob, pause_prob=pause_prob,
+        seed=seed, **options,
+    )  # fmt: skip
+    target, owned = _target(engine, settings)
+    try:
+        return _run(target, settings, make_adapter)
+    finally:
+        target.close()
+        if owned:
+            target.engine.close()
+
+
+def _run(target: _Target, settings: StressSettings, make_adapter: AdapterFactory) -> StressReport:
+    shared = Shared(settings)
+    start = time.monotonic()
+    shared.deadline = start + settings.deadline_s
+    aborter = _Aborter(target, shared)
+    swapper = _thread(shared, "swapper", _swapper, target, shared, make_adapter)
+    threads = [_thread(shared, f"client-{i}", _client, i, target, shared, aborter) for i in range(settings.clients)]
+    threads += [_thread(shared, "pauser", _pauser, target, shared), _thread(shared, "aborter", aborter.run)]
+    swapper.join(max(0.0, shared.deadline - time.monotonic()))
+    time.sleep(min(1.0, max(0.0, shared.deadline - time.monotonic())))  # let the last version serve a while
+    shared.stop.set()
+    for t in [swapper, *threads]:
+        t.join(max(0.1, shared.deadline - time.monotonic()))
+    hung = [t.name for t in [swapper, *threads] if t.is_alive()]
+    report = build_report(target.label, target.samples, shared, time.monotonic() - start)
+    report.hangs = len(hung)
+    report.examples += [f"thread alive at the deadline: {name}" for name in hung][:5]
+    report.leaked_in_flight = 0 if hung else _settled_in_flight(target)
+    report.final_probe_failed = 0 if hung else int(not _probe(target, shared))
+    return report
+
+
+def _thread(shared: Shared, name: str, fn: Callable[..., None], *args: Any) -> threading.Thread:
+    """Start a daemon thread running `fn(*args)`; an exception that escapes it is recorded as an error."""
+
+    def guarded() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # a crashed thread must show in the report, not only on stderr
+            shared.fail(f"thread {name} crashed", exc)
+
+    thread = threading.Thread(target=guarded, name=f"stress-{name}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _settled_in_flight(target: _Target, wait_s: float = 10.0) -> int:
+    """Requests still holding an adapter after everything ended (polled up to `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        held = target.in_flight()
+        if held == 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.1)
+
+
+def _probe(target: _Target, shared: Shared) -> bool:
+    """One greedy 1-token request on the active version completes with that version."""
+    if shared.active is None:
+        return False
+    prompt = [min(4, shared.settings.vocab_size - 1)] * 3
+    request = GenerationRequest(prompt, shared.active, SamplingParams(max_new_tokens=1, temperature=0.0))
+    try:
+        done = target.engine.generate([request], timeout_s=shared.settings.control_timeout_s)
+    except LoraRLError:
+        return False
+    ok = len(done) == 1 and done[0].finish_reason in ("stop", "length")
+    return ok and done[0].adapter_version == adapter_version(shared.active)
