@@ -25,7 +25,9 @@ from lora_rl_core.errors import ConfigError
 class Section(BaseModel):
     """Base for config sections: unknown keys are errors, values are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    """Unknown keys are errors, values are validated on assignment, and each field's attribute docstring is
+    its `description` (in the JSON schema, for tooling; tests/unit/test_config_docs.py requires one)."""
 
 
 class ModelConfig(Section):
@@ -103,9 +105,16 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(48, ge=1)
     """Completion length cap in tokens."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (> 0; the logits are divided by it). The trainer divides its logits by the same
+    value, so its log-probs are those of the distribution sampled from. 1.0 samples from the policy itself
+    (TRL GRPOConfig `temperature`, verl `rollout.temperature`, SGLang `sampling_params.temperature`)."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p. 1.0 = off (the
+    default). The trainer's log-probs ignore the truncation, so < 1 makes rollouts slightly off-policy
+    (SGLang `sampling_params.top_p`, TRL `top_p`)."""
     top_k: int = Field(0, ge=0)
-    """0 disables top-k."""
+    """Sample only among the k most likely tokens; 0 = off (the default; SGLang's off is -1, which the HTTP
+    clients send for 0). Like top_p, ignored by the trainer's log-probs."""
     system_prompt: str | None = None
     """System message; None keeps the chat template's default."""
     instruction: str = "Give the final answer after ####."
@@ -130,6 +139,9 @@ class EngineConfig(Section):
     max_loaded_loras: int | None = Field(None, ge=1)
     """Resident adapter cap; None = unlimited (SGLang `--max-loaded-loras`)."""
     eviction_policy: Literal["lru", "fifo"] = "lru"
+    """Which resident adapter is evicted when `max_loaded_loras` are resident and another is needed: `lru`
+    the least recently loaded or used by an admitted request, `fifo` the one resident longest. Pinned
+    adapters are never evicted; no effect while `max_loaded_loras` is None (SGLang `--lora-eviction-policy`)."""
     max_lora_rank: int | None = Field(None, ge=1)
     """Reject adapters of a higher rank (SGLang `--max-lora-rank`)."""
     sync: Literal["tensor", "store"] = "tensor"
@@ -176,12 +188,22 @@ class TrainerConfig(Section):
     lr: float = Field(3e-4, gt=0)
     """AdamW learning rate (LoRA wants ~10x the full fine-tuning rate)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay on the LoRA parameters (per optimizer step, times the lr); 0 = none,
+    the default (TRL/transformers `weight_decay`, verl `optim.weight_decay`)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2) moment decay rates; the default is PyTorch's (transformers `adam_beta1/2`)."""
     warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warmup, in training steps: the lr is `lr * min(1, (step + 1) / warmup_steps)`,
+    then constant (no decay). 0 (the default) and 1 both start at the full lr (TRL `warmup_steps`)."""
     max_grad_norm: float = Field(1.0, gt=0)
+    """Clip the global L2 norm of the LoRA gradients to this before each optimizer step (across ranks when
+    sharded); the pre-clip norm is logged as `grad_norm` (TRL `max_grad_norm`, verl `actor.grad_clip`)."""
     micro_batch_size: int = Field(16, ge=1)
     """Sequences per forward/backward pass (gradient accumulation over the rest)."""
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them: less memory for about one more
+    forward per micro-batch. Off by default; with `world_size` >= 1 it is applied per decoder layer
+    (TRL/transformers `gradient_checkpointing`, verl `model.enable_gradient_checkpointing`)."""
     world_size: int = Field(0, ge=0)
     """0: train in this process; N >= 1: N persistent FSDP2 worker processes (gloo on CPU, NCCL on GPUs)."""
     device: Literal["cpu", "cuda"] = "cpu"
@@ -196,10 +218,15 @@ class DataConfig(Section):
     """Training and evaluation prompts."""
 
     source: Literal["arithmetic", "gsm8k", "mawps"] = "arithmetic"
+    """Where problems come from: `arithmetic` generates them from `run.seed` (the fields below marked
+    "Arithmetic generator"); `gsm8k` and `mawps` read JSONL files in that dataset's row format."""
     train_path: str | None = None
-    """JSONL file; default `<data_dir>/<source>/train.jsonl`."""
+    """JSONL file; default `<data_dir>/<source>/train.jsonl`. Unused for `arithmetic`."""
     test_path: str | None = None
+    """Held-out JSONL file (evaluation); default `<data_dir>/<source>/test.jsonl`. Unused for `arithmetic`."""
     data_dir: str = "data"
+    """Folder of the vendored datasets (`<data_dir>/<source>/{train,test}.jsonl`); relative paths are taken
+    from the working directory."""
     operations: list[Literal["+", "-", "*"]] = ["+"]
     """Arithmetic generator: operations."""
     digits: int = Field(2, ge=1, le=9)
@@ -214,13 +241,19 @@ class RewardFunctionConfig(Section):
     """One reward term: a registry name or `module:function`, and its weight."""
 
     name: str = "math"
+    """A registered reward (`math`: 1.0 when the completion's final answer matches the gold answer, else 0.0;
+    `format`: 1.0 when the completion contains `#### <number>`), or `module.path:function`, a callable
+    `(completion, answer) -> float`. Checked before the run starts (TRL `reward_funcs`)."""
     weight: float = 1.0
+    """Multiplier of this term in the summed reward; may be negative (TRL `reward_weights`)."""
 
 
 class RewardConfig(Section):
     """Reward functions summed into the scalar reward."""
 
     functions: list[RewardFunctionConfig] = [RewardFunctionConfig()]
+    """The terms; the reward of a completion is the sum of `weight * function(completion, answer)`. Default:
+    `math` with weight 1.0 alone."""
 
 
 class RunSection(Section):
@@ -229,7 +262,10 @@ class RunSection(Section):
     id: str | None = None
     """Run id; default `<name>-<UTC timestamp>`."""
     name: str = "run"
+    """Prefix of the default run id (`<name>-<UTC timestamp>`); ignored when `id` is set."""
     seed: int = 0
+    """Seeds the arithmetic problems, the prompt order, the LoRA initialisation, Python's and torch's RNGs,
+    and each step's sampling seed, so a run with the same seed and config draws the same prompts."""
     output_dir: str = "runs"
     """Local folder for rollouts, report and plots (`<output_dir>/<run_id>/`)."""
     eval_before_after: bool = True
@@ -242,15 +278,25 @@ class RunConfig(Section):
     """The whole configuration of one training run."""
 
     model: ModelConfig = ModelConfig()
+    """The base model: what to load, dtype and device."""
     lora: LoRAConfig = LoRAConfig()
+    """The adapter's shape: rank, alpha, target modules, initialisation."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    """The policy-gradient objective: advantage estimator, clipping, KL, staleness."""
     rollout: RolloutConfig = RolloutConfig()
+    """Sampling for training: prompts per step, group size, length and sampling parameters."""
     engine: EngineConfig = EngineConfig()
+    """The inference engine(s) that sample rollouts and how adapter versions reach them."""
     store: StoreConfig = StoreConfig()
+    """The adapter store that versions and checkpoints are published to."""
     trainer: TrainerConfig = TrainerConfig()
+    """Optimisation: steps, optimizer, batch shape, checkpoints, FSDP2 workers."""
     data: DataConfig = DataConfig()
+    """The training and held-out problems."""
     reward: RewardConfig = RewardConfig()
+    """The reward terms."""
     run: RunSection = RunSection()
+    """Run identity, seed, local outputs and evaluation."""
 
     @model_validator(mode="after")
     def _warn_off_recipe(self) -> RunConfig:
