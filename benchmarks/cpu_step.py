@@ -1,9 +1,9 @@
 """One GRPO step of the default job on the CPU, per phase, for model.dtype bfloat16, float32 and auto.
 
 Each dtype runs in its own process (so peak RSS is its own) on the real model and the default config
-(`configs/smollm2-arith-grpo.yaml`), phase by phase through `RunSession`, without Prefect: rollout
-(generation), score (rewards + advantages), train (one PPO/GRPO update), publish (adapter to the store),
-sync (the engine loads the new version). By default every group is trained on
+(`configs/smollm2-arith-grpo.yaml`), phase by phase through `lora_rl_core.run` (`build_run`, phases),
+without Prefect: rollout (generation), score (rewards + advantages), train (one PPO/GRPO update), publish
+(adapter to the store), sync (the engine loads the new version). By default every group is trained on
 (`algorithm.skip_uniform_groups=false`), so the train phase has the same 64 rows whatever the rewards; the
 first `--warmup` steps are reported apart. With `--busy`, the `auto` run is repeated while `yes > /dev/null`
 keeps one core busy, and the table shows the busy/idle step-time ratio.
@@ -38,9 +38,9 @@ PHASES = ("rollout", "score", "train", "publish", "sync")
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
-    """In a child process: build a session for one dtype and time `args.steps` steps phase by phase."""
+    """In a child process: build a run for one dtype and time `args.steps` steps phase by phase."""
     from lora_rl_core.config import load_config
-    from lora_rl_core.session import RunSession
+    from lora_rl_core.run import build_run, phases, versions
 
     with tempfile.TemporaryDirectory(prefix="cpu-step-") as tmp:
         overrides = [
@@ -53,18 +53,18 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         ]
         cfg = load_config(args.config, overrides)
         start = time.perf_counter()
-        session = RunSession(cfg, "cpu-step")
+        run = build_run(cfg, "cpu-step")
         setup_s = time.perf_counter() - start
         try:
-            session.sync(session.publish(0))
+            versions.sync(run, versions.publish(run, 0))
             steps = []
             for step in range(1, args.steps + 1):
                 times: dict[str, float] = {}
-                rollout = _timed(times, "rollout", session.rollout, step)
-                score = _timed(times, "score", session.score, step)
-                train = _timed(times, "train", session.train_step, step)
-                ref = _timed(times, "publish", session.publish, step)
-                _timed(times, "sync", session.sync, ref)
+                rollout = _timed(times, "rollout", phases.rollout, run, step).metrics()
+                score = _timed(times, "score", phases.score, run, step).metrics()
+                train = _timed(times, "train", phases.train, run, step).metrics()
+                ref = _timed(times, "publish", versions.publish, run, step)
+                _timed(times, "sync", versions.sync, run, ref)
                 steps.append(
                     {
                         "step": step,
@@ -78,9 +78,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                     }
                 )
                 print(f"  {args.dtype}: step {step} {sum(times.values()):.1f} s {times}", file=sys.stderr, flush=True)
-            runtime = session.runtime
+            runtime = run.runtime
         finally:
-            session.close()
+            run.close()
     return {
         "requested_dtype": args.dtype,
         "runtime": runtime,

@@ -19,8 +19,8 @@ from prefect.runtime import flow_run
 from lora_rl_core import progress
 from lora_rl_core.config import load_config
 from lora_rl_core.report import run_summary, step_table, summary_markdown
-from lora_rl_core.session import close_session, get_session
-from tasks.steps import prefect_slug, result_storage, step_tasks
+from tasks.registry import close_run
+from tasks.steps import StepTasks, prefect_slug, result_storage, step_tasks
 
 
 @flow(name="lora-rl-train")
@@ -47,24 +47,25 @@ def train(
     t = step_tasks(result_storage(cfg.store, run_id))
     resumed = t.open_run(cfg.model_dump(mode="json"), run_id)
     try:
-        progress.emit("run_started", {"run_id": run_id, "steps": steps, **resumed})
-        logger.info(f"run {run_id}: {steps} steps, resuming after checkpoint step {resumed['restored_step']}")
-        logger.info(progress.format_runtime(resumed["runtime"]))
+        progress.emit("run_started", {"steps": steps, **resumed.model_dump()})
+        logger.info(f"run {run_id}: {steps} steps, resuming after checkpoint step {resumed.restored_step}")
+        logger.info(progress.format_runtime(resumed.runtime))
         ref = t.publish_adapter(run_id, 0, {})
         t.sync_engines(run_id, ref)
         base_eval = _evaluate(t, run_id, None, "before", cfg.run.eval_before_after, logger)
         history: list[dict[str, Any]] = []
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
-            metrics = {"step": step, "steps": steps, **t.rollout(run_id, step), **t.score(run_id, step)}
-            metrics.update(t.train_step(run_id, step))
+            metrics: dict[str, Any] = {"step": step, "steps": steps}
+            metrics.update(t.rollout(run_id, step).metrics())
+            metrics.update(t.score(run_id, step).metrics())
+            metrics.update(t.train_step(run_id, step).metrics())
             ref = t.publish_adapter(run_id, step, metrics)
-            metrics.update(t.sync_engines(run_id, ref), step_seconds=time.perf_counter() - t0)
+            metrics.update(t.sync_engines(run_id, ref).metrics(), step_seconds=time.perf_counter() - t0)
             history.append(metrics)
             logger.info(progress.format_step(metrics))
             progress.emit("step", metrics)
         final_eval = _evaluate(t, run_id, ref.name, "after", cfg.run.eval_before_after, logger)
-        session = get_session(run_id)
         summary = run_summary(
             run_id,
             history,
@@ -72,19 +73,19 @@ def train(
             final_eval,
             ref.name,
             time.perf_counter() - start,
-            session.store.uri,
-            session.runtime,
+            cfg.store.build().uri,
+            resumed.runtime,
         )
         summary["report"] = t.write_report(run_id, history, summary)
         _artifacts(run_id, cfg, history, summary)
         progress.emit("run_finished", summary)
         return summary
     finally:
-        close_session(run_id)
+        close_run(run_id)
 
 
 def _evaluate(
-    t: Any, run_id: str, adapter: str | None, phase: str, enabled: bool, logger: Any
+    t: StepTasks, run_id: str, adapter: str | None, phase: str, enabled: bool, logger: Any
 ) -> dict[str, Any] | None:
     if not enabled:
         return None

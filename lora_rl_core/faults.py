@@ -14,8 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-
-import fsspec
+from typing import Protocol
 
 ENV = "LORA_RL_FAULT"
 
@@ -38,21 +37,24 @@ def parse_faults(spec: str) -> list[tuple[str, int, str]]:
     return faults
 
 
-def maybe_fail(phase: str, step: int, run_url: str, storage_options: dict | None = None) -> None:
+class Markers(Protocol):
+    """Where fired faults are recorded: `lora_rl_core.run.rundir.RunDir`."""
+
+    def mark(self, name: str, data: bytes = b"") -> bool:
+        """Create marker `name` unless it exists; True if this call created it."""
+        ...
+
+
+def maybe_fail(phase: str, step: int, markers: Markers) -> None:
     """Fire the fault configured for (`phase`, `step`) if any and not fired before in this run.
 
     Args:
-        run_url: the run's folder in the store (markers live under `<run_url>/faults/`).
+        markers: the run's files; the marker `faults/<phase>-NNNNNN` records that the fault fired.
     """
     spec = os.environ.get(ENV, "")
     matches = [mode for p, s, mode in parse_faults(spec) if p == phase and s == step] if spec else []
-    if not matches:
+    if not matches or not markers.mark(f"faults/{phase}-{step:06d}", matches[0].encode()):
         return
-    fs, root = fsspec.core.url_to_fs(f"{run_url}/faults/{phase}-{step:06d}", **(storage_options or {}))
-    if fs.exists(root):
-        return
-    fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(root, matches[0].encode())
     if matches[0] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if matches[0] == "hang":

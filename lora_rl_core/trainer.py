@@ -35,7 +35,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from peft import PeftModel
@@ -48,35 +48,34 @@ from lora_rl_core.algorithm import (
     truncated_importance_weights,
 )
 from lora_rl_core.config import AlgorithmConfig, TrainerConfig
+from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import peft_config_dict
+from lora_rl_core.records import TrainBatch
 
 
-@dataclass
-class TrainBatch:
-    """Sequences to train on, one row per completion.
+class Trainer(Protocol):
+    """What a run needs from its trainer, in-process (`PolicyTrainer`) or sharded over worker processes
+    (`lora_rl_core.trainer_workers.TrainerWorkers`). Built by `lora_rl_core.run.components.build_trainer`."""
 
-    Attributes:
-        prompt_ids / completion_ids: token ids per row (lists of different lengths).
-        advantages: one float per row (broadcast over its completion tokens).
-        inference_logprobs: the engine's per-token logprobs of each completion.
-    """
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One policy update on `batch`; returns the step's metrics (loss, kl, entropy, clip_fraction, ...)."""
+        ...
 
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    advantages: list[float]
-    inference_logprobs: list[list[float]]
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The full adapter: PEFT-keyed float32 CPU tensors and the JSON-safe PEFT config."""
+        ...
 
-    def __len__(self) -> int:
-        return len(self.completion_ids)
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume (`PolicyTrainer.state_dict` format, loadable at any world size)."""
+        ...
 
-    def select(self, rows: list[int]) -> TrainBatch:
-        """The sub-batch of the given row indices."""
-        return TrainBatch(
-            *[
-                [field[i] for i in rows]
-                for field in (self.prompt_ids, self.completion_ids, self.advantages, self.inference_logprobs)
-            ]
-        )
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`."""
+        ...
+
+    def close(self) -> None:
+        """Release what the trainer started (worker processes); idempotent."""
+        ...
 
 
 @dataclass
@@ -289,7 +288,25 @@ class PolicyTrainer:
         """Nothing to release in-process; lets callers treat `PolicyTrainer` and `TrainerWorkers` alike."""
 
     # ------------------------------------------------------------------ export and checkpoints
-    def adapter_state(self, adapter_name: str = "default") -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The adapter's full weights (PEFT keys, float32 CPU) and JSON-safe PEFT config, like `lora.adapter_state`.
+
+        Raises:
+            LoraRLError: called on a rank other than 0 of a sharded trainer (use `gather_adapter_state`).
+        """
+        return _on_rank0(self.gather_adapter_state(), "adapter_state")
+
+    def state_dict(self) -> dict[str, Any]:
+        """`gather_state_dict()` of an unsharded trainer (or rank 0).
+
+        Raises:
+            LoraRLError: called on a rank other than 0 of a sharded trainer (use `gather_state_dict`).
+        """
+        return _on_rank0(self.gather_state_dict(), "state_dict")
+
+    def gather_adapter_state(
+        self, adapter_name: str = "default"
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """The adapter's full weights (PEFT keys, float32 CPU) and JSON-safe PEFT config, like `lora.adapter_state`.
 
         Sharded: every rank must call it; rank 0 gets the result, other ranks None.
@@ -299,7 +316,7 @@ class PolicyTrainer:
             return None
         return tensors, peft_config_dict(self.model.peft_config[adapter_name])
 
-    def state_dict(self) -> dict[str, Any] | None:
+    def gather_state_dict(self) -> dict[str, Any] | None:
         """Everything needed to resume: LoRA weights, AdamW state, scheduler, torch RNG of every rank.
 
         Sharded: every rank must call it; rank 0 gets the result, other ranks None.
@@ -403,6 +420,12 @@ def rank_micro_batches(
     micros = [mine[i : i + size] for i in range(0, len(mine), size)]
     most = max(-(-len(order[r::world_size]) // size) for r in range(world_size))
     return micros + [[] for _ in range(most - len(micros))]
+
+
+def _on_rank0(value: Any, what: str) -> Any:
+    if value is None:
+        raise LoraRLError(f"PolicyTrainer.{what}: only rank 0 of a sharded trainer gets it; call gather_{what}")
+    return value
 
 
 def _dummy_batch(pad_id: int) -> TrainBatch:

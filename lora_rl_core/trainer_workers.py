@@ -56,8 +56,9 @@ from lora_rl_core.config import RunConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
+from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import cpu_threads
-from lora_rl_core.trainer import PolicyTrainer, TrainBatch
+from lora_rl_core.trainer import PolicyTrainer
 
 
 class TrainerWorkerError(LoraRLError):
@@ -319,12 +320,12 @@ def _reply(conn: Connection, status: str, value: Any) -> None:
 
 
 def _adapter_state(trainer: PolicyTrainer) -> tuple[bytes, dict[str, Any]] | None:
-    state = trainer.adapter_state()
+    state = trainer.gather_adapter_state()
     return None if state is None else (save_tensors(state[0]), state[1])
 
 
 def _state_dict(trainer: PolicyTrainer) -> tuple[bytes, dict[str, Any]] | None:
-    state = trainer.state_dict()
+    state = trainer.gather_state_dict()
     return None if state is None else (save_tensors(state["tensors"]), state["meta"])
 
 

@@ -1,5 +1,2 @@
-"""Prefect tasks: thin wrappers over lora_rl_core (retries and caching live here)."""
-
-from tasks.steps import evaluate, open_run, publish_adapter, rollout, score, sync_engines, train_step, write_report
-
-__all__ = ["evaluate", "open_run", "publish_adapter", "rollout", "score", "sync_engines", "train_step", "write_report"]
+"""Prefect tasks: thin wrappers over `lora_rl_core.run` (retries and caching live here), and the registry of
+the runs open in this process (`tasks.registry`)."""

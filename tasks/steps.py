@@ -1,14 +1,14 @@
-"""Prefect tasks of one training step: thin wrappers over `lora_rl_core.session.RunSession`.
+"""Prefect tasks of one training step: thin wrappers over `lora_rl_core.run` (phases, versions, resume).
 
-Tasks take the run id and small values and return small values (metric dicts,
-`AdapterRef`s); models, engines and tensors stay inside the session.
+Tasks take the run id and small values and return small typed records (`lora_rl_core.records` stats,
+`AdapterRef`s); models, engines and tensors stay in the run's components, which `tasks.registry` keeps.
 
 Resume: step tasks persist their results with cache keys that name the run,
 the task and the step (`<run>-rollout-000007`), in result storage next to
 the run in the adapter store (`step_tasks(result_storage)`). A retried flow
 run, or a new flow run with the same run id, takes finished steps from the
 cache (their task runs show `Cached`) and resumes with the first unfinished
-one; the session restores the trainer from the newest checkpoint. `train_step`
+one; `open_run` restores the trainer from the newest checkpoint. `train_step`
 is cached only on checkpoint steps, so a cached update always has a checkpoint
 behind it.
 """
@@ -16,16 +16,18 @@ behind it.
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
-from prefect import task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
 
 from lora_rl_core.config import StoreConfig, config_from_dict
-from lora_rl_core.session import get_session, open_session
+from lora_rl_core.records import ResumeInfo, RolloutStats, ScoreStats, SyncStats, TrainStats
+from lora_rl_core.run import phases, versions
 from lora_rl_core.store import AdapterRef
+from tasks import registry
 
 _NO_CACHE: dict[str, Any] = {"cache_policy": NO_CACHE, "persist_result": False}
 
@@ -35,7 +37,7 @@ def _step_key(context: Any, params: dict[str, Any]) -> str:
 
 
 def _train_key(context: Any, params: dict[str, Any]) -> str | None:
-    every = get_session(params["run_id"]).cfg.trainer.checkpoint_every
+    every = registry.get_run(params["run_id"]).cfg.trainer.checkpoint_every
     return _step_key(context, params) if params["step"] % every == 0 else None
 
 
@@ -44,28 +46,27 @@ def _eval_key(context: Any, params: dict[str, Any]) -> str:
 
 
 @task(name="open_run", **_NO_CACHE)
-def open_run(config: dict[str, Any], run_id: str) -> dict[str, Any]:
-    """Load models, engine, store and data for `run_id` in this process and restore the newest
-    checkpoint; returns `{"run_id", "restored_step", "policy_version"}`."""
-    return open_session(config_from_dict(config), run_id).resume_info()
+def open_run(config: dict[str, Any], run_id: str) -> ResumeInfo:
+    """Build models, engine, store and data for `run_id` in this process and restore the newest checkpoint."""
+    return registry.open_run(config_from_dict(config), run_id)
 
 
 @task(name="rollout", task_run_name="rollout-{step}", cache_key_fn=_step_key, persist_result=True)
-def rollout(run_id: str, step: int) -> dict[str, float]:
+def rollout(run_id: str, step: int) -> RolloutStats:
     """Sample completions for step `step` with the current policy adapter."""
-    return get_session(run_id).rollout(step)
+    return phases.rollout(registry.get_run(run_id), step)
 
 
 @task(name="score", task_run_name="score-{step}", cache_key_fn=_step_key, persist_result=True)
-def score(run_id: str, step: int) -> dict[str, float]:
+def score(run_id: str, step: int) -> ScoreStats:
     """Reward the step's completions and compute advantages."""
-    return get_session(run_id).score(step)
+    return phases.score(registry.get_run(run_id), step)
 
 
 @task(name="train_step", task_run_name="train_step-{step}", cache_key_fn=_train_key, persist_result=True)
-def train_step(run_id: str, step: int) -> dict[str, float]:
+def train_step(run_id: str, step: int) -> TrainStats:
     """One policy update on the step's scored rollouts (checkpointed every `checkpoint_every` steps)."""
-    return get_session(run_id).train_step(step)
+    return phases.train(registry.get_run(run_id), step)
 
 
 @task(
@@ -76,21 +77,21 @@ def train_step(run_id: str, step: int) -> dict[str, float]:
     retries=2,
     retry_delay_seconds=2,
 )
-def publish_adapter(run_id: str, step: int, metrics: dict[str, float]) -> AdapterRef:
+def publish_adapter(run_id: str, step: int, metrics: dict[str, Any]) -> AdapterRef:
     """Publish the current LoRA weights as immutable version `step` (idempotent on retry)."""
-    return get_session(run_id).publish(step, metrics)
+    return versions.publish(registry.get_run(run_id), step, metrics)
 
 
 @task(name="sync_engines", **_NO_CACHE)
-def sync_engines(run_id: str, ref: AdapterRef) -> dict[str, Any]:
+def sync_engines(run_id: str, ref: AdapterRef) -> SyncStats:
     """Load `ref` into the engine(s) under its versioned name and switch rollouts to it (idempotent)."""
-    return get_session(run_id).sync(ref)
+    return versions.sync(registry.get_run(run_id), ref)
 
 
 @task(name="evaluate", cache_key_fn=_eval_key, persist_result=True)
 def evaluate(run_id: str, adapter: str | None) -> dict[str, Any]:
     """Greedy held-out accuracy of `adapter` (None = base model)."""
-    return get_session(run_id).evaluate(adapter)
+    return phases.evaluate(registry.get_run(run_id), adapter)
 
 
 @task(name="write_report", **_NO_CACHE)
@@ -98,8 +99,8 @@ def write_report(run_id: str, history: list[dict[str, Any]], summary: dict[str, 
     """Write report.md and reward_curve.png; returns the report path."""
     from lora_rl_core.report import write_report as _write
 
-    session = get_session(run_id)
-    return str(_write(session.workdir, run_id, session.cfg, history, summary))
+    run = registry.get_run(run_id)
+    return str(_write(run.workdir, run_id, run.cfg, history, summary))
 
 
 def result_storage(store: StoreConfig, run_id: str) -> WritableFileSystem:
@@ -120,14 +121,29 @@ def prefect_slug(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
 
 
-def step_tasks(storage: WritableFileSystem) -> SimpleNamespace:
+@dataclass(frozen=True)
+class StepTasks:
+    """The tasks of a run, the cached ones persisting their results to the run's result storage."""
+
+    open_run: Task[..., ResumeInfo]
+    rollout: Task[..., RolloutStats]
+    score: Task[..., ScoreStats]
+    train_step: Task[..., TrainStats]
+    publish_adapter: Task[..., AdapterRef]
+    sync_engines: Task[..., SyncStats]
+    evaluate: Task[..., dict[str, Any]]
+    write_report: Task[..., str]
+
+
+def step_tasks(storage: WritableFileSystem) -> StepTasks:
     """The tasks, with persisted results going to `storage`."""
-    cached = {
-        "rollout": rollout,
-        "score": score,
-        "train_step": train_step,
-        "publish_adapter": publish_adapter,
-        "evaluate": evaluate,
-    }
-    tasks = {name: t.with_options(result_storage=storage) for name, t in cached.items()}
-    return SimpleNamespace(open_run=open_run, sync_engines=sync_engines, write_report=write_report, **tasks)
+    return StepTasks(
+        open_run=open_run,
+        rollout=rollout.with_options(result_storage=storage),
+        score=score.with_options(result_storage=storage),
+        train_step=train_step.with_options(result_storage=storage),
+        publish_adapter=publish_adapter.with_options(result_storage=storage),
+        sync_engines=sync_engines,
+        evaluate=evaluate.with_options(result_storage=storage),
+        write_report=write_report,
+    )

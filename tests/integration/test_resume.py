@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lora_rl_core.faults import InjectedFault
-from lora_rl_core.session import RunSession
+from lora_rl_core.run import phases
 from lora_rl_core.store import AdapterStore
 from tests.integration.tiny_run import write_tiny_config
 
@@ -31,14 +31,14 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path, tiny_model_di
     from flows.grpo_lora import train
 
     executed: list[tuple[str, int]] = []
-    for phase in ("rollout", "train_step"):
-        original = getattr(RunSession, phase)
+    for phase, name in (("rollout", "rollout"), ("train", "train_step")):
+        original = getattr(phases, phase)
 
-        def traced(self, step, _original=original, _phase=phase):
-            executed.append((_phase, step))
-            return _original(self, step)
+        def traced(run, step, _original=original, _name=name):
+            executed.append((_name, step))
+            return _original(run, step)
 
-        monkeypatch.setattr(RunSession, phase, traced)
+        monkeypatch.setattr(phases, phase, traced)
 
     train(config_path=_write_config(tmp_path, tiny_model_dir, "straight"))
     executed.clear()

@@ -27,7 +27,8 @@ from lora_rl_core.config import RunConfig
 from lora_rl_core.distributed import find_decoder_layers
 from lora_rl_core.lora import adapter_state, apply_lora
 from lora_rl_core.models import load_model
-from lora_rl_core.trainer import PolicyTrainer, TrainBatch, rank_micro_batches
+from lora_rl_core.records import TrainBatch
+from lora_rl_core.trainer import PolicyTrainer, rank_micro_batches
 from lora_rl_core.trainer_workers import TrainerWorkerError, TrainerWorkers, _serve
 
 
@@ -158,7 +159,7 @@ def test_find_decoder_layers_finds_the_block_list(cfg):
 
 def test_worker_loop_reports_errors_and_keeps_serving():
     class Broken:
-        def state_dict(self):
+        def gather_state_dict(self):
             raise ValueError("boom")
 
     parent, child = multiprocessing.Pipe()

@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from flows.cli_adapters import adapters_app
 from lora_rl_core.errors import StoreError
+from lora_rl_core.run.rundir import RunDir
 from lora_rl_core.store import AdapterStore, RetentionPolicy, RetryPolicy
 from tests.unit.test_store import SMALL_CONFIG, SMALL_KEY, _tiny_base, check_race_outcome, race, small_lora
 from tests.unit.test_store_faults import FlakyFS, client_error, kill_mid_upload
@@ -111,8 +112,9 @@ def test_publish_list_pull_and_load(store, uri, s3, tmp_path):
     assert all(torch.equal(pulled[k], t) for k, t in small_lora(2).items())
     tensors, config = store.load_tensors("r1", 1)
     assert all(torch.equal(tensors[k], t) for k, t in small_lora(1).items()) and config["r"] == 2
-    store.write_run_config("r1", {"lr": 1e-4})
-    assert store.read_run_config("r1") == {"lr": 1e-4}
+    run_dir = RunDir(uri, "r1", s3["options"])
+    run_dir.write_config({"lr": 1e-4})
+    assert run_dir.read_config() == {"lr": 1e-4}
 
 
 @pytest.mark.filterwarnings("ignore:Could not find a config file")

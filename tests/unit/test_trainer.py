@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lora_rl_core.algorithm import selective_log_softmax
 from lora_rl_core.config import AlgorithmConfig, LoRAConfig, TrainerConfig
 from lora_rl_core.lora import adapter_state, apply_lora
-from lora_rl_core.trainer import PolicyTrainer, TrainBatch, pack
+from lora_rl_core.records import TrainBatch
+from lora_rl_core.trainer import PolicyTrainer, pack
 
 VOCAB = 64  # random token ids stay below this; the tiny tokenizer has 78 tokens
 

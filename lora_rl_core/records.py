@@ -1,0 +1,219 @@
+"""Typed records of the data that crosses step phases, and of what each phase reports.
+
+The step DAG (docs/DESIGN.md, docs/ARCHITECTURE.md) passes these between phases:
+
+    rollout  -> `RolloutBatch` (rows of `Rollout`)        -> `<store>/<run>/rollouts/step-NNNNNN.json`
+    score    -> `ScoredBatch` (rows of `ScoredRollout`)   -> `<store>/<run>/scored/step-NNNNNN.json`
+    train    -> `TrainBatch.from_scored(...)` -> the trainer
+    publish  -> `AdapterRef` (lora_rl_core.store)
+    sync     -> `SyncStats`
+
+Phase files are pydantic models, so a truncated or hand-edited file read back from the store fails with
+the field that is wrong (`LoraRLError` from `RunDir.read_phase`). Every phase also returns a small stats
+record (`RolloutStats`, `ScoreStats`, `TrainStats`, `SyncStats`) that Prefect persists as the task's
+result; `metrics()` flattens it into the per-step metrics line of the run log and report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Record(BaseModel):
+    """Base of the phase records: unknown fields are errors, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Rollout(Record):
+    """One sampled completion of one prompt, as the engine returned it."""
+
+    group: int
+    """Index of the prompt's group in the step, `0 .. prompts_per_step - 1` (GRPO's group of G samples)."""
+    problem_id: str
+    """Stable id of the problem, e.g. `arith-add-2d-s0-5`."""
+    answer: str
+    """Gold final answer as text, for the reward functions."""
+    prompt_ids: list[int]
+    """Prompt token ids `[prompt_len]` (chat template applied)."""
+    completion_ids: list[int]
+    """Sampled token ids `[completion_len]`, EOS included when the model stopped."""
+    logprobs: list[float]
+    """Inference logprobs `[completion_len]`: log-probability (nats) of each sampled token under the sampling
+    temperature, as the engine computed it (used for truncated importance sampling, not as old logprobs)."""
+    finish_reason: Literal["stop", "length", "abort"]
+    """`stop` (EOS), `length` (hit max_new_tokens) or `abort`."""
+    adapter: str | None
+    """Versioned adapter name that produced the completion (`<run>-v<NNNNNN>`); None = the base model."""
+    adapter_version: int | None
+    """Policy version of `adapter` (the training step that published it); None for the base model."""
+
+
+class ScoredRollout(Rollout):
+    """A `Rollout` with its reward and group-relative advantage."""
+
+    reward: float
+    """Weighted sum of the reward functions."""
+    rewards: dict[str, float]
+    """Each reward function's unweighted value, by name."""
+    advantage: float
+    """Group-relative advantage of this completion (`algorithm.advantage`), broadcast over its tokens."""
+    has_signal: bool
+    """True when the rewards of its group are not all equal (the group carries a learning signal)."""
+
+
+class RolloutBatch(Record):
+    """Output of the rollout phase for one step (`rollouts/step-NNNNNN.json`)."""
+
+    step: int
+    """Training step the rollouts are for (sampled by the policy version `step - 1`)."""
+    sampler: dict[str, int]
+    """Prompt-sampler cursor after drawing this step's prompts (`{"epoch", "index", "seed"}`), for inspection;
+    the cursor of a step is a function of the step, so resume does not need it."""
+    rows: list[Rollout]
+    """`prompts_per_step * group_size` rows, group by group."""
+
+
+class ScoredBatch(Record):
+    """Output of the score phase for one step (`scored/step-NNNNNN.json`)."""
+
+    step: int
+    rows: list[ScoredRollout]
+    """The rollout rows in the same order, with rewards and advantages."""
+
+
+@dataclass
+class TrainBatch:
+    """Sequences to train on, one row per completion (what the trainer and its FSDP workers receive).
+
+    Attributes:
+        prompt_ids / completion_ids: token ids per row (lists of different lengths).
+        advantages: one float per row (broadcast over its completion tokens).
+        inference_logprobs: the engine's per-token logprobs of each completion, nats.
+        stale_rejected: scored rows left out because their policy version was too old (`from_scored`).
+        uniform_skipped: scored rows left out because their group had no reward signal (`from_scored`).
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    advantages: list[float]
+    inference_logprobs: list[list[float]]
+    stale_rejected: int = 0
+    uniform_skipped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def select(self, rows: list[int]) -> TrainBatch:
+        """The sub-batch of the given row indices."""
+        return TrainBatch(
+            *[
+                [field[i] for i in rows]
+                for field in (self.prompt_ids, self.completion_ids, self.advantages, self.inference_logprobs)
+            ]
+        )
+
+    @classmethod
+    def from_scored(cls, rows: list[ScoredRollout], *, step: int, max_staleness: int, skip_uniform: bool) -> TrainBatch:
+        """The rows of step `step` that the update may use.
+
+        The trainer holds version `step - 1` when it trains step `step`. A row is stale, and rejected, when its
+        policy version is more than `max_staleness` behind that (`step - 1 - adapter_version > max_staleness`),
+        or when it came from the base model (no version). With `skip_uniform`, rows of groups whose rewards are
+        all equal are left out: their advantages are zero, they would only dilute a token-mean loss
+        (DAPO's dynamic sampling, Yu et al. 2025, filters them the same way).
+        """
+        fresh = [r for r in rows if r.adapter_version is not None and step - 1 - r.adapter_version <= max_staleness]
+        used = [r for r in fresh if r.has_signal or not skip_uniform]
+        return cls(
+            [r.prompt_ids for r in used],
+            [r.completion_ids for r in used],
+            [r.advantage for r in used],
+            [r.logprobs for r in used],
+            stale_rejected=len(rows) - len(fresh),
+            uniform_skipped=len(fresh) - len(used),
+        )
+
+
+class Stats(Record):
+    """Base of the per-phase stats: `metrics()` is the flat dict for the step's metrics line."""
+
+    def metrics(self) -> dict[str, Any]:
+        """The record as a flat `{name: value}` dict."""
+        return self.model_dump()
+
+
+class RolloutStats(Stats):
+    """What the rollout phase measured."""
+
+    completions: int
+    completion_tokens: int
+    rollout_seconds: float
+    """Wall time of the phase, seconds."""
+    completions_per_second: float
+    completion_length: float
+    """Mean completion length, tokens."""
+    truncated_fraction: float
+    """Fraction of completions that hit `rollout.max_new_tokens`."""
+
+
+class ScoreStats(Stats):
+    """What the score phase measured."""
+
+    reward_mean: float
+    reward_std: float
+    """Population standard deviation of all rewards of the step."""
+    accuracy: float
+    """Fraction of completions with a `math` reward of 1 (the total reward when there is no `math` term)."""
+    groups_with_signal: float
+    """Fraction of groups whose rewards differ."""
+    score_seconds: float
+
+
+class TrainStats(Stats):
+    """What the update measured: the trainer's metrics plus the batch selection."""
+
+    trainer: dict[str, float]
+    """The trainer's metrics (loss, pg_loss, kl, entropy, clip_fraction, grad_norm, lr, ...)."""
+    trained_rows: int
+    stale_rejected: int
+    uniform_skipped: int
+    checkpointed: bool
+    """True when this step saved a checkpoint (`trainer.checkpoint_every`)."""
+
+    def metrics(self) -> dict[str, Any]:
+        """The trainer's metrics at the top level, with the selection counts."""
+        return {**self.trainer, **self.model_dump(exclude={"trainer"})}
+
+
+class SyncStats(Stats):
+    """What syncing a version to the engines did."""
+
+    adapter: str
+    """The adapter rollouts use after the sync (the new version, or the previous one if the new one failed)."""
+    retired: list[str] = []
+    """Older versions unloaded from the engines."""
+    sync_seconds: float = 0.0
+    sync_path: str | None = None
+    """`tensor` (in-memory tensors) or `store` (engines read the verified version from the store)."""
+    skipped: str | None = None
+    """A version that failed to load and was skipped (the previous one keeps serving)."""
+    error: str | None = None
+    """Why `skipped` failed."""
+    skipped_older: bool = False
+    """True when the version was older than the one already serving (a replayed sync), so nothing changed."""
+
+
+class ResumeInfo(Record):
+    """Where a run starts in this process (`lora_rl_core.run.resume.restore`)."""
+
+    run_id: str
+    restored_step: int
+    """Step of the checkpoint the trainer was restored from; 0 when starting fresh."""
+    policy_version: int | None
+    """Adapter version the engines serve after restoring; None before version 0 is published."""
+    runtime: dict[str, Any]
+    """Device, dtype and why, CPU threads (`lora_rl_core.run.components.runtime_info`)."""

@@ -1,0 +1,10 @@
+"""A training run without Prefect: build its components once, then run phases over them.
+
+`components`: `build_run` (the one place that builds store, run files, data, rewards, engine and trainer)
+and `RunComponents`; `phases`: rollout, score, train, evaluate; `versions`: publish and sync adapter
+versions; `resume`: checkpoints and restore; `rundir`: the run's files in the store.
+"""
+
+from lora_rl_core.run.components import RunComponents, build_problems, build_run, preflight, runtime_info
+
+__all__ = ["RunComponents", "build_problems", "build_run", "preflight", "runtime_info"]

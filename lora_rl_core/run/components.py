@@ -1,0 +1,194 @@
+"""The one place that builds what a training run uses: store, run files, data, rewards, engine and trainer.
+
+`build_run(cfg, run_id)` returns a `RunComponents`; the phases (`lora_rl_core.run.phases`) and resume
+(`lora_rl_core.run.resume`) are functions over it. Nothing here runs a phase, and nothing here knows about
+Prefect: the flow's tasks keep the components of open runs in `tasks.registry`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from lora_rl_core.checkpoint import CheckpointStore
+from lora_rl_core.config import DataConfig, RunConfig
+from lora_rl_core.data import Problem, PromptSampler, arithmetic_split, load_dataset
+from lora_rl_core.engines import InferenceEngine
+from lora_rl_core.engines.factory import build_engine
+from lora_rl_core.lora import apply_lora
+from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
+from lora_rl_core.rewards import RewardFn, load_reward
+from lora_rl_core.run.rundir import RunDir
+from lora_rl_core.runtime import configure_threads, cpu_threads
+from lora_rl_core.store import AdapterStore, validate_run_id
+from lora_rl_core.trainer import PolicyTrainer, Trainer
+from lora_rl_core.trainer_workers import TrainerWorkers
+
+
+def build_problems(cfg: DataConfig, split: str, seed: int) -> list[Problem]:
+    """Training or held-out problems for a data config (arithmetic generator or a JSONL dataset).
+
+    Raises:
+        DataError: missing or malformed dataset file.
+    """
+    if cfg.source == "arithmetic":
+        size = cfg.train_size if split == "train" else (cfg.eval_size or 128)
+        return arithmetic_split(cfg.operations, cfg.digits, split=split, size=size, seed=seed)
+    path = cfg.train_path if split == "train" else cfg.test_path
+    limit = cfg.eval_size if split == "test" else None
+    return load_dataset(cfg.source, split, path=path, limit=limit, data_dir=cfg.data_dir)
+
+
+def build_rewards(cfg: RunConfig) -> list[tuple[str, RewardFn, float]]:
+    """The configured reward terms as `(name, fn, weight)`.
+
+    Raises:
+        RewardError: a name that is neither registered nor an importable `module:function`.
+    """
+    return [(f.name, load_reward(f.name), f.weight) for f in cfg.reward.functions]
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Check, before any training work, that the data, the reward functions and the model can be had.
+
+    Raises:
+        DataError / RewardError / ModelError: with one clear line naming what is wrong.
+    """
+    build_problems(cfg.data, "train", cfg.run.seed)
+    build_problems(cfg.data, "test", cfg.run.seed)
+    build_rewards(cfg)
+    model_folder(cfg.model)
+
+
+def runtime_info(cfg: RunConfig) -> dict[str, Any]:
+    """What the run computes on, for the run log, `run.json` and the report: `{"device", "dtype",
+    "dtype_reason", "cpu_threads"}` (the dtype `model.dtype` resolved to on the model's device)."""
+    choice = model_dtype(cfg.model)
+    return {
+        "device": str(resolve_device(cfg.model.device)),
+        "dtype": choice.name,
+        "dtype_reason": choice.reason,
+        "cpu_threads": cpu_threads(),
+    }
+
+
+def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer:
+    """The in-process trainer (`trainer.world_size: 0`, its own copy of the base model with a fresh LoRA) or
+    `trainer.world_size` persistent FSDP2 worker processes."""
+    if cfg.trainer.world_size >= 1:
+        return TrainerWorkers(cfg, world_size=cfg.trainer.world_size, device=cfg.trainer.device)
+    model, _ = load_model(cfg.model)
+    return PolicyTrainer(
+        apply_lora(model, cfg.lora),
+        pad_id=tokenizer.pad_token_id,
+        algorithm=cfg.algorithm,
+        trainer=cfg.trainer,
+        temperature=cfg.rollout.temperature,
+    )
+
+
+@dataclass
+class PolicyState:
+    """Which adapter version the engines serve for rollouts, and the tensors of the last publish.
+
+    Attributes:
+        version: the policy version rollouts use; None until version 0 is synced.
+        pending: `(tensors, peft_config)` of the last published version, for the tensor sync path
+            (`engine.sync: tensor`); dropped once synced.
+    """
+
+    version: int | None = None
+    pending: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+
+
+@dataclass
+class RunComponents:
+    """Everything one training run uses in this process. Build with `build_run`; `close()` when done.
+
+    Attributes:
+        cfg / run_id: the run's config and id.
+        store: the adapter store (versions are published here).
+        run_dir: the run's own files in the store (phase outputs, config snapshot, fault markers).
+        checkpoints: the run's trainer checkpoints.
+        workdir: the local folder for the report and plots (`<run.output_dir>/<run_id>`).
+        tokenizer / engine / trainer: the model side. The engine holds its own copy of the base model
+            (embedded) or talks to remote engines; the trainer holds the policy LoRA and the optimizer.
+        train_problems / test_problems / sampler: the data.
+        rewards: `(name, fn, weight)` reward terms.
+        runtime: device, dtype and why, CPU threads (`runtime_info`).
+        policy: the version rollouts use (mutable; `lora_rl_core.run.phases.sync` moves it).
+    """
+
+    cfg: RunConfig
+    run_id: str
+    store: AdapterStore
+    run_dir: RunDir
+    checkpoints: CheckpointStore
+    workdir: Path
+    tokenizer: PreTrainedTokenizerBase
+    engine: InferenceEngine
+    trainer: Trainer
+    train_problems: list[Problem]
+    test_problems: list[Problem]
+    sampler: PromptSampler
+    rewards: list[tuple[str, RewardFn, float]]
+    runtime: dict[str, Any]
+    policy: PolicyState = field(default_factory=PolicyState)
+
+    def close(self) -> None:
+        """Stop the trainer's worker processes and the engine (its worker thread, or its HTTP clients)."""
+        try:
+            self.trainer.close()
+        finally:
+            self.engine.close()
+
+
+def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
+    """Build the components of run `run_id`: set CPU threads, write the config snapshot `run.json`, load data,
+    rewards, tokenizer, the engine and the trainer, and seed Python's and torch's RNGs with `run.seed`.
+
+    If building the trainer fails, the engine already built is closed again.
+
+    Raises:
+        ValueError: bad run id.
+        ConfigError / DataError / RewardError / ModelError / StoreError / EngineError: what could not be built.
+    """
+    run_id = validate_run_id(run_id)
+    configure_threads()
+    runtime = runtime_info(cfg)
+    store = cfg.store.build()
+    run_dir = RunDir(store.uri, run_id, cfg.store.storage_options)
+    run_dir.write_config({**cfg.model_dump(mode="json"), "runtime": runtime})
+    train_problems = build_problems(cfg.data, "train", cfg.run.seed)
+    test_problems = build_problems(cfg.data, "test", cfg.run.seed)
+    rewards = build_rewards(cfg)
+    random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    tokenizer = load_tokenizer(cfg.model)
+    engine = build_engine(cfg.engine, cfg.model, store, tokenizer=tokenizer)
+    try:
+        trainer = build_trainer(cfg, tokenizer)
+    except BaseException:
+        engine.close()
+        raise
+    return RunComponents(
+        cfg=cfg,
+        run_id=run_id,
+        store=store,
+        run_dir=run_dir,
+        checkpoints=CheckpointStore(store.uri, cfg.store.storage_options),
+        workdir=Path(cfg.run.output_dir) / run_id,
+        tokenizer=tokenizer,
+        engine=engine,
+        trainer=trainer,
+        train_problems=train_problems,
+        test_problems=test_problems,
+        sampler=PromptSampler(train_problems, seed=cfg.run.seed),
+        rewards=rewards,
+        runtime=runtime,
+    )

@@ -1,0 +1,164 @@
+"""The phases of one training step, as functions over a run's components.
+
+    rollout(run, k) -> RolloutStats    sample G completions per prompt with policy version k - 1
+    score(run, k)   -> ScoreStats      rewards and group advantages
+    train(run, k)   -> TrainStats      one policy update (and a checkpoint every `checkpoint_every` steps)
+
+Publishing and syncing the resulting adapter version are `lora_rl_core.run.versions`. Each phase reads its
+input from and writes its output to the run's files in the store (`RunDir`: `rollouts/`, `scored/`), so a
+phase can be re-run, on any machine, from what the previous one left (docs/DESIGN.md, "One training step").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal
+from lora_rl_core.data import render_prompt, stable_seed
+from lora_rl_core.engines import GenerationRequest, SamplingParams
+from lora_rl_core.errors import EngineError
+from lora_rl_core.evaluation import evaluate_accuracy
+from lora_rl_core.faults import maybe_fail
+from lora_rl_core.records import (
+    Rollout,
+    RolloutBatch,
+    RolloutStats,
+    ScoredBatch,
+    ScoredRollout,
+    ScoreStats,
+    TrainBatch,
+    TrainStats,
+)
+from lora_rl_core.rewards import score_completions
+from lora_rl_core.run.components import RunComponents
+from lora_rl_core.run.resume import save_checkpoint
+from lora_rl_core.run.versions import policy_adapter
+
+
+def rollout(run: RunComponents, step: int) -> RolloutStats:
+    """Sample `group_size` completions for each of `prompts_per_step` prompts with the current policy adapter;
+    writes `rollouts/step-N.json`.
+
+    Raises:
+        EngineError: a request was aborted (a group with missing samples would skew its advantages, so the
+            phase fails and a retry redoes it).
+    """
+    maybe_fail("rollout", step, run.run_dir)
+    start = time.perf_counter()
+    r = run.cfg.rollout
+    # The batch is a function of the step (cursor = (step - 1) * prompts), so a resumed run draws the same prompts.
+    epoch, index = divmod((step - 1) * r.prompts_per_step, len(run.train_problems))
+    run.sampler.load_state_dict({"epoch": epoch, "index": index, "seed": run.sampler.seed})
+    problems = run.sampler.next_batch(r.prompts_per_step)
+    params = SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        seed=stable_seed(run.cfg.run.seed, "rollout", step),
+    )
+    adapter = policy_adapter(run)
+    prompts = [
+        render_prompt(run.tokenizer, p, system_prompt=r.system_prompt, instruction=r.instruction) for p in problems
+    ]
+    requests = [GenerationRequest(ids, adapter, params) for ids in prompts for _ in range(r.group_size)]
+    completions = run.engine.generate(requests, inline=True)  # an embedded engine computes on this thread
+    aborted = [c for c in completions if c.finish_reason == "abort"]
+    if aborted:
+        raise EngineError(f"{len(aborted)} of {len(completions)} rollout requests aborted ({aborted[0].abort_reason})")
+    rows = [
+        Rollout(
+            group=i // r.group_size,
+            problem_id=problems[i // r.group_size].id,
+            answer=problems[i // r.group_size].answer,
+            prompt_ids=c.prompt_ids,
+            completion_ids=c.completion_ids,
+            logprobs=c.logprobs,
+            finish_reason=c.finish_reason,
+            adapter=c.adapter,
+            adapter_version=c.adapter_version,
+        )
+        for i, c in enumerate(completions)
+    ]
+    run.run_dir.write_phase("rollouts", step, RolloutBatch(step=step, sampler=run.sampler.state_dict(), rows=rows))
+    seconds = time.perf_counter() - start
+    tokens = sum(len(row.completion_ids) for row in rows)
+    return RolloutStats(
+        completions=len(rows),
+        completion_tokens=tokens,
+        rollout_seconds=seconds,
+        completions_per_second=len(rows) / seconds,
+        completion_length=tokens / len(rows),
+        truncated_fraction=sum(row.finish_reason == "length" for row in rows) / len(rows),
+    )
+
+
+def score(run: RunComponents, step: int) -> ScoreStats:
+    """Reward every completion of step `step` and compute group advantages (`algorithm.advantage`);
+    reads `rollouts/step-N.json`, writes `scored/step-N.json`."""
+    maybe_fail("score", step, run.run_dir)
+    start = time.perf_counter()
+    rows = run.run_dir.read_phase("rollouts", step, RolloutBatch).rows
+    texts = [run.tokenizer.decode(row.completion_ids, skip_special_tokens=True) for row in rows]
+    totals, per_fn = score_completions(texts, [row.answer for row in rows], run.rewards)
+    rewards_NG = torch.tensor(totals, dtype=torch.float32).view(-1, run.cfg.rollout.group_size)  # [N, G]
+    advantages_NG = ADVANTAGE_ESTIMATORS[run.cfg.algorithm.advantage](rewards_NG)  # [N, G]
+    signal_N = group_has_signal(rewards_NG)  # [N] bool
+    scored = [
+        ScoredRollout(
+            **row.model_dump(),
+            reward=totals[i],
+            rewards={name: values[i] for name, values in per_fn.items()},
+            advantage=float(advantages_NG.view(-1)[i]),
+            has_signal=bool(signal_N[row.group]),
+        )
+        for i, row in enumerate(rows)
+    ]
+    run.run_dir.write_phase("scored", step, ScoredBatch(step=step, rows=scored))
+    correct = per_fn.get("math", totals)
+    return ScoreStats(
+        reward_mean=float(rewards_NG.mean()),
+        reward_std=float(rewards_NG.std(unbiased=False)),
+        accuracy=sum(1.0 for c in correct if c >= 1.0) / len(correct),
+        groups_with_signal=float(signal_N.float().mean()),
+        score_seconds=time.perf_counter() - start,
+    )
+
+
+def train(run: RunComponents, step: int) -> TrainStats:
+    """One policy update on the scored rollouts of `step` (`TrainBatch.from_scored`: stale rows rejected,
+    uniform groups skipped with `skip_uniform_groups`), then a checkpoint every `checkpoint_every` steps."""
+    maybe_fail("train_step", step, run.run_dir)
+    algo = run.cfg.algorithm
+    rows = run.run_dir.read_phase("scored", step, ScoredBatch).rows
+    batch = TrainBatch.from_scored(
+        rows, step=step, max_staleness=algo.max_staleness, skip_uniform=algo.skip_uniform_groups
+    )
+    metrics = run.trainer.train_step(batch)
+    checkpointed = step % run.cfg.trainer.checkpoint_every == 0
+    if checkpointed:
+        save_checkpoint(run, step)
+    return TrainStats(
+        trainer=metrics,
+        trained_rows=len(batch),
+        stale_rejected=batch.stale_rejected,
+        uniform_skipped=batch.uniform_skipped,
+        checkpointed=checkpointed,
+    )
+
+
+def evaluate(run: RunComponents, adapter: str | None) -> dict[str, Any]:
+    """Greedy accuracy of `adapter` (None = the base model) on the held-out problems
+    (`lora_rl_core.evaluation.evaluate_accuracy`)."""
+    cfg = run.cfg
+    return evaluate_accuracy(
+        run.engine,
+        run.tokenizer,
+        run.test_problems,
+        adapter=adapter,
+        rollout=cfg.rollout,
+        max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+    )

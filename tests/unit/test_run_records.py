@@ -1,0 +1,117 @@
+"""Typed phase records and the run's files: the staleness and uniform-group rules of `TrainBatch.from_scored`,
+and `RunDir` reading back (and refusing) phase files through retried store I/O."""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+
+from lora_rl_core.errors import LoraRLError, StoreError
+from lora_rl_core.faults import maybe_fail
+from lora_rl_core.records import Rollout, RolloutBatch, ScoredBatch, ScoredRollout, TrainBatch
+from lora_rl_core.run.rundir import RunDir
+from tests.unit.test_store_faults import FAST, FlakyFS
+
+
+def scored(version: int | None, *, group: int = 0, advantage: float = 0.5, signal: bool = True) -> ScoredRollout:
+    """A scored row sampled by adapter `version` (None = the base model)."""
+    return ScoredRollout(
+        group=group,
+        problem_id=f"p{group}",
+        answer="3",
+        prompt_ids=[1, 2],
+        completion_ids=[3, 4, version or 0],
+        logprobs=[-0.1, -0.2, -0.3],
+        finish_reason="stop",
+        adapter=None if version is None else f"run-v{version:06d}",
+        adapter_version=version,
+        reward=1.0,
+        rewards={"math": 1.0},
+        advantage=advantage,
+        has_signal=signal,
+    )
+
+
+def test_from_scored_rejects_rows_more_than_max_staleness_behind():
+    # step 5: the trainer holds version 4; max_staleness 1 keeps versions 3 and 4
+    rows = [scored(4), scored(3), scored(2), scored(None), scored(5)]
+    batch = TrainBatch.from_scored(rows, step=5, max_staleness=1, skip_uniform=False)
+    assert [c[-1] for c in batch.completion_ids] == [4, 3, 5]  # 5 is newer than the trainer: not stale
+    assert batch.stale_rejected == 2 and batch.uniform_skipped == 0
+    strict = TrainBatch.from_scored(rows, step=5, max_staleness=0, skip_uniform=False)
+    assert [c[-1] for c in strict.completion_ids] == [4, 5] and strict.stale_rejected == 3
+
+
+def test_from_scored_skips_groups_without_signal_only_when_asked():
+    rows = [scored(1, group=0, advantage=1.0), scored(1, group=1, advantage=0.0, signal=False)]
+    kept = TrainBatch.from_scored(rows, step=2, max_staleness=1, skip_uniform=True)
+    assert kept.advantages == [1.0] and kept.uniform_skipped == 1 and kept.stale_rejected == 0
+    everything = TrainBatch.from_scored(rows, step=2, max_staleness=1, skip_uniform=False)
+    assert everything.advantages == [1.0, 0.0] and everything.uniform_skipped == 0
+    assert everything.prompt_ids == [[1, 2], [1, 2]] and everything.inference_logprobs[0] == [-0.1, -0.2, -0.3]
+
+
+def test_from_scored_counts_stale_before_uniform():
+    rows = [scored(0, signal=False), scored(3, signal=False), scored(3)]
+    batch = TrainBatch.from_scored(rows, step=4, max_staleness=1, skip_uniform=True)
+    assert len(batch) == 1 and batch.stale_rejected == 1 and batch.uniform_skipped == 1
+
+
+@pytest.fixture
+def root():
+    """A fresh memory:// store root, removed afterwards."""
+    uri = f"memory://rundir-{uuid.uuid4().hex}"
+    yield uri
+    fs, path = fsspec.core.url_to_fs(uri)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def test_phase_round_trip_and_missing_phase(root):
+    run_dir = RunDir(root, "r1")
+    rows = [Rollout(**scored(2).model_dump(include=set(Rollout.model_fields)))]
+    run_dir.write_phase("rollouts", 3, RolloutBatch(step=3, sampler={"epoch": 0, "index": 8, "seed": 0}, rows=rows))
+    back = run_dir.read_phase("rollouts", 3, RolloutBatch)
+    assert back.rows == rows and back.step == 3
+    with pytest.raises(LoraRLError, match=r"scored output of step 3 not found at memory://.*/r1/scored/step-000003"):
+        run_dir.read_phase("scored", 3, ScoredBatch)
+
+
+def test_a_damaged_phase_file_names_the_field_and_the_fix(root):
+    run_dir = RunDir(root, "r1")
+    fs, path = fsspec.core.url_to_fs(f"{root}/r1/scored/step-000002.json")
+    fs.pipe_file(path, b'{"step": 2, "rows": [{"group": 0}]}')
+    with pytest.raises(LoraRLError, match=r"step-000002.json is not a valid ScoredBatch \(rows.0.problem_id: Field "):
+        run_dir.read_phase("scored", 2, ScoredBatch)
+    fs.pipe_file(path, b"{truncated")
+    with pytest.raises(LoraRLError, match="delete it and re-run the scored phase of step 2"):
+        run_dir.read_phase("scored", 2, ScoredBatch)
+
+
+def test_phase_writes_are_retried_on_transient_store_errors(root):
+    flaky = FlakyFS(fsspec.filesystem("memory"), methods={"pipe_file"}, failures=2, error=lambda: TimeoutError("slow"))
+    run_dir = RunDir(root, "r1", retry=FAST, fs=flaky)
+    run_dir.write_phase("scored", 1, ScoredBatch(step=1, rows=[scored(0)]))
+    assert len(flaky.injected) == 2
+    assert RunDir(root, "r1").read_phase("scored", 1, ScoredBatch).rows == [scored(0)]
+
+
+def test_config_snapshot_round_trip(root):
+    run_dir = RunDir(root, "r1")
+    assert run_dir.read_config() is None
+    run_dir.write_config({"lr": 1e-4, "tags": {"b", "a"}, "betas": (0.9, 0.99)})
+    assert run_dir.read_config() == {"lr": 1e-4, "tags": ["a", "b"], "betas": [0.9, 0.99]}
+    with pytest.raises(StoreError, match="object is not JSON serializable|not JSON-serialisable"):
+        run_dir.write_config({"bad": object()})
+
+
+def test_fault_markers_fire_once_per_run(root, monkeypatch):
+    monkeypatch.setenv("LORA_RL_FAULT", "score:2")
+    run_dir = RunDir(root, "r1")
+    maybe_fail("score", 1, run_dir)  # not this step
+    with pytest.raises(RuntimeError, match="injected fault at score step 2"):
+        maybe_fail("score", 2, run_dir)
+    maybe_fail("score", 2, run_dir)  # a retried flow run goes past it
+    assert run_dir.mark("faults/score-000002") is False
