@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-MODEL_CONFIGS = ROOT.parent / "shared" / "model_configs"
+MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"  # published Qwen2.5 shapes (config.json copies)
 RESULTS = ROOT / "benchmarks" / "results"
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TINY_CONFIG = {
@@ -43,28 +43,6 @@ TINY_CONFIG = {
 }
 """A Qwen2-shaped model small enough for CPU smoke runs (`--tiny`)."""
 
-BUILT_IN_CONFIGS = {
-    "qwen2.5-0.5b.json": {
-        "model_type": "qwen2",
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 32768,
-        "attention_dropout": 0.0,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "use_sliding_window": False,
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    }
-}
-"""Copies of published shapes in `../shared/model_configs`, used when that folder did not travel (GPU machine)."""
-
 
 @dataclass
 class StubTokenizer:
@@ -75,15 +53,9 @@ class StubTokenizer:
 
 
 def model_config(path: Path | None, *, layers: int | None = None) -> dict[str, Any]:
-    """A model config dict: the JSON at `path` (e.g. `qwen2.5-0.5b.json`; the built-in copy of that shape
-    when the file is missing), or `TINY_CONFIG` for None; `layers` truncates `num_hidden_layers` (a quicker
-    CPU run of the same layer shapes)."""
-    if path is None:
-        cfg = dict(TINY_CONFIG)
-    elif not Path(path).exists() and Path(path).name in BUILT_IN_CONFIGS:
-        cfg = dict(BUILT_IN_CONFIGS[Path(path).name])
-    else:
-        cfg = json.loads(Path(path).read_text())
+    """A model config dict: the JSON at `path` (e.g. `MODEL_CONFIGS / "qwen2.5-0.5b.json"`), or `TINY_CONFIG`
+    for None; `layers` truncates `num_hidden_layers` (a quicker CPU run of the same layer shapes)."""
+    cfg = dict(TINY_CONFIG) if path is None else json.loads(Path(path).read_text())
     for key in ("architectures", "torch_dtype", "transformers_version"):
         cfg.pop(key, None)
     if layers is not None:

@@ -1,7 +1,7 @@
 """Multi-adapter batching: tokens/s with 1, 4 and 8 distinct LoRA adapters in one mixed batch vs serving the
 same requests one adapter at a time.
 
-On a random-weight Qwen2.5-0.5B-shaped model (`../shared/model_configs/qwen2.5-0.5b.json`) in an in-process
+On a random-weight Qwen2.5-0.5B-shaped model (`benchmarks/model_configs/qwen2.5-0.5b.json`) in an in-process
 `EmbeddedEngine` (`max_batch_size = --batch`, `max_loras_per_batch = max adapters + 1`, the base model's slot
 kept free, sglang#23141). `--batch` prompts of `--prompt-len` random tokens, `--max-new-tokens` greedy tokens
 each; request i names adapter `i % k` (rank `--rank`, all linear layers, random non-zero weights).

@@ -44,7 +44,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lora_rl_core.store import AdapterStore  # noqa: E402
 
-MODEL_CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "model_configs"
+MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

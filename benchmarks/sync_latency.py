@@ -1,6 +1,6 @@
 """Sync latency: publish -> first completion served by the new adapter version, tensor path vs store path.
 
-On a random-weight Qwen2.5-0.5B-shaped model (`../shared/model_configs/qwen2.5-0.5b.json`) in an in-process
+On a random-weight Qwen2.5-0.5B-shaped model (`benchmarks/model_configs/qwen2.5-0.5b.json`) in an in-process
 `EmbeddedEngine`, for LoRA ranks 8/32/64 on all linear layers (q, k, v, o, gate, up, down of every layer).
 The trainer's adapter state dict lives on the device (float32, as PEFT trains it). One measurement, from
 the trainer's state dict to the first completion the engine serves with the new version:

@@ -1,6 +1,6 @@
 """Benchmark one GRPO-shaped training step: LoRA vs full fine-tuning, FSDP2 on 1 or more devices.
 
-Random-weight Qwen2.5 models built from `../shared/model_configs/qwen2.5-*.json`
+Random-weight Qwen2.5 models built from `benchmarks/model_configs/qwen2.5-*.json`
 (no weights to carry). Every case runs in fresh processes (one per rank,
 `torch.multiprocessing` spawn, NCCL on CUDA / gloo on CPU) through the same
 FSDP2 path the trainer workers use (`lora_rl_core.distributed.shard_model`:
@@ -301,7 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a CPU smoke test")
-    p.add_argument("--model-configs", default=str(ROOT.parent / "shared" / "model_configs"))
+    p.add_argument("--model-configs", default=str(ROOT / "benchmarks" / "model_configs"))
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_step.json; --tiny: /tmp)")
     args = p.parse_args(argv)
     if args.out is None:

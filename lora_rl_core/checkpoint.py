@@ -1,6 +1,6 @@
 """Training checkpoints in the object store, with the adapter store's manifest rule.
 
-Layout (DESIGN.md): `<store>/<run_id>/checkpoints/step-000010/` holding
+Layout (docs/DESIGN.md): `<store>/<run_id>/checkpoints/step-000010/` holding
 `tensors.safetensors` (every tensor of the state: LoRA weights, optimizer
 moments, RNG states), `state.json` (everything else: scheduler, data cursor,
 policy version, with tensors replaced by `{"__tensor__": key}`) and

@@ -300,7 +300,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _warn_off_recipe(self) -> RunConfig:
-        # The default LoRA recipe is near-on-policy (DESIGN.md); say so when a config departs.
+        # The default LoRA recipe is near-on-policy (docs/DESIGN.md); say so when a config departs.
         if self.algorithm.num_minibatches > 1 or self.algorithm.max_staleness > 1:
             warnings.warn(
                 "algorithm.num_minibatches > 1 or max_staleness > 1 departs from the near-on-policy "

@@ -1,6 +1,6 @@
 """Everything that touches `torch.distributed`: process groups, FSDP2 sharding, gathers and reductions.
 
-The one module with distributed code (STYLE.md 9); the trainer calls the helpers
+The one module with distributed code (docs/STYLE.md 9); the trainer calls the helpers
 below and the pure losses, never `torch.distributed` itself. Every helper also
 works without a process group (a single, unsharded process), where it is the
 identity or a local operation. Only torch and peft are imported, so GPU

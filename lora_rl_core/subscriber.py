@@ -1,4 +1,4 @@
-"""Keep inference engines on a run's newest adapter versions (the hot-swap protocol of DESIGN.md).
+"""Keep inference engines on a run's newest adapter versions (the hot-swap protocol, docs/HOTSWAP.md).
 
 `sync_version` is the one piece of code that moves a published version into engines; the
 training flow's `sync_engines` and the long-running `AdapterSubscriber` both call it:

@@ -112,7 +112,7 @@ class InferenceEngine(Protocol):
     """What the flow needs from an inference engine (embedded, server or SGLang).
 
     Semantics follow SGLang's LoRA API (`sglang/srt/entrypoints/http_server.py`, `lora/lora_registry.py`);
-    see `EmbeddedEngine` for the reference implementation and docs/SGLANG_API.md for the wire format.
+    see `EmbeddedEngine` for the reference implementation and docs/SGLANG.md for the wire format.
     """
 
     def generate(

@@ -1,6 +1,6 @@
 """HTTP engines: a client of a real SGLang server, of our engine server, and a spread over several.
 
-`SGLangEngine` speaks the SGLang API exactly as shared/docs/SGLANG_API.md lists it (sglang
+`SGLangEngine` speaks the SGLang API exactly as docs/SGLANG.md lists it (sglang
 0.5.23 `sglang/srt/entrypoints/http_server.py`, structs in `sglang/srt/managers/io_struct.py`):
 `/generate` with `input_ids` batches, a `lora_path` list (adapter name per prompt, null = base
 model), `rid` list and `return_logprob`; `/load_lora_adapter`, `/unload_lora_adapter`,

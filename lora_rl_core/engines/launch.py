@@ -1,7 +1,7 @@
 """Render the `python -m sglang.launch_server --enable-lora ...` command line for a run.
 
 The flags and their checks mirror sglang 0.5.23 `sglang/srt/arg_groups/fields/lora.py` and
-`server_args.py` (see shared/docs/SGLANG_API.md): `--max-loaded-loras` must be at least
+`server_args.py` (see docs/SGLANG.md): `--max-loaded-loras` must be at least
 `--max-loras-per-batch`, `all` stands alone in `--lora-target-modules`, at most
 `max_loras_per_batch - 1` adapters are pinned (the base model needs a slot: sglang#23141),
 and the eviction policy is `lru` or `fifo`. Pinned adapters are rendered as JSON objects

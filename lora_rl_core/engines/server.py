@@ -4,7 +4,7 @@ Mirrors sglang 0.5.23 `sglang/srt/entrypoints/http_server.py` with the request a
 structs of `sglang/srt/managers/io_struct.py` (`GenerateReqInput`, `LoadLoRAAdapterReqInput`,
 `LoadLoRAAdapterFromTensorsReqInput`, `UnloadLoRAAdapterReqInput`, `LoRAUpdateOutput`,
 `AbortReq`), so one client (`lora_rl_core.engines.http`) drives both this server and a real
-SGLang server. See shared/docs/SGLANG_API.md for the contract.
+SGLang server. See docs/SGLANG.md for the contract.
 
 Choices made here:
 

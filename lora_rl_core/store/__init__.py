@@ -1,6 +1,6 @@
 """Adapter store: versioned LoRA adapters in an fsspec object store (``file://``, ``s3://``, ``memory://``).
 
-Layout (DESIGN.md, "Object store layout")::
+Layout (docs/DESIGN.md, "Object store layout")::
 
     <store>/<run_id>/run.json                                  config snapshot
     <store>/<run_id>/adapters/v000007/manifest.json            created LAST, exclusively
