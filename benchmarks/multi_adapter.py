@@ -13,7 +13,7 @@ each; request i names adapter `i % k` (rank `--rank`, all linear layers, random 
 tokens/s = completion tokens returned / wall seconds of the calls (median of `--repeats` after a warm-up),
 end to end through the engine: admission, HF `generate`, and the engine's per-token logprobs. A `base` row
 (no adapter) is the reference. `logprob_postprocess_s` is the time the engine's logprob extraction
-(`_token_logprobs`, per step over `[batch, vocab]` logits) takes for one full batch on this device, measured
+(`peft_model.token_logprobs`, per step over `[batch, vocab]` logits) takes for one full batch on this device, measured
 on synthetic logits of that shape, as a guide to how much of the wall time is not the model.
 
 Usage::
@@ -87,16 +87,16 @@ def bench_case(engine: EmbeddedEngine, prompts: list, names: list, params: Sampl
 
 def logprob_postprocess_s(batch: int, steps: int, vocab: int, device: str, dtype: torch.dtype) -> float:
     """Seconds of the engine's logprob extraction for one batch (`[batch, vocab]` logits per step)."""
-    from lora_rl_core.engines.embedded import _token_logprobs  # the engine's own helper, timed in isolation
+    from lora_rl_core.engines.peft_model import token_logprobs  # the engine's own helper, timed in isolation
 
     logits = tuple(torch.randn(batch, vocab, device=device, dtype=dtype) for _ in range(steps))
     tokens = torch.randint(0, vocab, (batch, steps))
     for _ in range(3):  # warm-up (the first calls of a thread are slow: allocator, OpenMP pool)
-        _token_logprobs(logits[:4], tokens[:, :4], 0.0)
+        token_logprobs(logits[:4], tokens[:, :4], 0.0)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
-    _token_logprobs(logits, tokens, 0.0)
+    token_logprobs(logits, tokens, 0.0)
     return time.perf_counter() - start
 
 

@@ -36,8 +36,8 @@ import _common
 import torch
 from _common import ALL_LINEAR, MODEL_CONFIGS, RESULTS, machine_info, print_table, random_model, write_json
 
+from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import safetensors_bytes
 from tests.support.adapters import random_lora_factory
 
 PATHS = ("tensor", "store", "sync_version")

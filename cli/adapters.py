@@ -19,8 +19,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from lora_rl_core.adapters import MODEL_FILE, adapter_name
 from lora_rl_core.errors import StoreError
-from lora_rl_core.store import MODEL_FILE, AdapterManifest, AdapterStore, RetentionPolicy, adapter_name
+from lora_rl_core.store import AdapterManifest, AdapterStore, RetentionPolicy
 
 adapters_app = typer.Typer(help="List, show, pull, tag and prune LoRA adapters in a store.", no_args_is_help=True)
 

@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from lora_rl_core.adapters.names import validate_run_id
 from lora_rl_core.errors import StoreError
-from lora_rl_core.store import validate_run_id
 from lora_rl_core.store.io import RetryPolicy, StoreIO
 
 _STEP_DIR = re.compile(r"step-(\d{6})$")

@@ -1,8 +1,8 @@
 """LoRA adapters through PEFT: resolve target modules against the real model, build configs.
 
 `target_modules` is `all-linear` or a list of module-name suffixes (`q_proj`),
-matched against the model's actual `nn.Linear` modules (the output head is
-never adapted). A suffix that matches nothing is an error that lists the
+matched against the model's actual linear modules (`adapters.adaptable_module_names`;
+the output head is never adapted). A suffix that matches nothing is an error that lists the
 suffixes that do exist, instead of PEFT's silent or late failure.
 """
 
@@ -15,17 +15,18 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from torch import nn
 
+from lora_rl_core.adapters.validation import adaptable_module_names
 from lora_rl_core.config import LoRAConfig
 from lora_rl_core.errors import ConfigError
 
 
 def linear_suffixes(model: nn.Module) -> list[str]:
-    """Sorted distinct last-name parts of the model's `nn.Linear` modules, output head excluded."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = {
-        name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and mod is not head
-    }
-    return sorted(names)
+    """Sorted distinct last-name parts of the model's linear modules (`nn.Linear`, GPT-2 `Conv1D`),
+    output head excluded (as PEFT's `all-linear`)."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    head_names = {name for name, mod in model.named_modules() if head is not None and mod is head}
+    names = adaptable_module_names(model, linear_only=True)
+    return sorted({name.rsplit(".", 1)[-1] for name in names if name not in head_names})
 
 
 def resolve_target_modules(model: nn.Module, cfg: LoRAConfig) -> list[str]:

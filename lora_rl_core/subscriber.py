@@ -31,9 +31,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_rl_core.engines.base import adapter_run, adapter_version
+from lora_rl_core.adapters import adapter_name, adapter_run, adapter_version, validate_run_id
 from lora_rl_core.errors import EngineError, LoraRLError, StoreError
-from lora_rl_core.store import AdapterRef, AdapterStore, adapter_name, validate_run_id
+from lora_rl_core.store import AdapterRef, AdapterStore
 
 log = logging.getLogger(__name__)
 

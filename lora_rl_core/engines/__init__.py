@@ -1,20 +1,17 @@
 """Inference engines behind one protocol (`InferenceEngine`), with SGLang's LoRA semantics.
 
-`base`: the protocol and records; `embedded`: the in-process engine; `pool`: its adapter registry and
-resident pool; `scheduler`: its batch formation.
+`base`: the protocol and records; `embedded`: the in-process engine (request lifecycle); `requests`: its
+queue, admission and abort; `peft_model`: its model and adapter injection; `pool`: its adapter registry and
+resident pool; `scheduler`: its batch formation. Adapter names, files and checks: `lora_rl_core.adapters`.
 """
 
 from lora_rl_core.engines.base import (
     ABORT_REASONS,
     PAUSE_MODES,
-    STORE_URI_PREFIX,
     Completion,
     GenerationRequest,
     InferenceEngine,
     SamplingParams,
-    adapter_run,
-    adapter_version,
-    check_adapter_name,
     unknown_adapter_message,
 )
 from lora_rl_core.engines.embedded import EmbeddedEngine
@@ -24,7 +21,6 @@ from lora_rl_core.engines.http import (
     ServerEngine,
     SGLangEngine,
     connect_engines,
-    peft_folder,
 )
 from lora_rl_core.engines.launch import sglang_launch_command, sglang_launch_command_from_config
 from lora_rl_core.engines.pool import EVICTION_POLICIES, AdapterPool
@@ -34,7 +30,6 @@ __all__ = [
     "ABORT_REASONS",
     "EVICTION_POLICIES",
     "PAUSE_MODES",
-    "STORE_URI_PREFIX",
     "AdapterPool",
     "BatchLimits",
     "Completion",
@@ -44,15 +39,11 @@ __all__ = [
     "SGLangEngine",
     "ServerEngine",
     "connect_engines",
-    "peft_folder",
     "sglang_launch_command",
     "sglang_launch_command_from_config",
     "GenerationRequest",
     "InferenceEngine",
     "SamplingParams",
-    "adapter_run",
-    "adapter_version",
-    "check_adapter_name",
     "form_batch",
     "unknown_adapter_message",
 ]

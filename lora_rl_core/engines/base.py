@@ -8,7 +8,6 @@ adapter name and version that produced it.
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -19,35 +18,6 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_REASONS = ("aborted", "paused", "timeout", "adapter_unloaded", "engine_closed")
 """Why a request ended with `finish_reason="abort"`: `abort()` was called; `pause(mode="abort")`;
 its deadline passed; its adapter was unloaded before the request was admitted; the engine closed."""
-
-STORE_URI_PREFIX = "store://"
-"""`GenerationRequest.adapter` of the form `store://RUN@VERSION`, `store://RUN@latest` or
-`store://RUN-v000007` names a version in the engine's AdapterStore; it is loaded on first use."""
-
-_VERSIONED = re.compile(r"^(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)-v(?P<version>\d{6})$")
-_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-
-
-def adapter_version(name: str | None) -> int | None:
-    """The version in a versioned adapter name `<run>-v<NNNNNN>`; None for base or other names."""
-    match = _VERSIONED.match(name or "")
-    return int(match["version"]) if match else None
-
-
-def adapter_run(name: str) -> str | None:
-    """The run id in a versioned adapter name, else None."""
-    match = _VERSIONED.match(name)
-    return match["run"] if match else None
-
-
-def check_adapter_name(name: str) -> str:
-    """Return `name` if safe as an adapter name (no `/`, `..`, spaces); else raise ValueError."""
-    if not _NAME_OK.match(name) or ".." in name:
-        raise ValueError(
-            f"bad adapter name {name!r}: use letters, digits, '.', '_' and '-' (no '/', no '..'), e.g. run-v000003"
-        )
-    return name
-
 
 def unknown_adapter_message(name: str, loaded: list[str]) -> str:
     """The error for a request naming an adapter that is not registered: SGLang's wording

@@ -42,18 +42,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-import fsspec
 import httpx
 
+from lora_rl_core.adapters import adapter_version, check_adapter_name, peft_folder, safetensors_bytes
 from lora_rl_core.engines.base import (
     PAUSE_MODES,
     Completion,
     GenerationRequest,
     SamplingParams,
-    adapter_version,
-    check_adapter_name,
 )
-from lora_rl_core.errors import EngineError
+from lora_rl_core.errors import EngineError, StoreError
 
 _ADAPTER_SAMPLES = {  # `lora_rl_adapter_<sample>` of our server's /metrics -> engine.metrics() field
     "requests_total": "requests",
@@ -282,7 +280,10 @@ class SGLangEngine:
         the folder of its files (`peft_folder`); other URIs are refused."""
         scheme, sep, rest = path.partition("://")
         if not sep or scheme == "file":
-            return peft_folder(rest if sep else path)
+            try:
+                return peft_folder(rest if sep else path)
+            except StoreError as exc:
+                raise EngineError(str(exc)) from None
         raise EngineError(
             f"{self.url}: SGLang reads adapters from a local folder, not {path!r}: pull the version to a folder "
             "the server can read (`lora-rl adapters pull`) or use a shared filesystem"
@@ -555,35 +556,6 @@ def connect_engines(
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def safetensors_bytes(tensors: dict) -> bytes:
-    """A safetensors file of `tensors` (CPU, contiguous, metadata `{"format": "pt"}`), as the store writes it."""
-    from safetensors.torch import save
-
-    return save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
-
-
-def peft_folder(path: str) -> str:
-    """The PEFT folder of `path` (local path or fsspec URI): `path` itself, or for a store version folder
-    (`<store>/<run>/adapters/vNNNNNN`, `AdapterRef.uri`) the data folder its `manifest.json` names.
-
-    Reading the files there skips the store's checksums: verify the version first (`AdapterStore.verify`).
-
-    Raises:
-        EngineError: the manifest is unreadable or names an unsafe folder.
-    """
-    fs, root = fsspec.core.url_to_fs(path)
-    root = root.rstrip("/")
-    if fs.exists(f"{root}/adapter_model.safetensors") or not fs.exists(f"{root}/manifest.json"):
-        return path
-    try:
-        data_dir = json.loads(fs.cat_file(f"{root}/manifest.json")).get("data_dir") or ""
-    except (OSError, ValueError, AttributeError) as exc:
-        raise EngineError(f"{path}/manifest.json is unreadable: {exc}") from None
-    if not isinstance(data_dir, str) or "/" in data_dir or ".." in data_dir:
-        raise EngineError(f"{path}/manifest.json names an unsafe data folder {data_dir!r}")
-    return f"{path.rstrip('/')}/{data_dir}" if data_dir else path
 
 
 def _check_name(name: str) -> None:

@@ -18,7 +18,7 @@ import shlex
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from lora_rl_core.engines.base import check_adapter_name
+from lora_rl_core.adapters import check_adapter_name
 from lora_rl_core.errors import ConfigError
 
 if TYPE_CHECKING:

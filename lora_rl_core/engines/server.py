@@ -62,17 +62,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lora_rl_core.adapters import STORE_URI_PREFIX, adapter_run, adapter_version, peft_folder
 from lora_rl_core.engines.base import (
     PAUSE_MODES,
-    STORE_URI_PREFIX,
     Completion,
     GenerationRequest,
     SamplingParams,
-    adapter_run,
-    adapter_version,
     unknown_adapter_message,
 )
-from lora_rl_core.engines.http import peft_folder
 from lora_rl_core.errors import EngineError, LoraRLError
 
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
@@ -758,7 +755,6 @@ def serve(
         model_obj,
         tokenizer,
         max_batch_size=max_batch_size,
-        keep_versions=2,  # unused here: the subscriber retires stale versions over HTTP
         max_loras_per_batch=max_loras_per_batch,
         max_loaded_loras=max_loaded_loras,
         eviction_policy=eviction_policy,

@@ -32,7 +32,7 @@ leftovers inside complete versions.
 Integrity and untrusted input: every read checks each file's size and sha256
 against the manifest (errors name the object's URI), parses the safetensors
 header (weights are safetensors only: no pickle), and validates the config and
-tensor shapes (``lora_rl_core.adapter_validation``). Run ids, versions, tags,
+tensor shapes (``lora_rl_core.adapters``). Run ids, versions, tags,
 manifest file names and data folders are checked before they become paths;
 files over ``max_file_bytes`` and symbolic links (local stores, ``publish_folder``
 input, pull destinations) are refused.
@@ -48,10 +48,7 @@ number is abandoned); locking between ``gc`` and readers of the versions it
 deletes (gc never deletes the newest or a tagged version).
 """
 
-from lora_rl_core.store.adapter_store import DEFAULT_MAX_FILE_BYTES, MAX_JSON_BYTES, AdapterStore
-from lora_rl_core.store.io import RetryPolicy, is_transient
-from lora_rl_core.store.models import AdapterManifest, AdapterRef, FileEntry, RetentionPolicy, plan_retention
-from lora_rl_core.store.names import (
+from lora_rl_core.adapters.names import (  # the naming rules live in lora_rl_core.adapters; re-exported as store API
     CONFIG_FILE,
     LATEST_FILE,
     MANIFEST_FILE,
@@ -64,6 +61,9 @@ from lora_rl_core.store.names import (
     validate_tag,
     validate_version,
 )
+from lora_rl_core.store.adapter_store import DEFAULT_MAX_FILE_BYTES, MAX_JSON_BYTES, AdapterStore
+from lora_rl_core.store.io import RetryPolicy, is_transient
+from lora_rl_core.store.models import AdapterManifest, AdapterRef, FileEntry, RetentionPolicy, plan_retention
 
 __all__ = [
     "CONFIG_FILE",

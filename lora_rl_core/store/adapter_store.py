@@ -20,26 +20,14 @@ import fsspec
 import torch
 from fsspec import AbstractFileSystem
 from pydantic import ValidationError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from lora_rl_core.adapter_validation import (
-    AdapterRules,
-    safetensors_shapes,
-    validate_adapter_config,
-    validate_adapter_tensors,
-)
-from lora_rl_core.errors import StoreError
-from lora_rl_core.store.io import RetryPolicy, StoreIO
-from lora_rl_core.store.models import AdapterManifest, AdapterRef, FileEntry, RetentionPolicy, plan_retention
-from lora_rl_core.store.names import (
+from lora_rl_core.adapters.io import load_safetensors, refuse_pickles, safetensors_bytes, safetensors_shapes
+from lora_rl_core.adapters.names import (
     CONFIG_FILE,
     DATA_DIR_RE,
     LATEST_FILE,
     MANIFEST_FILE,
     MODEL_FILE,
-    PICKLE_SUFFIXES,
-    RUN_CONFIG_FILE,
     RUN_ID_RE,
     TAG_RE,
     VERSION_DIR_RE,
@@ -50,6 +38,10 @@ from lora_rl_core.store.names import (
     validate_tag,
     validate_version,
 )
+from lora_rl_core.adapters.validation import AdapterRules
+from lora_rl_core.errors import StoreError
+from lora_rl_core.store.io import RetryPolicy, StoreIO
+from lora_rl_core.store.models import AdapterManifest, AdapterRef, FileEntry, RetentionPolicy, plan_retention
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +79,6 @@ def _json_load(data: bytes, what: str) -> Any:
         return json.loads(data)
     except ValueError as e:
         raise StoreError(f"{what} is not valid JSON: {e}") from e
-
-
-def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
-    for key, t in tensors.items():
-        if not t.is_floating_point() or bool(torch.isfinite(t.sum())):
-            continue  # a finite sum means no NaN or inf (fast path: no bool tensor allocated)
-        if not bool(torch.isfinite(t).all()):
-            raise StoreError(f"adapter tensor {key!r} has NaN or inf values; refusing to publish")
 
 
 def _lora_summary(adapter_config: dict) -> dict[str, Any]:
@@ -231,11 +215,8 @@ class AdapterStore:
                 won the race for it, or the store failed (after retries). Nothing
                 of a failed attempt stays visible.
         """
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        _check_finite(tensors)
-        validate_adapter_config(adapter_config, allow_dora=True)
-        validate_adapter_tensors({k: list(t.shape) for k, t in tensors.items()}, adapter_config)
-        model_bytes = st_save(tensors, metadata={"format": "pt"})
+        AdapterRules(allow_dora=True).check_tensors(tensors, adapter_config)
+        model_bytes = safetensors_bytes(tensors)
         return self._publish_bytes(
             run_id, version, model_bytes, adapter_config, step, base_model, metrics, before_manifest
         )
@@ -265,19 +246,15 @@ class AdapterStore:
         for path in (folder, model_path, config_path):
             if path.is_symlink():
                 raise StoreError(f"{path} is a symbolic link; publish_folder takes plain files only")
-        pickles = sorted(p.name for p in folder.glob("*") if p.name.endswith(PICKLE_SUFFIXES))
-        if pickles:
-            raise StoreError(f"{folder}: pickle files {pickles} refused; save with safe_serialization=True")
+        refuse_pickles((p.name for p in folder.glob("*")), str(folder))
         for path in (model_path, config_path):
             if not path.is_file():
                 raise StoreError(f"{path} not found; publish_folder needs a PEFT save_pretrained folder")
             self._check_size(path.name, path.stat().st_size, str(path))
         model_bytes = model_path.read_bytes()
-        tensors = self._load_safetensors(model_bytes, str(model_path))
-        _check_finite(tensors)
+        tensors = load_safetensors(model_bytes, str(model_path))
         config = _json_load(config_path.read_bytes(), str(config_path))
-        validate_adapter_config(config, allow_dora=True, where=str(config_path))
-        validate_adapter_tensors({k: list(t.shape) for k, t in tensors.items()}, config, where=str(model_path))
+        AdapterRules(allow_dora=True).check_tensors(tensors, config, str(folder))
         return self._publish_bytes(run_id, version, model_bytes, config, step, base_model, metrics)
 
     def _check_size(self, name: str, size: int, where: str) -> None:
@@ -620,15 +597,7 @@ class AdapterStore:
         """
         manifest, files, config = self._checked_adapter(run_id, version, rules)
         where = self._io.uri(f"{self._files_dir(manifest)}/{MODEL_FILE}")
-        return self._load_safetensors(files[MODEL_FILE], where), config
-
-    @staticmethod
-    def _load_safetensors(data: bytes, where: str) -> dict[str, torch.Tensor]:
-        safetensors_shapes(data, where)
-        try:
-            return st_load(data)
-        except Exception as e:  # safetensors raises its own SafetensorError
-            raise StoreError(f"{where} is not a valid safetensors file: {e}") from e
+        return load_safetensors(files[MODEL_FILE], where), config
 
     # ------------------------------------------------------------- tags
 
@@ -727,24 +696,3 @@ class AdapterStore:
             keep = self.manifest(run_id, version).data_dir if dirs else ""
             for data_dir in sorted(dirs - {keep}):
                 self._io.rm_tree(f"{self._version_dir(run_id, version)}/{data_dir}")
-
-    # ------------------------------------------------------------- run config
-
-    def write_run_config(self, run_id: str, config: dict) -> None:
-        """Write the run's config snapshot to ``<run_id>/run.json`` (replaces it).
-
-        Raises:
-            StoreError: bad run id, a config that is not JSON-serialisable, or the store failed.
-        """
-        path = f"{self._run_dir(run_id)}/{RUN_CONFIG_FILE}"
-        self._io.put(path, _json_bytes(config, RUN_CONFIG_FILE))
-
-    def read_run_config(self, run_id: str) -> dict | None:
-        """The run's config snapshot, or None if it has none.
-
-        Raises:
-            StoreError: bad run id or malformed ``run.json``.
-        """
-        path = f"{self._run_dir(run_id)}/{RUN_CONFIG_FILE}"
-        data = self._io.get(path, self.max_file_bytes)
-        return None if data is None else _json_load(data, self._io.uri(path))

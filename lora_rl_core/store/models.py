@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from lora_rl_core.adapters.names import adapter_name
 from lora_rl_core.errors import StoreError
-from lora_rl_core.store.names import adapter_name
 
 
 class FileEntry(BaseModel):

@@ -27,8 +27,9 @@ from safetensors.torch import save as st_save
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.engines import Completion, EmbeddedEngine, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import MultiEngine, ServerEngine, SGLangEngine, safetensors_bytes
+from lora_rl_core.engines.http import MultiEngine, ServerEngine, SGLangEngine
 from lora_rl_core.engines.server import check_bind, create_app
 from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.lora import peft_config_dict
@@ -53,7 +54,7 @@ def tok(tiny_model_dir):
 
 def new_engine(model_dir, tokenizer) -> EmbeddedEngine:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return EmbeddedEngine(model, tokenizer, max_batch_size=16, keep_versions=2)
+    return EmbeddedEngine(model, tokenizer, max_batch_size=16)
 
 
 @pytest.fixture()
@@ -446,9 +447,9 @@ def served(engine: EmbeddedEngine, adapter: str) -> int:
 
 
 def test_subscribe_cli_syncs_store_versions_over_http(engine, tok, adapters, tmp_path):
+    from flows.cli import app as cli
     from typer.testing import CliRunner
 
-    from flows.cli import app as cli
     from lora_rl_core.store import AdapterStore
 
     store = AdapterStore(f"file://{tmp_path}/store")
@@ -467,9 +468,8 @@ def test_subscribe_cli_syncs_store_versions_over_http(engine, tok, adapters, tmp
 
 
 def test_serve_cli_refuses_a_public_bind_without_a_key():
-    from typer.testing import CliRunner
-
     from flows.cli import app as cli
+    from typer.testing import CliRunner
 
     result = CliRunner().invoke(cli, ["serve", "--model", "nowhere", "--host", "0.0.0.0"])
     assert isinstance(result.exception, LoraRLError)  # `lora-rl` prints it as one `lora-rl: error:` line, exit 2

@@ -59,7 +59,8 @@ from typing import Any
 
 import httpx
 
-from lora_rl_core.engines.base import PAUSE_MODES, GenerationRequest, SamplingParams, adapter_version
+from lora_rl_core.adapters import adapter_version
+from lora_rl_core.engines.base import PAUSE_MODES, GenerationRequest, SamplingParams
 from lora_rl_core.engines.http import ServerEngine, SGLangEngine
 from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.subscriber import retire_stale

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lora_rl_core.engines.base import adapter_version
+from lora_rl_core.adapters import adapter_version
 
 DEADLINE_GRACE_S = 5.0  # a call that returns later than its deadline plus this is counted as a hang
 

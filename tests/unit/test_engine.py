@@ -16,9 +16,11 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams, adapter_version
+from lora_rl_core.adapters import adapter_version
+from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
 from lora_rl_core.errors import EngineError
 from lora_rl_core.lora import peft_config_dict
+from lora_rl_core.subscriber import retire_stale
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 A1, A2, A3 = "run-v000001", "run-v000002", "run-v000003"
@@ -67,7 +69,7 @@ def make_engine(tiny_model_dir) -> Iterator[Callable[..., EmbeddedEngine]]:
 
 @pytest.fixture()
 def engine(make_engine):
-    return make_engine(max_batch_size=64, keep_versions=2)
+    return make_engine(max_batch_size=64)
 
 
 def prompts(tiny_model_dir, n: int) -> list[list[int]]:
@@ -89,19 +91,19 @@ def gated(engine: EmbeddedEngine) -> Iterator[tuple[threading.Event, threading.E
     """Hold each forward batch after its forward pass (model lock free, adapter usage still held) until
     `gate` is set; `entered` is set when a batch reaches the gate."""
     gate, entered = threading.Event(), threading.Event()
-    original = engine._completions
+    original = engine._model.completions
 
     def held(*args):
         entered.set()
         gate.wait(5.0)
         return original(*args)
 
-    engine._completions = held
+    engine._model.completions = held
     try:
         yield gate, entered
     finally:
         gate.set()
-        del engine._completions
+        del engine._model.completions
 
 
 def in_flight(engine: EmbeddedEngine, name: str) -> int:
@@ -184,11 +186,14 @@ def test_versioned_names_are_never_reused_and_stale_versions_retire(engine, tiny
     with pytest.raises(EngineError, match="already loaded"):
         load(engine, A3, tiny_model_dir, seed=0)
     engine.pause("retract")
-    assert engine.retire_stale("run", active=A3) == []  # never unload while paused
+    assert retire_stale(engine, "run", keep=2, protect={A3}) == []  # never unload while paused
     engine.resume()
-    assert engine.retire_stale("run", active=A3) == ["run-v000000", A1]
+    assert retire_stale(engine, "run", keep=2, protect={A3}) == ["run-v000000", A1]
     assert sorted(engine.list_adapters()) == [A2, A3]
     assert engine.metrics()["active_versions"] == {"run": 3}
+    load(engine, "run-v1000000", tiny_model_dir, seed=0)  # versions grow past 6 digits
+    assert engine.list_adapters()["run-v1000000"]["version"] == 1000000
+    assert engine.metrics()["active_versions"] == {"run": 1000000}
 
 
 def test_load_from_a_folder_equals_load_from_tensors(engine, tiny_model_dir, tmp_path):
@@ -239,11 +244,18 @@ def test_bad_adapters_are_rejected_and_active_version_keeps_serving(make_engine,
     before = engine.generate([GenerationRequest(p, A1, GREEDY)])[0]
     bad = {
         "NaN": ({k: torch.full_like(v, float("nan")) for k, v in tensors.items()}, config),
-        "rejected: .*size mismatch": ({k: torch.zeros(v.shape[0] + 1, v.shape[1]) for k, v in tensors.items()}, config),
-        r"LoRA rank 8 exceeds .*max_lora_rank=4 \(SGLang: --max-lora-rank\)": random_adapter(
+        "rejected: .*size mismatch": (  # fits the config's rank, not the model's layer sizes: PEFT refuses it
+            {k: torch.zeros(v.shape[0], v.shape[1] + 1) if "lora_A" in k else v for k, v in tensors.items()},
+            config,
+        ),
+        r"has shape \[5, \d+\], but rank r = 4 needs dim 0 = 4": (
+            {k: torch.zeros(v.shape[0] + 1, v.shape[1]) for k, v in tensors.items()},
+            config,
+        ),
+        r"r = 8 exceeds the engine's maximum LoRA rank 4; .*max_lora_rank \(SGLang: --max-lora-rank\)": random_adapter(
             tiny_model_dir, seed=0, rank=8
         ),
-        r"target modules \['nonexistent_proj'\] are not in the model.*it has \[.*'q_proj'": (
+        r"target_modules \['nonexistent_proj'\] not found among the base model's adaptable modules \(.*q_proj": (
             tensors,
             {**config, "target_modules": ["nonexistent_proj"]},
         ),
@@ -335,10 +347,10 @@ def test_usage_counts_return_to_zero_after_every_kind_of_ending(engine, tiny_mod
     engine.pause("retract")  # timed out while queued
     assert engine.generate([GenerationRequest(p, A1, GREEDY)], timeout_s=0.05)[0].abort_reason == "timeout"
     engine.resume()
-    engine._generate_rows = lambda requests: 1 / 0  # errored
+    engine._model.generate = lambda requests: 1 / 0  # errored
     with pytest.raises(EngineError, match="generation failed: ZeroDivisionError"):
         engine.generate([GenerationRequest(p, A1, GREEDY)])
-    del engine._generate_rows
+    del engine._model.generate
     assert in_flight(engine, A1) == 0
     assert engine.metrics()["aborted"] == {"aborted": 1, "timeout": 2}
     assert engine.generate([GenerationRequest(p, A1, GREEDY)])[0].finish_reason in ("stop", "length")

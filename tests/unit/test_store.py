@@ -14,17 +14,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lora_rl_core.adapter_validation import AdapterRules
+from lora_rl_core.adapters import AdapterRules
 from lora_rl_core.errors import StoreError
-from lora_rl_core.store import (
-    AdapterRef,
-    AdapterStore,
-    RetentionPolicy,
-    adapter_name,
-    parse_adapter_spec,
-    plan_retention,
-    validate_run_id,
-)
+from lora_rl_core.store import AdapterRef, AdapterStore, RetentionPolicy, plan_retention
 
 BASE = "tiny-llama"
 
@@ -261,43 +253,6 @@ def test_resolve_errors(store, lora):
         store.resolve("ghost@latest")
     with pytest.raises(StoreError, match=r"r1@9 not found.*\[1\]"):
         store.resolve("r1@9")
-
-
-@pytest.mark.parametrize(
-    ("spec", "expected"),
-    [
-        ("r1@7", ("r1", 7)),
-        ("r1@latest", ("r1", None)),
-        ("r1", ("r1", None)),
-        ("r1-v000007", ("r1", 7)),
-        ("grpo.qwen-0.5b@12", ("grpo.qwen-0.5b", 12)),
-        ("r1@best", ("r1", "best")),
-        ("r1@release-1.0", ("r1", "release-1.0")),
-    ],
-)
-def test_parse_adapter_spec(spec, expected):
-    assert parse_adapter_spec(spec) == expected
-
-
-@pytest.mark.parametrize("spec", ["", "@3", "r1@", "r1@-1", "../x@1", "a/b", "r1@../x", "r1@a/b", "r1@.x", "r1@a..b"])
-def test_parse_adapter_spec_rejects(spec):
-    with pytest.raises(StoreError):
-        parse_adapter_spec(spec)
-
-
-def test_adapter_name_roundtrips():
-    assert adapter_name("r1", 7) == "r1-v000007"
-    assert parse_adapter_spec(adapter_name("r1", 7)) == ("r1", 7)
-
-
-@pytest.mark.parametrize("bad", ["../x", "a/b", "", "..", "a..b", ".hidden", "x" * 129])
-def test_validate_run_id_rejects(bad):
-    with pytest.raises(StoreError, match="invalid run id"):
-        validate_run_id(bad)
-
-
-def test_validate_run_id_accepts():
-    assert validate_run_id("grpo-qwen_0.5b.v2") == "grpo-qwen_0.5b.v2"
 
 
 # ----------------------------------------------------------------- small adapters without PEFT
@@ -578,9 +533,9 @@ def test_load_tensors_checks_engine_rules(store):
     store.load_tensors("r1", 1, rules=AdapterRules.for_model(base, max_rank=8))
     with pytest.raises(StoreError, match=r"adapter_config.json: r = 2 exceeds the engine's maximum LoRA rank 1"):
         store.load_tensors("r1", 1, rules=AdapterRules.for_model(base, max_rank=1))
-    rules = AdapterRules(base_linear_names=("model.layers.0.mlp.up_proj",))
+    rules = AdapterRules(base_module_names=("model.layers.0.mlp.up_proj",))
     with pytest.raises(
-        StoreError, match=r"target_modules \['q_proj', 'v_proj'\] not found among the base model's linear"
+        StoreError, match=r"target_modules \['q_proj', 'v_proj'\] not found among the base model's adaptable"
     ):
         store.load_tensors("r1", 1, rules=rules)
     dora = {**SMALL_CONFIG, "use_dora": True}
@@ -665,12 +620,3 @@ def test_files_uri_is_a_peft_folder(store, lora, tmp_path):
     folder = _files(tmp_path, store, 1)
     assert store.files_uri("r1", 1) == f"file://{folder}"
     assert {p.name for p in folder.iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
-
-
-def test_linear_module_names_see_through_injected_lora():
-    from lora_rl_core.adapter_validation import linear_module_names
-
-    base_names = linear_module_names(_tiny_base())
-    assert "model.layers.0.self_attn.q_proj" in base_names and "lm_head" in base_names
-    wrapped = get_peft_model(_tiny_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
-    assert linear_module_names(wrapped) == base_names

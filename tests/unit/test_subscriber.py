@@ -11,7 +11,8 @@ import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams, adapter_version
+from lora_rl_core.adapters import adapter_version
+from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
 from lora_rl_core.engines.http import EngineUnavailable
 from lora_rl_core.lora import peft_config_dict
 from lora_rl_core.store import AdapterStore

@@ -1,96 +1,92 @@
-"""Checks of LoRA adapters taken from an untrusted store, before anything loads them.
+"""Checks of LoRA adapters before anything loads them: the store on publish and read, the engines on load.
 
-Three layers, each raising ``StoreError`` with the file and the field at fault:
+Each check raises ``StoreError`` naming the file and the field at fault (engines re-raise it as
+``EngineError`` naming the adapter):
 
-* ``safetensors_shapes``: the weights file is a well-formed safetensors file
-  (header inside the file, known dtypes, offsets inside the data); parses the
-  header only, so it costs microseconds and never unpickles anything.
+* ``check_finite``: every tensor is a tensor, and floating-point ones hold no NaN or inf.
 * ``validate_adapter_config``: ``adapter_config.json`` is a LoRA config with a
-  positive rank and alpha and non-empty targets; with a base model's linear
-  layer names, every target module exists; with an engine's limits, the rank
+  positive rank and alpha and non-empty targets; with a base model's adaptable
+  module names, every target module exists; with an engine's limits, the rank
   fits and DoRA is refused where the engine lacks it.
 * ``validate_adapter_tensors``: every tensor is a ``lora_A`` / ``lora_B`` (or
   embedding / DoRA magnitude) weight of a target module, A and B come in pairs,
   and their rank dimension matches ``r`` (or ``rank_pattern``).
+* ``AdapterRules``: what one engine accepts (its model's modules, its largest rank, DoRA or not),
+  applying both validators.
+
+The safetensors header check (``safetensors_shapes``) lives with the file reading in ``adapters.io``.
 
 Module matching follows PEFT: a list of targets matches a module whose name is
 a target or ends with ``.<target>``; a string target is a regex that must
 match the full module name; ``"all-linear"`` matches every linear layer.
-Left out: ``layers_to_transform`` / ``layers_pattern`` and ``alpha_pattern``
-are not cross-checked.
+``adaptable_module_names`` is the one list of modules LoRA can adapt (``lora.py`` resolves
+``target_modules`` from it too). Left out: ``layers_to_transform`` / ``layers_pattern`` and
+``alpha_pattern`` are not cross-checked.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import nn
+
+from lora_rl_core.adapters.names import CONFIG_FILE, MODEL_FILE
 from lora_rl_core.errors import StoreError
 
-CONFIG_WHERE = "adapter_config.json"
-WEIGHTS_WHERE = "adapter_model.safetensors"
-MAX_HEADER_BYTES = 100 * 2**20
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}  # fmt: skip
 _KEY_RE = re.compile(
     r"(?:base_model\.model\.)?(?P<module>.+?)\."
     r"(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?"
 )
+_LINEAR_KINDS = (nn.Linear,)
+_OTHER_KINDS = (nn.Embedding, nn.Conv1d, nn.Conv2d)
+_PEFT_PREFIX_RE = re.compile(r"^base_model\.model\.")
+_PEFT_SUFFIX_RE = re.compile(r"\.(base_layer|lora_[AB]\.[^.]+|lora_embedding_[AB])$")
 
 
-# ----------------------------------------------------------------- safetensors
+# ----------------------------------------------------------------- model modules
 
 
-def safetensors_shapes(data: bytes, where: str = WEIGHTS_WHERE) -> dict[str, list[int]]:
-    """Parse and check a safetensors header without loading any tensor.
+def adaptable_module_names(model: nn.Module, *, linear_only: bool = False) -> list[str]:
+    """Sorted dotted names of the modules of ``model`` that PEFT LoRA can adapt.
+
+    Linear layers (``nn.Linear`` and GPT-2 style ``Conv1D``) and, unless ``linear_only``, embeddings and
+    convolutions. Names are as in the base model: LoRA layers already injected (PEFT wrappers) report
+    their base layer's name, so a wrapped model gives the same list. The output head is included
+    (PEFT's ``all-linear`` leaves it out: ``lora.linear_suffixes`` does that).
+    """
+    kinds = _LINEAR_KINDS if linear_only else _LINEAR_KINDS + _OTHER_KINDS
+    names = set()
+    for name, module in model.named_modules():
+        if name and (isinstance(module, kinds) or type(module).__name__ == "Conv1D"):
+            names.add(_PEFT_SUFFIX_RE.sub("", _PEFT_PREFIX_RE.sub("", name)))
+    return sorted(names)
+
+
+# ----------------------------------------------------------------- tensors
+
+
+def check_finite(tensors: Mapping[str, Any], where: str = MODEL_FILE) -> None:
+    """Check that every value is a tensor and that floating-point ones hold no NaN or inf.
 
     Args:
-        data: the whole file.
+        tensors: name -> tensor (a PEFT state dict).
         where: file name or URI for messages.
 
-    Returns:
-        tensor name -> shape.
-
     Raises:
-        StoreError: truncated file, header not JSON, unknown dtype, or a tensor's bytes outside the file.
+        StoreError: naming the first bad tensor.
     """
-    if len(data) < 8:
-        raise StoreError(f"{where} is not a safetensors file: {len(data)} bytes, shorter than the 8-byte header length")
-    n = int.from_bytes(data[:8], "little")
-    if n > min(len(data) - 8, MAX_HEADER_BYTES):
-        raise StoreError(
-            f"{where} is not a safetensors file (or is truncated): header length {n} > file size {len(data)}"
-        )
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except ValueError as e:
-        raise StoreError(f"{where} is not a safetensors file: its header is not JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise StoreError(f"{where} is not a safetensors file: its header is not a JSON object")
-    body = len(data) - 8 - n
-    return {name: _tensor_shape(name, info, body, where) for name, info in header.items() if name != "__metadata__"}
-
-
-def _tensor_shape(name: str, info: Any, body: int, where: str) -> list[int]:
-    """Check one header entry: known dtype, integer shape, offsets inside the data and matching the shape."""
-    ok = isinstance(info, dict) and info.get("dtype") in _DTYPE_BYTES
-    shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
-    ok = ok and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-    ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-    if not ok:
-        raise StoreError(f"{where}: tensor {name!r} has a malformed header entry (dtype, shape or data_offsets)")
-    begin, end = offsets
-    if not 0 <= begin <= end <= body:
-        raise StoreError(f"{where}: tensor {name!r} lies outside the file (truncated?): bytes {begin}-{end} of {body}")
-    if end - begin != math.prod(shape) * _DTYPE_BYTES[info["dtype"]]:
-        raise StoreError(f"{where}: tensor {name!r} has {end - begin} bytes, which does not match shape {shape}")
-    return shape
+    for key, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise StoreError(f"{where}: {key!r} is a {type(t).__name__}, not a tensor")
+        if not t.is_floating_point() or bool(torch.isfinite(t.sum())):
+            continue  # a finite sum means no NaN or inf (fast path: no bool tensor allocated)
+        if not bool(torch.isfinite(t).all()):
+            raise StoreError(f"{where}: tensor {key!r} has NaN or inf values; refusing to load or publish it")
 
 
 # ----------------------------------------------------------------- config
@@ -126,18 +122,17 @@ def module_matches(module: str, targets: list[str] | str) -> bool:
 def validate_adapter_config(
     config: Mapping[str, Any],
     *,
-    base_linear_names: Sequence[str] | None = None,
+    base_module_names: Sequence[str] | None = None,
     max_rank: int | None = None,
     allow_dora: bool = False,
-    where: str = CONFIG_WHERE,
+    where: str = CONFIG_FILE,
 ) -> None:
     """Check a PEFT LoRA ``adapter_config.json`` from an untrusted source.
 
     Args:
         config: the parsed JSON.
-        base_linear_names: names of the base model's linear layers (full dotted
-            names such as ``model.layers.0.self_attn.q_proj``, or short names);
-            None skips the check that every target exists.
+        base_module_names: the base model's adaptable modules (``adaptable_module_names``: full dotted
+            names such as ``model.layers.0.self_attn.q_proj``); None skips the check that every target exists.
         max_rank: the engine's largest supported rank (SGLang ``--max-lora-rank``); None: no limit.
         allow_dora: whether the engine can serve DoRA (``use_dora: true``) adapters.
         where: file name or URI for messages.
@@ -151,7 +146,7 @@ def validate_adapter_config(
     if config.get("peft_type", "LORA") != "LORA":
         raise StoreError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA; only LoRA adapters are accepted")
     rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not _positive_int(rank):
+    if not isinstance(rank, int) or not _positive_int(rank):
         raise StoreError(f"{where}: r (the LoRA rank) must be a positive integer, got {rank!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
         raise StoreError(f"{where}: lora_alpha must be a positive number, got {alpha!r}")
@@ -161,8 +156,8 @@ def validate_adapter_config(
         raise StoreError(
             f"{where}: DoRA adapters (use_dora: true) are not supported by this engine; train without DoRA"
         )
-    if base_linear_names is not None:
-        _check_targets_exist(targets, base_linear_names, where)
+    if base_module_names is not None:
+        _check_targets_exist(targets, base_module_names, where)
 
 
 def _check_ranks(config: Mapping[str, Any], rank: int, max_rank: int | None, where: str) -> None:
@@ -172,7 +167,10 @@ def _check_ranks(config: Mapping[str, Any], rank: int, max_rank: int | None, whe
     if max_rank is not None:
         for name, r in [("r", rank), *((f"rank_pattern[{k!r}]", v) for k, v in pattern.items())]:
             if r > max_rank:
-                raise StoreError(f"{where}: {name} = {r} exceeds the engine's maximum LoRA rank {max_rank}")
+                raise StoreError(
+                    f"{where}: {name} = {r} exceeds the engine's maximum LoRA rank {max_rank}; "
+                    "start the engine with a larger max_lora_rank (SGLang: --max-lora-rank)"
+                )
 
 
 def _check_targets_exist(targets: list[str] | str, names: Sequence[str], where: str) -> None:
@@ -184,11 +182,12 @@ def _check_targets_exist(targets: list[str] | str, names: Sequence[str], where: 
         short = sorted({n.rsplit(".", 1)[-1] for n in names})
         shown = ", ".join(short[:16]) + (", ..." if len(short) > 16 else "")
         raise StoreError(
-            f"{where}: target_modules {missing} not found among the base model's linear layers ({shown or 'none'})"
+            f"{where}: target_modules {missing} not found among the base model's adaptable modules "
+            f"({shown or 'none'}); the adapter was trained for another model (SGLang: --lora-target-modules)"
         )
 
 
-# ----------------------------------------------------------------- tensors
+# ----------------------------------------------------------------- tensors vs config
 
 
 def _rank_for(module: str, config: Mapping[str, Any]) -> int:
@@ -200,7 +199,7 @@ def _rank_for(module: str, config: Mapping[str, Any]) -> int:
 
 
 def validate_adapter_tensors(
-    shapes: Mapping[str, Sequence[int]], config: Mapping[str, Any], *, where: str = WEIGHTS_WHERE
+    shapes: Mapping[str, Sequence[int]], config: Mapping[str, Any], *, where: str = MODEL_FILE
 ) -> None:
     """Check that the weights are the LoRA weights ``config`` describes.
 
@@ -219,7 +218,7 @@ def validate_adapter_tensors(
     """
     if not shapes:
         raise StoreError(f"{where} holds no tensors; expected lora_A / lora_B weights")
-    targets, keep = _target_modules(config, CONFIG_WHERE), config.get("modules_to_save") or []
+    targets, keep = _target_modules(config, CONFIG_FILE), config.get("modules_to_save") or []
     pairs: dict[tuple[str, str], set[str]] = {}
     for key, shape in shapes.items():
         match = _KEY_RE.fullmatch(key)
@@ -254,52 +253,46 @@ def _check_tensor(
 # ----------------------------------------------------------------- engine rules
 
 
-def linear_module_names(model: Any) -> list[str]:
-    """Dotted names of the linear layers of a torch model (``nn.Linear`` and GPT-2 style ``Conv1D``).
-
-    LoRA layers already injected (PEFT wrappers) report their base layer's name.
-    """
-    import torch
-
-    names = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
-            name = re.sub(r"^base_model\.model\.", "", name)
-            name = re.sub(r"\.(base_layer|lora_[AB]\.[^.]+|lora_embedding_[AB])$", "", name)
-            names.append(name)
-    return sorted(set(names))
-
-
 @dataclass(frozen=True)
 class AdapterRules:
     """What an engine accepts; ``check`` validates a config and its tensors against it.
 
     Args:
-        base_linear_names: the base model's linear layer names (``linear_module_names(model)``); None: unchecked.
+        base_module_names: the base model's adaptable modules (``adaptable_module_names(model)``); None: unchecked.
         max_rank: the largest rank the engine serves; None: no limit.
         allow_dora: whether the engine serves DoRA adapters.
     """
 
-    base_linear_names: tuple[str, ...] | None = None
+    base_module_names: tuple[str, ...] | None = None
     max_rank: int | None = None
     allow_dora: bool = False
 
     @classmethod
-    def for_model(cls, model: Any, *, max_rank: int | None = None, allow_dora: bool = False) -> AdapterRules:
+    def for_model(cls, model: nn.Module, *, max_rank: int | None = None, allow_dora: bool = False) -> AdapterRules:
         """Rules for adapters of ``model`` (a transformers model, with or without LoRA layers injected)."""
-        return cls(tuple(linear_module_names(model)), max_rank, allow_dora)
+        return cls(tuple(adaptable_module_names(model)), max_rank, allow_dora)
 
-    def check(self, config: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], where: str = "adapter") -> None:
-        """Validate config then tensors; ``where`` (a URI) prefixes both file names in messages.
+    def check(self, config: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], where: str | None = None) -> None:
+        """Validate config then tensors; ``where`` (a folder URI), when given, prefixes both file names in messages.
 
         Raises:
             StoreError: as ``validate_adapter_config`` and ``validate_adapter_tensors``.
         """
+        prefix = "" if where is None else f"{where}/"
         validate_adapter_config(
             config,
-            base_linear_names=self.base_linear_names,
+            base_module_names=self.base_module_names,
             max_rank=self.max_rank,
             allow_dora=self.allow_dora,
-            where=f"{where}/{CONFIG_WHERE}",
+            where=f"{prefix}{CONFIG_FILE}",
         )
-        validate_adapter_tensors(shapes, config, where=f"{where}/{WEIGHTS_WHERE}")
+        validate_adapter_tensors(shapes, config, where=f"{prefix}{MODEL_FILE}")
+
+    def check_tensors(self, tensors: Mapping[str, Any], config: Mapping[str, Any], where: str | None = None) -> None:
+        """``check_finite`` on the tensors, then ``check`` on the config and the tensors' shapes.
+
+        Raises:
+            StoreError: as ``check_finite`` and ``check``.
+        """
+        check_finite(tensors, f"{'' if where is None else f'{where}/'}{MODEL_FILE}")
+        self.check(config, {k: list(t.shape) for k, t in tensors.items()}, where)

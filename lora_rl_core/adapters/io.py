@@ -1,0 +1,215 @@
+"""Reading and writing adapter files: safetensors weights, PEFT folders, store versions.
+
+Adapters come from untrusted places (a store, a folder someone hands over), so weights are
+safetensors only: no pickle is ever loaded, and a safetensors header is checked (``safetensors_shapes``,
+microseconds, nothing unpickled) before the tensors are read. Every error is a ``StoreError`` that
+names the file or URI at fault; engines re-raise it as ``EngineError`` naming the adapter.
+
+Left out: writing PEFT folders (``AdapterStore.pull`` writes them, verified) and reading
+sharded safetensors (PEFT adapters are one file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import fsspec
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from lora_rl_core.adapters.names import (
+    CONFIG_FILE,
+    DATA_DIR_RE,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    PICKLE_SUFFIXES,
+    STORE_URI_PREFIX,
+    parse_version_uri,
+)
+from lora_rl_core.errors import StoreError
+
+TensorsAndConfig = tuple[dict[str, torch.Tensor], dict[str, Any]]
+"""An adapter in memory: PEFT state dict (CPU tensors, keys as PEFT saves them) and its config dict."""
+
+MAX_HEADER_BYTES = 100 * 2**20
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------- safetensors
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """A safetensors file of ``tensors`` (copied to CPU, contiguous, metadata ``{"format": "pt"}``), as the store
+    writes it and SGLang's ``load_lora_adapter_from_tensors`` reads it."""
+    return st_save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+
+
+def safetensors_shapes(data: bytes, where: str = MODEL_FILE) -> dict[str, list[int]]:
+    """Parse and check a safetensors header without loading any tensor.
+
+    Args:
+        data: the whole file.
+        where: file name or URI for messages.
+
+    Returns:
+        tensor name -> shape.
+
+    Raises:
+        StoreError: truncated file, header not JSON, unknown dtype, or a tensor's bytes outside the file.
+    """
+    if len(data) < 8:
+        raise StoreError(f"{where} is not a safetensors file: {len(data)} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, MAX_HEADER_BYTES):
+        raise StoreError(
+            f"{where} is not a safetensors file (or is truncated): header length {n} > file size {len(data)}"
+        )
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as e:
+        raise StoreError(f"{where} is not a safetensors file: its header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise StoreError(f"{where} is not a safetensors file: its header is not a JSON object")
+    body = len(data) - 8 - n
+    return {name: _tensor_shape(name, info, body, where) for name, info in header.items() if name != "__metadata__"}
+
+
+def _tensor_shape(name: str, info: Any, body: int, where: str) -> list[int]:
+    """Check one header entry: known dtype, integer shape, offsets inside the data and matching the shape."""
+    entry = info if isinstance(info, dict) else {}
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    ok = dtype in _DTYPE_BYTES and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+    ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    if not ok or not isinstance(shape, list) or not isinstance(offsets, list):
+        raise StoreError(f"{where}: tensor {name!r} has a malformed header entry (dtype, shape or data_offsets)")
+    begin, end = offsets
+    if not 0 <= begin <= end <= body:
+        raise StoreError(f"{where}: tensor {name!r} lies outside the file (truncated?): bytes {begin}-{end} of {body}")
+    if end - begin != math.prod(shape) * _DTYPE_BYTES[str(dtype)]:
+        raise StoreError(f"{where}: tensor {name!r} has {end - begin} bytes, which does not match shape {shape}")
+    return shape
+
+
+def load_safetensors(data: bytes, where: str = MODEL_FILE) -> dict[str, torch.Tensor]:
+    """CPU tensors of a safetensors file, its header checked first (``safetensors_shapes``).
+
+    Raises:
+        StoreError: a malformed or truncated file; ``where`` names it.
+    """
+    safetensors_shapes(data, where)
+    try:
+        return st_load(data)
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise StoreError(f"{where} is not a valid safetensors file: {e}") from e
+
+
+def refuse_pickles(file_names: Iterable[str], where: str) -> None:
+    """Refuse pickle checkpoints (``adapter_model.bin``, ``.pt``, ...): loading one runs arbitrary code.
+
+    Raises:
+        StoreError: naming the pickle files found in ``where`` and the fix.
+    """
+    pickles = sorted(n for n in file_names if n.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise StoreError(
+            f"{where}: pickle files {pickles} refused; adapters must be safetensors (save with safe_serialization=True)"
+        )
+
+
+# ----------------------------------------------------------------- folders
+
+
+def peft_folder(path: str) -> str:
+    """The PEFT folder of ``path`` (local path or fsspec URI): ``path`` itself, or for a store version folder
+    (``<store>/<run>/adapters/vNNNNNN``, ``AdapterRef.uri``) the data folder its ``manifest.json`` names.
+
+    Reading the files there skips the store's checksums: verify the version first (``AdapterStore.verify``),
+    or read it with ``read_adapter_folder``, which does.
+
+    Raises:
+        StoreError: the manifest is unreadable or names an unsafe folder.
+    """
+    fs, root = fsspec.core.url_to_fs(path)
+    root = root.rstrip("/")
+    if fs.exists(f"{root}/{MODEL_FILE}") or not fs.exists(f"{root}/{MANIFEST_FILE}"):
+        return path
+    try:
+        data_dir = json.loads(fs.cat_file(f"{root}/{MANIFEST_FILE}")).get("data_dir") or ""
+    except (OSError, ValueError, AttributeError) as exc:
+        raise StoreError(f"{path}/{MANIFEST_FILE} is unreadable: {exc}") from None
+    if data_dir and (not isinstance(data_dir, str) or not DATA_DIR_RE.fullmatch(data_dir)):
+        raise StoreError(f"{path}/{MANIFEST_FILE} names an unsafe data folder {data_dir!r}")
+    return f"{path.rstrip('/')}/{data_dir}" if data_dir else path
+
+
+def read_adapter_folder(path: str) -> TensorsAndConfig:
+    """Read a PEFT adapter folder (local path or fsspec URI): safetensors weights and config.
+
+    A store version folder (``<store>/<run>/adapters/vNNNNNN`` with a ``manifest.json``, ``AdapterRef.uri``)
+    is read through the store, sha256-verified (``read_store_version``).
+
+    Raises:
+        StoreError: a file is missing, the config is not JSON, the weights are not safetensors, only a
+            pickle checkpoint is offered, or a store version fails its checks.
+    """
+    fs, root = fsspec.core.url_to_fs(path)
+    root = root.rstrip("/")
+    if not fs.exists(f"{root}/{CONFIG_FILE}") and fs.exists(f"{root}/{MANIFEST_FILE}"):
+        return read_store_version(path)
+    if not fs.exists(f"{root}/{MODEL_FILE}") and fs.isdir(root):
+        refuse_pickles((p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)), path)
+    try:
+        config_bytes, model_bytes = fs.cat_file(f"{root}/{CONFIG_FILE}"), fs.cat_file(f"{root}/{MODEL_FILE}")
+    except FileNotFoundError as exc:
+        raise StoreError(
+            f"{path}: missing {exc.filename or exc}: an adapter folder needs {CONFIG_FILE} and {MODEL_FILE}"
+        ) from None
+    try:
+        config = json.loads(config_bytes)
+    except ValueError as exc:
+        raise StoreError(f"{path}/{CONFIG_FILE} is not valid JSON: {exc}") from None
+    return load_safetensors(model_bytes, f"{path}/{MODEL_FILE}"), config
+
+
+def read_store_version(uri: str) -> TensorsAndConfig:
+    """Weights and config of a store version folder URI (``AdapterRef.uri``), through
+    ``AdapterStore.load_tensors`` (sha256-verified, config and tensors checked).
+
+    Raises:
+        StoreError: ``uri`` is not ``<store>/<run>/adapters/vNNNNNN``, or the version fails the store's checks.
+    """
+    from lora_rl_core.store import AdapterStore  # lazy: the store package imports this module
+
+    parsed = parse_version_uri(uri)
+    if parsed is None:
+        raise StoreError(
+            f"{uri}: has a {MANIFEST_FILE} but is not a store version folder <store>/<run>/adapters/vNNNNNN"
+        )
+    root, run_id, version = parsed
+    try:
+        return AdapterStore(root).load_tensors(run_id, version)
+    except StoreError as exc:
+        raise StoreError(f"{uri}: {exc}") from None
+
+
+def read_store_uri(store: Any, uri: str) -> TensorsAndConfig:
+    """Weights and config of the version ``store://SPEC`` names (``AdapterStore.resolve`` specs), from ``store``
+    (sha256-verified by the store).
+
+    Raises:
+        StoreError: no store given, a bad spec, or the version is missing or fails the store's checks.
+    """
+    if store is None:
+        raise StoreError(f"{uri}: store URIs need an engine with a store (EmbeddedEngine(store=AdapterStore(...)))")
+    try:
+        ref = store.resolve(uri.removeprefix(STORE_URI_PREFIX))
+        return store.load_tensors(ref.run_id, ref.version)
+    except StoreError as exc:
+        raise StoreError(f"{uri}: {exc}") from None

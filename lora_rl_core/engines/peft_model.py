@@ -1,0 +1,321 @@
+"""The embedded engine's model: one transformers model with PEFT LoRA adapters injected and deleted at run time.
+
+`PeftAdapterModel` owns the model and its lock: it validates adapters (`adapters.AdapterRules`: finite
+weights, LoRA config, rank, target modules, shapes) before any model change, injects them (the first
+one wraps the base model in a `PeftModel`, deleting the last one unwraps it), keeps the resident set
+within the `AdapterPool`'s cap (evicting by its policy, re-reading evicted adapters from their source
+when a batch needs them), and runs forward batches through `generation.generate_batch` with one
+adapter per row (`adapter_names=`). Completions carry per-token logprobs under the sampling
+temperature, computed one step at a time (never a `[B, T, V]` tensor).
+
+The request lifecycle (queue, admission, usage counts, deadlines, the worker) is `embedded.py`'s; the
+pool's registry decides *which* adapters exist, this module only what the model holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import warnings
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lora_rl_core.adapters import (
+    STORE_URI_PREFIX,
+    AdapterRules,
+    TensorsAndConfig,
+    read_adapter_folder,
+    read_store_uri,
+)
+from lora_rl_core.engines.base import Completion, GenerationRequest
+from lora_rl_core.engines.generation import BASE_ADAPTER, generate_batch
+from lora_rl_core.engines.pool import AdapterPool
+from lora_rl_core.errors import EngineError, StoreError
+
+_CONFIG_DROP = {"peft_type", "base_model_name_or_path", "revision"}  # not LoraConfig arguments
+
+
+class PeftAdapterModel:
+    """A causal LM with LoRA adapters injected on demand, within the pool's residency cap.
+
+    Model changes and forward passes need the model lock (`locked`); methods named `*_locked` and
+    `add`, `make_resident`, `drop`, `generate` expect it held.
+
+    Args:
+        model: the base causal LM (not a PeftModel); it is wrapped when the first adapter comes.
+        tokenizer: its tokenizer (pad and EOS ids are read from it).
+        pool: the engine's adapter pool (residency, eviction policy, loaders of evicted adapters).
+        max_lora_rank: reject adapters of a larger rank (SGLang `--max-lora-rank`); None = any.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        pool: AdapterPool,
+        *,
+        max_lora_rank: int | None = None,
+    ) -> None:
+        self._model: PreTrainedModel | PeftModel = model
+        self._pad_id = tokenizer.pad_token_id
+        self.eos_ids = eos_ids(model, tokenizer)
+        self._rules = AdapterRules.for_model(model, max_rank=max_lora_rank)  # DoRA: no mixed-adapter batches
+        self._pool = pool
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def locked(self, timeout_s: float, what: str) -> Iterator[None]:
+        """Hold the model lock; waits at most `timeout_s` seconds (for the running batch).
+
+        Raises:
+            EngineError: `what` timed out.
+        """
+        if not self._lock.acquire(timeout=max(0.0, timeout_s)):
+            raise EngineError(f"{what}: timed out after {timeout_s:g} s waiting for the running batch")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def validate(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+        """Checks that need no model change: finite weights, LoRA config, rank, target modules, shapes.
+
+        Raises:
+            EngineError: naming the adapter, the file and the field at fault.
+        """
+        try:
+            self._rules.check_tensors(tensors, config)
+        except StoreError as exc:
+            raise EngineError(f"adapter {name!r}: {exc}") from None
+
+    # ----------------------------------------------------------- residency
+    def add(self, name: str, tensors: dict, config: dict, *, keep: Collection[str] = ()) -> float:
+        """Evict what the pool policy chooses (never `keep`), inject `name`; returns the injection time (s).
+
+        Raises:
+            EngineError: the pool is full, or PEFT rejects the weights (the model is left without `name`).
+        """
+        self.drop(self._pool.evict_for(1, keep=keep))
+        start = time.perf_counter()
+        self._inject(name, tensors, config)
+        return time.perf_counter() - start
+
+    def make_resident(self, names: set[str]) -> dict[str, EngineError]:
+        """Inject the batch's non-resident adapters, re-read from their loaders; returns those that failed."""
+        failed: dict[str, EngineError] = {}
+        for name in sorted(names):
+            entry = self._pool.entry(name)
+            if entry is None or entry.resident or entry.loader is None:
+                continue
+            try:
+                tensors, config = entry.loader()
+                self.validate(name, tensors, config)
+                self._pool.mark_resident(name, self.add(name, tensors, config, keep=names))
+            except EngineError as exc:
+                failed[name] = EngineError(f"adapter {name!r} could not be made resident: {exc}")
+        return failed
+
+    def _inject(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+        lora_config = _lora_config(name, config)
+        try:
+            if isinstance(self._model, PeftModel):
+                self._model.add_adapter(name, lora_config)
+            else:
+                self._model = get_peft_model(self._model, lora_config, adapter_name=name)
+            _set_weights(self._model, name, tensors)
+        except (RuntimeError, ValueError, KeyError, EngineError) as exc:
+            self.drop([name])
+            reason = " ".join(line.strip() for line in str(exc).splitlines()[:2])  # torch puts the cause on line 2
+            raise EngineError(f"adapter {name!r} rejected: {reason}") from None
+        self._model.eval()
+
+    def drop(self, names: list[str]) -> None:
+        """Delete adapters from the model and forget those that are fully unloaded."""
+        for name in names:
+            if isinstance(self._model, PeftModel) and name in self._model.peft_config:
+                self._delete_adapter(name)
+            self._pool.forget(name)
+
+    def _delete_adapter(self, name: str) -> None:
+        assert isinstance(self._model, PeftModel)
+        if len(self._model.peft_config) == 1:
+            self._model = self._model.unload()  # PEFT keeps at least one adapter: unwrap to the base model
+            return
+        with warnings.catch_warnings():  # PEFT warns when the "active" adapter goes; we never rely on it
+            warnings.simplefilter("ignore", UserWarning)
+            self._model.delete_adapter(name)
+
+    def reap(self, timeout_s: float) -> None:
+        """Free unloaded adapters that no request holds, if the model lock comes within `timeout_s`
+        (otherwise the worker does it before its next batch)."""
+        if self._lock.acquire(timeout=max(0.0, timeout_s)):
+            try:
+                self.reap_locked()
+            finally:
+                self._lock.release()
+
+    def reap_locked(self) -> None:
+        """`reap` with the model lock held."""
+        names = self._pool.reapable()
+        if names:
+            self.drop(names)
+
+    # ----------------------------------------------------------- generation
+    @torch.no_grad()
+    def run(
+        self, requests: list[GenerationRequest], versions: list[int | None], timeout_s: float
+    ) -> list[Completion | EngineError]:
+        """One forward batch: free unloaded adapters, make the batch's adapters resident and generate (model
+        lock held, waiting at most `timeout_s`), then build completions (no lock).
+
+        Args:
+            requests: admitted requests with equal sampling params.
+            versions: the adapter version each was admitted with (recorded in its completion).
+
+        Returns:
+            Per request, in order: its Completion, or the EngineError of an adapter that could not be made
+            resident (the other rows still run).
+
+        Raises:
+            EngineError: the lock timed out; any other error of the forward pass propagates.
+        """
+        with self.locked(timeout_s, "forward batch"):
+            self.reap_locked()
+            failed = self.make_resident({r.adapter for r in requests if r.adapter is not None})
+            rows = [i for i, r in enumerate(requests) if r.adapter not in failed]
+            raw = self.generate([requests[i] for i in rows]) if rows else None
+        out: dict[int, Completion | EngineError] = {
+            i: failed[r.adapter] for i, r in enumerate(requests) if r.adapter in failed
+        }
+        if raw is not None:
+            done = self.completions([requests[i] for i in rows], [versions[i] for i in rows], *raw)
+            out.update(zip(rows, done, strict=True))
+        return [out[i] for i in range(len(requests))]
+
+    def generate(self, requests: list[GenerationRequest]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """One generate call over requests with equal sampling params: new tokens `[B, T]` and per-step logits
+        `T x [B, V]` (`generation.generate_batch`: inverse-CDF sampling, shared prefill of repeated prompts)."""
+        adapters = [r.adapter or BASE_ADAPTER for r in requests] if isinstance(self._model, PeftModel) else None
+        return generate_batch(
+            self._model,
+            [r.prompt_ids for r in requests],
+            adapters,
+            requests[0].sampling,
+            pad_id=self._pad_id,
+            eos_ids=self.eos_ids,
+        )
+
+    def completions(
+        self,
+        requests: list[GenerationRequest],
+        versions: list[int | None],
+        tokens_BT: torch.Tensor,
+        step_logits: tuple[torch.Tensor, ...],
+    ) -> list[Completion]:
+        """Completions of one batch from its new tokens `[B, T]` and per-step logits `T x [B, V]` (no lock needed).
+
+        Each row is cut after its first EOS token (`finish_reason="stop"`, EOS kept) or keeps all `T` tokens
+        (`"length"`); logprobs are under softmax(logits / temperature), one per kept token.
+        """
+        logprobs_BT = token_logprobs(step_logits, tokens_BT, requests[0].sampling.temperature)
+        eos_E = torch.tensor(self.eos_ids, dtype=tokens_BT.dtype)
+        return [
+            _completion(r, v, tokens_BT[i].cpu(), logprobs_BT[i], eos_E)
+            for i, (r, v) in enumerate(zip(requests, versions, strict=True))
+        ]
+
+
+# ---------------------------------------------------------------------- adapter sources
+def adapter_loader(
+    name: str, path: str | None, tensors: dict | None, config: dict | None, store: Any
+) -> tuple[Callable[[], TensorsAndConfig], str]:
+    """A function that (re)reads an adapter's weights and config, and a description of its source.
+
+    Sources: `store://SPEC` (from `store`), a PEFT folder or store version folder (`path`), or `tensors`
+    with `config` (kept as given: the caller must not modify them). The loader raises `EngineError`.
+
+    Raises:
+        EngineError: neither `path` nor both `tensors` and `config`.
+    """
+    if path is not None and path.startswith(STORE_URI_PREFIX):
+        return functools.partial(_read, name, functools.partial(read_store_uri, store, path)), path
+    if path is not None:
+        return functools.partial(_read, name, functools.partial(read_adapter_folder, path)), path
+    if tensors is None or config is None:
+        raise EngineError(f"load_adapter({name!r}) needs path=, or tensors= and config=")
+    return (lambda: (tensors, config)), "tensors"
+
+
+def _read(name: str, read: Callable[[], TensorsAndConfig]) -> TensorsAndConfig:
+    try:
+        return read()
+    except StoreError as exc:
+        raise EngineError(f"adapter {name!r}: {exc}") from None
+
+
+# ---------------------------------------------------------------------- PEFT
+def _lora_config(name: str, config: dict[str, Any]) -> LoraConfig:
+    """A PEFT `LoraConfig` for inference from a validated `adapter_config.json` dict (unknown keys dropped)."""
+    fields = set(LoraConfig.__dataclass_fields__)
+    clean = {k: v for k, v in config.items() if k in fields and k not in _CONFIG_DROP}
+    clean.update(inference_mode=True, lora_dropout=0.0)
+    try:
+        return LoraConfig(**clean)
+    except (TypeError, ValueError) as exc:
+        raise EngineError(f"adapter {name!r}: bad adapter_config: {exc}") from None
+
+
+def _set_weights(model: PeftModel, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Load the adapter's state dict; every key must be used and every LoRA weight of `name` set."""
+    result: Any = set_peft_model_state_dict(model, tensors, adapter_name=name)  # torch's _IncompatibleKeys
+    missing = [k for k in result.missing_keys if f".{name}." in k or k.endswith(f".{name}")]
+    if result.unexpected_keys or missing:
+        raise EngineError(
+            f"adapter {name!r} does not fit the model: unexpected {result.unexpected_keys[:3]}, missing {missing[:3]}"
+        )
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Sorted token ids that end a completion: the tokenizer's EOS and the model's generation-config EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+# ---------------------------------------------------------------------- completions
+def _completion(
+    request: GenerationRequest, version: int | None, tokens_T: torch.Tensor, logprobs_T: torch.Tensor, eos: torch.Tensor
+) -> Completion:
+    is_eos = torch.isin(tokens_T, eos)
+    stop = int(is_eos.nonzero()[0, 0]) + 1 if bool(is_eos.any()) else None
+    n = stop if stop is not None else len(tokens_T)
+    return Completion(
+        request_id=request.request_id,
+        prompt_ids=list(request.prompt_ids),
+        completion_ids=tokens_T[:n].tolist(),
+        logprobs=logprobs_T[:n].tolist(),
+        finish_reason="stop" if stop is not None else "length",
+        adapter=request.adapter,
+        adapter_version=version,
+    )
+
+
+def token_logprobs(step_logits: tuple[torch.Tensor, ...], tokens_BT: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probs `[B, T]` (float32, CPU) of the sampled tokens under softmax(logits / temperature); one step at a
+    time so the `[B, T, V]` tensor is never built. `temperature=0` (greedy) scores under temperature 1."""
+    temp = temperature if temperature > 0 else 1.0
+    if not step_logits:
+        return torch.empty(tokens_BT.shape, dtype=torch.float32)
+    tokens = tokens_BT.to(step_logits[0].device)
+    out = torch.empty(tokens.shape, dtype=torch.float32, device=tokens.device)
+    for t, logits_BV in enumerate(step_logits):  # on the logits' device: only [B, T] floats cross to the host
+        scaled = logits_BV.float() / temp
+        out[:, t] = scaled.gather(1, tokens[:, t : t + 1]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+    return out.cpu()
