@@ -40,7 +40,7 @@ OPTIONS_OPTION = typer.Option(
 def _store_errors() -> Iterator[None]:
     """Turn a StoreError into one line on stderr and exit code 2.
 
-    ``SystemExit`` rather than ``typer.Exit``: ``flows.cli.main`` runs the app with
+    ``SystemExit`` rather than ``typer.Exit``: ``cli.main.main`` runs the app with
     ``standalone_mode=False``, where click turns ``Exit`` into a return value.
     """
     try:

@@ -4,7 +4,7 @@ User errors (bad config, missing data, unloadable reward or model, store
 problems) print one line `lora-rl: error: ...` and exit with code 2.
 SIGINT or SIGTERM stops what the command started (trainer workers, engine,
 Prefect's ephemeral server), prints one line `lora-rl: interrupted by ...`
-and exits with 130 or 143 (`flows.shutdown`).
+and exits with 130 or 143 (`cli.shutdown`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from flows import shutdown
-from flows.cli_adapters import adapters_app
+from cli import shutdown
+from cli.adapters import adapters_app
 from lora_rl_core import progress
 from lora_rl_core.errors import LoraRLError
+from lora_rl_core.subscriber import ENGINE_KIND, KEEP_VERSIONS, POLL_INTERVAL_S
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="LoRA RL fine-tuning of LLMs (GRPO) as a Prefect flow."
@@ -30,13 +31,16 @@ app.add_typer(adapters_app, name="adapters", help="List and pull adapter version
 console = Console(soft_wrap=True)  # step lines stay whole when output is a file
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="YAML run config, e.g. configs/smollm2-arith-grpo.yaml")]
+OverridesArg = Annotated[
+    list[str] | None, typer.Argument(help="dotted overrides, e.g. lora.rank=32 engine.max_loras_per_batch=4")
+]
 
 
 @app.command()
 @shutdown.stops("trainer workers, engine and Prefect server")
 def train(
     config: ConfigOpt,
-    overrides: Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. lora.rank=32")] = None,
+    overrides: OverridesArg = None,
     run_id: Annotated[str | None, typer.Option(help="run id (default run.id or <name>-<timestamp>)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show Prefect's INFO logs too")] = False,
 ) -> None:
@@ -45,7 +49,7 @@ def train(
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from lora_rl_core.config import load_config
-    from lora_rl_core.session import preflight
+    from lora_rl_core.run import preflight
 
     preflight(load_config(config, overrides or []))  # bad config, data, reward or model: one line, before Prefect
     from flows.grpo_lora import train as train_flow
@@ -97,38 +101,41 @@ def _print_summary(s: dict[str, Any]) -> None:
 @app.command("eval")
 def eval_(
     config: ConfigOpt,
+    overrides: OverridesArg = None,
     adapter: Annotated[str | None, typer.Option(help="RUN@VERSION, RUN@latest or RUN; omit for the base model")] = None,
-    overrides: Annotated[list[str] | None, typer.Argument(help="dotted overrides")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
-    """Greedy accuracy on the config's held-out split, for a stored adapter or the base model."""
+    """Greedy accuracy on the config's held-out split, for a stored adapter or the base model.
+
+    The engine is the config's (`engine` section: embedded with its limits, or the remote engines at
+    `engine.urls`); the adapter is loaded from the config's store by path unless the engine lists it.
+    """
     from lora_rl_core.config import load_config
-    from lora_rl_core.engines import EmbeddedEngine
+    from lora_rl_core.engines.factory import build_engine
     from lora_rl_core.evaluation import evaluate_accuracy
-    from lora_rl_core.models import load_model
+    from lora_rl_core.models import load_tokenizer
+    from lora_rl_core.run import build_problems
     from lora_rl_core.runtime import configure_threads
-    from lora_rl_core.session import build_problems
 
     cfg = load_config(config, overrides or [])
     configure_threads()
     problems = build_problems(cfg.data, "test", cfg.run.seed)
-    model, tokenizer = load_model(cfg.model)
-    engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.engine.max_batch_size)
-    name = None
-    if adapter:
-        store = cfg.store.build()
-        ref = store.resolve(adapter)
-        tensors, adapter_cfg = store.load_tensors(ref.run_id, ref.version)
-        engine.load_adapter(ref.name, tensors=tensors, config=adapter_cfg)
-        name = ref.name
-    result = evaluate_accuracy(
-        engine,
-        tokenizer,
-        problems,
-        adapter=name,
-        rollout=cfg.rollout,
-        max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
-    )
+    tokenizer = load_tokenizer(cfg.model)
+    store = cfg.store.build()
+    engine = build_engine(cfg.engine, cfg.model, store, tokenizer=tokenizer)
+    try:
+        name = None
+        if adapter:
+            ref = store.resolve(adapter)
+            if ref.name not in engine.list_adapters():
+                engine.load_adapter(ref.name, path=ref.uri)  # the engine reads the version sha256-verified
+            name = ref.name
+        max_new_tokens = cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens
+        result = evaluate_accuracy(
+            engine, tokenizer, problems, adapter=name, rollout=cfg.rollout, max_new_tokens=max_new_tokens
+        )
+    finally:
+        engine.close()
     if json_out:
         console.print_json(json.dumps(result))
     else:
@@ -141,47 +148,39 @@ def eval_(
 @app.command()
 @shutdown.stops("the HTTP server and the engine")
 def serve(
-    model: Annotated[str, typer.Option("--model", help="model folder, hub id or offline name")],
+    config: Annotated[
+        str | None, typer.Option("--config", "-c", help="YAML run config (model, engine, store); default: defaults")
+    ] = None,
+    overrides: OverridesArg = None,
     host: Annotated[str, typer.Option(help="bind address; beyond loopback needs --api-key")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 30000,
     api_key: Annotated[
         str | None, typer.Option(envvar="LORA_RL_API_KEY", help="Bearer key for the control endpoints")
     ] = None,
-    max_loras_per_batch: Annotated[int, typer.Option(help="adapter slots per batch (the base takes one)")] = 8,
-    max_loaded_loras: Annotated[int | None, typer.Option(help="resident adapter cap (default unlimited)")] = None,
-    eviction_policy: Annotated[str, typer.Option(help="lru or fifo")] = "lru",
-    max_lora_rank: Annotated[int | None, typer.Option(help="largest adapter rank accepted")] = None,
-    store: Annotated[str | None, typer.Option(help="adapter store URI, for loads by RUN@VERSION")] = None,
-    dtype: Annotated[
-        str,
-        typer.Option(help="auto (bf16 on CUDA or a CPU with native bf16, else fp32), bfloat16, float16, float32"),
-    ] = "auto",
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1, ...")] = "auto",
+    served_model_name: Annotated[
+        str | None, typer.Option(help="the base model's id in /v1/models (default: the model folder's name)")
+    ] = None,
 ) -> None:
-    """Serve a model through the SGLang HTTP API subset (/generate, LoRA load/unload, /metrics)."""
+    """Serve the config's model through the SGLang HTTP API subset (/generate, LoRA load/unload, /metrics).
+
+    Model, engine limits (engine.max_loras_per_batch, max_loaded_loras, eviction_policy, max_lora_rank,
+    max_batch_size, timeout_s) and the store (loads by RUN@VERSION) come from the config and its overrides,
+    e.g. `lora-rl serve -c configs/smollm2-arith-grpo.yaml engine.max_loras_per_batch=4 --port 30001`.
+    """
+    from lora_rl_core.config import load_config
     from lora_rl_core.engines.server import check_bind
     from lora_rl_core.engines.server import serve as serve_engine
     from lora_rl_core.models import resolve_device
     from lora_rl_core.runtime import choose_dtype, configure_threads
 
+    cfg = load_config(config, overrides or [])
     check_bind(host, api_key)
     configure_threads()  # before loading the model
+    model = cfg.model.name_or_path
     console.print(f"serving {model} on http://{host}:{port} (control endpoints {'need a key' if api_key else 'open'})")
-    choice = choose_dtype(dtype, resolve_device(device))
+    choice = choose_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
     console.print(f"model dtype {choice.name}: {choice.reason}", markup=False)
-    serve_engine(
-        model,
-        host=host,
-        port=port,
-        api_key=api_key,
-        dtype=dtype,
-        device=device,
-        max_loras_per_batch=max_loras_per_batch,
-        max_loaded_loras=max_loaded_loras,
-        eviction_policy=eviction_policy,
-        max_lora_rank=max_lora_rank,
-        store_uri=store,
-    )
+    serve_engine(cfg, host=host, port=port, api_key=api_key, served_model_name=served_model_name)
 
 
 @app.command()
@@ -193,49 +192,50 @@ def subscribe(
     api_key: Annotated[
         str | None, typer.Option(envvar="LORA_RL_API_KEY", help="Bearer key for the engines' control endpoints")
     ] = None,
-    keep: Annotated[int, typer.Option(help="versions kept loaded per engine")] = 2,
-    poll_interval: Annotated[float, typer.Option(help="seconds between store polls")] = 5.0,
-    engine_kind: Annotated[str, typer.Option(help="server (lora-rl serve) or sglang")] = "server",
+    keep: Annotated[int, typer.Option(help="versions kept loaded per engine")] = KEEP_VERSIONS,
+    poll_interval: Annotated[float, typer.Option(help="seconds between store polls")] = POLL_INTERVAL_S,
+    engine_kind: Annotated[str, typer.Option(help="server (lora-rl serve) or sglang")] = ENGINE_KIND,
     max_seconds: Annotated[float | None, typer.Option(help="stop after this many seconds")] = None,
 ) -> None:
     """Load every new adapter version of RUN into the engines, retire old ones (Ctrl-C stops)."""
     import threading
 
-    from lora_rl_core.engines.http import connect_engines
-    from lora_rl_core.store import AdapterStore
-    from lora_rl_core.subscriber import AdapterSubscriber
+    from lora_rl_core.subscriber import open_subscriber
 
-    engines = connect_engines(engine_kind, engine, api_key=api_key)
-    subscriber = AdapterSubscriber(
-        AdapterStore(store),
+    def on_sync(result: Any) -> None:
+        console.print(result.summary(), markup=False)
+
+    with open_subscriber(
+        store,
         run,
-        engines,
+        engine,
+        engine_kind=engine_kind,
+        api_key=api_key,
         keep=keep,
         poll_interval_s=poll_interval,
-        on_sync=lambda result: console.print(result.summary(), markup=False),
-    )
-    console.print(f"following {run} in {store} for {len(engine)} engine(s); Ctrl-C stops")
-    stop = threading.Event()
-    try:
-        subscriber.run(stop, max_seconds=max_seconds)
-    except KeyboardInterrupt:
-        stop.set()
-    finally:
-        engines.close()
+        on_sync=on_sync,
+    ) as subscriber:
+        console.print(f"following {run} in {store} for {len(engine)} engine(s); Ctrl-C stops")
+        stop = threading.Event()
+        try:
+            subscriber.run(stop, max_seconds=max_seconds)
+        except KeyboardInterrupt:
+            stop.set()
     console.print(f"active: {subscriber.active.name if subscriber.active else 'none'}")
 
 
 def main() -> None:
     """Console-script entry point: run the app, turning user errors into one line and exit code 2,
-    and SIGINT/SIGTERM into an orderly shutdown, one line and exit code 128 + signal (`flows.shutdown`)."""
+    and SIGINT/SIGTERM into an orderly shutdown, one line and exit code 128 + signal (`cli.shutdown`)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     shutdown.install()
     try:
         code = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising it
         sys.exit(code if isinstance(code, int) else 0)
     except LoraRLError as exc:
-        if shutdown.received():  # failed while shutting down after a signal: the signal is the news
-            shutdown.exit_interrupted(shutdown.received())
+        signum = shutdown.received()
+        if signum is not None:  # failed while shutting down after a signal: the signal is the news
+            shutdown.exit_interrupted(signum)
         print(f"lora-rl: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except typer.Exit as exc:

@@ -4,7 +4,7 @@ Python's default SIGTERM action ends the process on the spot: no `finally`, no a
 worker processes, the engine's worker thread and Prefect's ephemeral API server (a uvicorn subprocess that
 Prefect starts when no `PREFECT_API_URL` is set and stops from an atexit hook) were left running.
 
-`install()` (called by `flows.cli.main`) turns the first of these signals into `Interrupted`, raised in the
+`install()` (called by `cli.main.main`) turns the first of these signals into `Interrupted`, raised in the
 main thread wherever it is, so every `finally` on the way out runs: the flow's `close_session` (trainer
 workers, engine), the engine server's `engine.close()`, the subscriber's `engines.close()`. `main` then
 calls `exit_interrupted()`: stop Prefect's ephemeral server, print one line
@@ -122,7 +122,7 @@ def isolate_prefect_server() -> None:
     class OwnSessionServer(SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
             popen = subprocess.Popen  # Prefect's own command, started with start_new_session=True
-            subprocess.Popen = functools.partial(popen, start_new_session=True)  # type: ignore[misc]
+            subprocess.Popen = functools.partial(popen, start_new_session=True)  # type: ignore[misc,assignment]
             try:
                 return super()._run_uvicorn_command()
             finally:

@@ -1,9 +1,9 @@
 """`adapter-subscriber`: keep inference engines on a run's newest adapter versions, as a Prefect flow.
 
-Thin: builds the store and the HTTP engine clients, then runs
-`lora_rl_core.subscriber.AdapterSubscriber` (load each new version under its versioned name,
-verify it, mark it active, retire versions beyond the keep window; never unload while paused)
-until `max_seconds` pass or the flow run is cancelled. Each sync is logged to the run.
+Thin: `lora_rl_core.subscriber.open_subscriber` builds the store and the HTTP engine clients, and its
+`AdapterSubscriber` runs (load each new version under its versioned name, verify it, mark it active,
+retire versions beyond the keep window; never unload while paused) until `max_seconds` pass or the
+flow run is cancelled. Each sync is logged to the run.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from lora_rl_core.engines.http import connect_engines
-from lora_rl_core.store import AdapterStore
-from lora_rl_core.subscriber import AdapterSubscriber, SyncResult
+from lora_rl_core.subscriber import ENGINE_KIND, KEEP_VERSIONS, POLL_INTERVAL_S, SyncResult, open_subscriber
 
 
 @flow(name="adapter-subscriber")
@@ -24,10 +22,10 @@ def adapter_subscriber(
     run_id: str,
     engine_urls: list[str],
     api_key: str | None = None,
-    keep: int = 2,
-    poll_interval_s: float = 5,
+    keep: int = KEEP_VERSIONS,
+    poll_interval_s: float = POLL_INTERVAL_S,
     max_seconds: float | None = None,
-    engine_kind: str = "server",
+    engine_kind: str = ENGINE_KIND,
 ) -> dict[str, Any]:
     """Follow `run_id` in the store at `store_uri` and sync every new version to the engines.
 
@@ -46,17 +44,20 @@ def adapter_subscriber(
     def on_sync(result: SyncResult) -> None:
         (logger.info if result.ok else logger.warning)(result.summary())
 
-    engines = connect_engines(engine_kind, engine_urls, api_key=api_key)
-    subscriber = AdapterSubscriber(
-        AdapterStore(store_uri), run_id, engines, keep=keep, poll_interval_s=poll_interval_s, on_sync=on_sync
-    )
-    logger.info(f"following {run_id} in {store_uri} for {len(engine_urls)} engine(s), keep {keep}")
-    try:
-        results = subscriber.run(threading.Event(), max_seconds=max_seconds)
-    finally:
-        engines.close()
+    with open_subscriber(
+        store_uri,
+        run_id,
+        engine_urls,
+        engine_kind=engine_kind,
+        api_key=api_key,
+        keep=keep,
+        poll_interval_s=poll_interval_s,
+        on_sync=on_sync,
+    ) as sub:
+        logger.info(f"following {run_id} in {store_uri} for {len(engine_urls)} engine(s), keep {keep}")
+        results = sub.run(threading.Event(), max_seconds=max_seconds)
     return {
-        "active": subscriber.active.name if subscriber.active else None,
+        "active": sub.active.name if sub.active else None,
         "synced": [r.name for r in results if r.ok],
-        "skipped": {str(v): reason for v, reason in subscriber.skipped.items()},
+        "skipped": {str(v): reason for v, reason in sub.skipped.items()},
     }

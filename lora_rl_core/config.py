@@ -157,14 +157,6 @@ class EngineConfig(Section):
             raise ValueError("engine.max_loaded_loras must be >= engine.max_loras_per_batch")
         return self
 
-    def build_remote(self):  # noqa: ANN201 - import cycle avoided
-        """The HTTP client(s) for `server`/`sglang` engines (a `MultiEngine` for several URLs)."""
-        import os
-
-        from lora_rl_core.engines.http import connect_engines
-
-        return connect_engines(self.type, self.urls, api_key=os.environ.get(self.api_key_env), timeout_s=self.timeout_s)
-
 
 class StoreConfig(Section):
     """Adapter store (fsspec URI)."""

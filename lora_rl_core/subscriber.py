@@ -27,13 +27,17 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lora_rl_core.adapters import adapter_name, adapter_run, adapter_version, validate_run_id
 from lora_rl_core.errors import EngineError, LoraRLError, StoreError
 from lora_rl_core.store import AdapterRef, AdapterStore
+
+if TYPE_CHECKING:  # the engines package loads transformers and peft: keep `lora-rl` start-up light
+    from lora_rl_core.engines.base import InferenceEngine
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +82,18 @@ class SyncResult:
         return dataclasses.asdict(self)
 
 
-def engine_list(engines: Any) -> list[Any]:
-    """One engine, a sequence of engines, or a `MultiEngine` (its `.engines`) as a flat list."""
+KEEP_VERSIONS = 2
+"""Default versions of a run kept loaded per engine (`max_staleness + 1` for the default max_staleness 1)."""
+POLL_INTERVAL_S = 5.0
+"""Default seconds between store polls."""
+ENGINE_KIND = "server"
+"""Default kind of the engines followed: `server` (`lora-rl serve`) or `sglang` (a real SGLang server)."""
+
+
+def engine_list(engines: InferenceEngine | Sequence[InferenceEngine]) -> list[InferenceEngine]:
+    """One engine, a sequence of engines, or a `MultiEngine` as a flat list of single engines (`members()`)."""
     items = list(engines) if isinstance(engines, Sequence) else [engines]
-    out: list[Any] = []
-    for engine in items:
-        out += engine_list(engine.engines) if hasattr(engine, "engines") else [engine]
-    return out
+    return [member for engine in items for member in engine.members()]
 
 
 def sync_version(
@@ -193,7 +202,7 @@ def retire_stale(engines: Any, run_id: str, *, keep: int, protect: Collection[st
 
 def _retire_on(engine: Any, run_id: str, keep: int, protect: Collection[str]) -> list[str]:
     listed = engine.list_adapters()
-    mine = sorted((n for n in listed if adapter_run(n) == run_id), key=adapter_version)
+    mine = sorted((n for n in listed if adapter_run(n) == run_id), key=lambda n: adapter_version(n) or 0)
     stale = [n for n in mine[: max(0, len(mine) - keep)] if n not in protect]
     done = []
     for name in stale:
@@ -229,8 +238,8 @@ class AdapterSubscriber:
         run_id: str,
         engines: Any,
         *,
-        keep: int = 2,
-        poll_interval_s: float = 5.0,
+        keep: int = KEEP_VERSIONS,
+        poll_interval_s: float = POLL_INTERVAL_S,
         on_sync: Callable[[SyncResult], None] | None = None,
     ) -> None:
         if keep < 1:
@@ -302,3 +311,37 @@ class AdapterSubscriber:
                     break
             stop.wait(wait)
         return results
+
+
+@contextmanager
+def open_subscriber(
+    store_uri: str,
+    run_id: str,
+    engine_urls: Sequence[str],
+    *,
+    engine_kind: str = ENGINE_KIND,
+    api_key: str | None = None,
+    keep: int = KEEP_VERSIONS,
+    poll_interval_s: float = POLL_INTERVAL_S,
+    on_sync: Callable[[SyncResult], None] | None = None,
+) -> Iterator[AdapterSubscriber]:
+    """An `AdapterSubscriber` of `run_id` in the store at `store_uri` for the HTTP engines at `engine_urls`
+    (`lora-rl subscribe` and the `adapter-subscriber` flow); their connections close on exit.
+
+    Args:
+        engine_kind: `server` (`lora-rl serve`) or `sglang` (a real SGLang server).
+        api_key: Bearer key of the engines' control endpoints.
+        keep, poll_interval_s, on_sync: as `AdapterSubscriber`.
+
+    Raises:
+        EngineError: unknown kind, no URLs or a malformed URL.
+        StoreError: a bad store URI; LoraRLError: a bad run id or keep.
+    """
+    from lora_rl_core.engines.http import connect_engines  # lazy: keeps httpx out of in-process use
+
+    engines = connect_engines(engine_kind, engine_urls, api_key=api_key)
+    try:
+        store = AdapterStore(store_uri)
+        yield AdapterSubscriber(store, run_id, engines, keep=keep, poll_interval_s=poll_interval_s, on_sync=on_sync)
+    finally:
+        engines.close()

@@ -9,6 +9,8 @@ adapter name and version that produced it.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -83,17 +85,65 @@ class InferenceEngine(Protocol):
 
     Semantics follow SGLang's LoRA API (`sglang/srt/entrypoints/http_server.py`, `lora/lora_registry.py`);
     see `EmbeddedEngine` for the reference implementation and docs/SGLANG.md for the wire format.
+    Implementations: `EmbeddedEngine` (in process), `ServerEngine` (our `lora-rl serve`), `SGLangEngine`
+    (a real SGLang server) and `MultiEngine` (several of these). Errors are `EngineError`; an engine that
+    cannot be reached or did not answer in time raises its subclass `EngineUnavailable` (HTTP engines).
+    Callers use only these members: no engine is probed for optional ones.
     """
 
     def generate(
         self, requests: list[GenerationRequest], *, timeout_s: float | None = None, inline: bool = False
     ) -> list[Completion]:
-        """Complete every request with its named adapter; order is preserved. Requests still unfinished
-        at the deadline come back with `finish_reason="abort"`, `abort_reason="timeout"`. `inline` asks an
-        in-process engine to compute on the calling thread; remote engines ignore it."""
+        """Complete every request with its named adapter (SGLang `/generate` with `lora_path`).
 
-    def abort(self, request_id: str | None = None) -> int:
-        """Abort one request (or all when None); returns how many were aborted."""
+        Args:
+            requests: each names its adapter (`None` = the base model); all are checked before any runs.
+            timeout_s: deadline of the call in seconds (default: the engine's own). Requests still
+                unfinished then come back with `finish_reason="abort"`, `abort_reason="timeout"` (an HTTP
+                engine that gets no answer in time raises `EngineUnavailable` instead).
+            inline: ask an in-process engine to compute on the calling thread; remote engines ignore it.
+
+        Returns:
+            One `Completion` per request, in request order, each naming the adapter and version that
+            produced it.
+
+        Raises:
+            EngineError: an adapter that is not loaded (SGLang's "has never been loaded" message; never a
+                silent base-model completion), an empty prompt, a duplicate request id, a closed engine.
+        """
+        ...
+
+    def submit(self, request: GenerationRequest) -> Future[Completion]:
+        """Start one request in the background (one prompt of `/generate`).
+
+        Returns:
+            A future of its `Completion`; it raises as `generate` does. `abort(request.request_id)` ends it
+            early with `finish_reason="abort"`.
+
+        Raises:
+            EngineError: an engine that checks at once (the embedded one) refuses an unknown adapter, an
+                empty prompt, a duplicate id or a closed engine here; HTTP engines raise from the future.
+        """
+        ...
+
+    def abort(self, request_id: str | None = None, *, reason: str = "aborted") -> int:
+        """Abort one request by id, or every queued and running request when None (SGLang `/abort_request`).
+
+        The request's completion comes back with `finish_reason="abort"` and `abort_reason=reason`, and no
+        tokens. SGLang's `/abort_request` carries no reason: an HTTP client keeps `reason` itself for the
+        requests it sent (and our server also takes it in the body).
+
+        Args:
+            request_id: the request to abort; None = all.
+            reason: one of `ABORT_REASONS`.
+
+        Returns:
+            How many requests were aborted (0 for an unknown or finished id).
+
+        Raises:
+            EngineError: `reason` is not one of `ABORT_REASONS`.
+        """
+        ...
 
     def load_adapter(
         self,
@@ -104,25 +154,69 @@ class InferenceEngine(Protocol):
         config: dict | None = None,
         pinned: bool = False,
     ) -> None:
-        """Load an adapter under `name` from a folder/URI, or from tensors plus PEFT config."""
+        """Load a PEFT adapter under a new `name` (SGLang `/load_lora_adapter`, or `..._from_tensors`).
+
+        Args:
+            name: usually `<run>-v<NNNNNN>`; must not be loaded already (SGLang has no upsert).
+            path: a PEFT folder (local path or fsspec URI) or a store version folder; or else
+            tensors, config: a PEFT state dict and its config dict (in-process or same-host engines only).
+            pinned: never evict it.
+
+        Raises:
+            EngineError: bad or duplicate name, unreadable files, rank or target modules outside the pool,
+                or a source this engine cannot take (tensors into a real SGLang server).
+        """
+        ...
 
     def unload_adapter(self, name: str) -> None:
-        """Unregister `name`, wait (bounded) for its in-flight requests, then free it."""
+        """Unregister `name` (new requests naming it fail), wait (bounded) for its in-flight requests,
+        then free it (SGLang `/unload_lora_adapter`). Never call it while generation is paused.
+
+        Raises:
+            EngineError: `name` is not loaded, or its requests did not end in time.
+        """
+        ...
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
-        """Loaded adapters: name -> info (version, source, in-flight requests)."""
+        """Loaded adapters (SGLang `/v1/models` cards with a parent): name -> info. `version` is always
+        there; `in_flight`, `pinned`, `resident`, `sha256`, `path`/`source` where the engine reports them."""
+        ...
 
     def pause(self, mode: str = "in_place") -> None:
-        """Stop admitting new generation work; `mode` is one of `PAUSE_MODES`."""
+        """Stop admitting generation work (SGLang `/pause_generation`); returns at once.
+
+        `mode`: `in_place` (queued requests wait), `retract` (running requests go back to the queue) or
+        `abort` (queued and running requests end with `abort_reason="paused"`); see `PAUSE_MODES`.
+
+        Raises:
+            EngineError: unknown mode.
+        """
+        ...
 
     def resume(self) -> None:
-        """Admit generation work again."""
+        """Admit generation work again (SGLang `/continue_generation`); waiting requests run in order."""
+        ...
 
     def flush_cache(self) -> bool:
-        """Drop cached prefixes/KV (no-op where there is none); True when flushed."""
+        """Drop cached prefixes/KV (SGLang `/flush_cache`); True when flushed, False when the engine refused
+        because requests are running. An engine without a cache returns True."""
+        ...
 
     def health(self) -> dict[str, Any]:
-        """Liveness and readiness facts."""
+        """Liveness facts; always `ok` (bool: serving) and `paused` (bool: generation paused). Never raises
+        for an unreachable engine: it is reported not ok."""
+        ...
 
     def metrics(self) -> dict[str, Any]:
-        """Counters: requests, tokens, loads, per adapter."""
+        """Counters and gauges; `adapters`: name -> {requests, tokens, ...} where the engine counts them."""
+        ...
+
+    def members(self) -> Sequence[InferenceEngine]:
+        """The single engines behind this one: `[self]` for a single engine, every member's members for a
+        `MultiEngine`. Per-engine work (verifying a load, retiring versions) iterates these."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds (worker thread, HTTP connections); queued requests of an in-process
+        engine end aborted (`engine_closed`). Idempotent; later calls raise EngineError."""
+        ...

@@ -46,9 +46,11 @@ import httpx
 
 from lora_rl_core.adapters import adapter_version, check_adapter_name, peft_folder, safetensors_bytes
 from lora_rl_core.engines.base import (
+    ABORT_REASONS,
     PAUSE_MODES,
     Completion,
     GenerationRequest,
+    InferenceEngine,
     SamplingParams,
 )
 from lora_rl_core.errors import EngineError, StoreError
@@ -106,6 +108,8 @@ class SGLangEngine:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="engine-http")
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
+        self._abort_reasons: dict[str, str] = {}  # request id -> reason given to `abort` (SGLang keeps none)
+        self._closed = False
         self._counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self._paused = False
 
@@ -113,9 +117,15 @@ class SGLangEngine:
         return f"{type(self).__name__}({self.url!r})"
 
     def close(self) -> None:
-        """Close the HTTP connections and the worker threads."""
+        """Close the HTTP connections and the worker threads (idempotent); later calls raise EngineError.
+        The server is not told: requests it is running finish there."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+
+    def members(self) -> list[SGLangEngine]:
+        """`[self]`: a single engine (`InferenceEngine.members`)."""
+        return [self]
 
     def __enter__(self) -> SGLangEngine:
         return self
@@ -125,8 +135,19 @@ class SGLangEngine:
 
     # ------------------------------------------------------------- transport
 
-    def _call(self, method: str, path: str, *, json_body: Any = None, timeout_s: float | None = None) -> httpx.Response:
-        """One HTTP call. Raises EngineUnavailable (transport, timeout) or EngineError (error status)."""
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        timeout_s: float | None = None,
+        accept: tuple[int, ...] = (),
+    ) -> httpx.Response:
+        """One HTTP call; statuses in `accept` are answers, not errors.
+        Raises EngineUnavailable (transport, timeout) or EngineError (closed client, error status)."""
+        if self._closed:
+            raise EngineError(f"{self!r} is closed")
         timeout = timeout_s if timeout_s is not None else self.control_timeout_s
         try:
             response = self._http.request(method, path, json=json_body, timeout=timeout)
@@ -134,7 +155,7 @@ class SGLangEngine:
             raise EngineUnavailable(f"{method} {self.url}{path}: no answer within {timeout:g} s") from None
         except httpx.TransportError as exc:
             raise EngineUnavailable(f"{method} {self.url}{path}: cannot reach the engine: {exc}") from None
-        if response.status_code >= 400:
+        if response.status_code >= 400 and response.status_code not in accept:
             error = EngineUnavailable if response.status_code in (502, 503, 504) else EngineError
             raise error(f"{_error_message(response)} ({method} {self.url}{path}: HTTP {response.status_code})")
         return response
@@ -163,7 +184,13 @@ class SGLangEngine:
         return out  # type: ignore[return-value]  # every slot is filled above
 
     def submit(self, request: GenerationRequest) -> Future[Completion]:
-        """Complete one request in the background; the future raises as `generate` does."""
+        """Complete one request in the background; the future raises as `generate` does.
+
+        Raises:
+            EngineError: the client is closed.
+        """
+        if self._closed:
+            raise EngineError(f"{self!r} is closed")
         deadline = time.monotonic() + self.timeout_s
         return self._pool.submit(lambda: self._generate_chunk([request], deadline)[0])
 
@@ -187,8 +214,10 @@ class SGLangEngine:
                 raise
         if not isinstance(answer, list) or len(answer) != len(requests):
             raise EngineError(f"{self.url}/generate answered {type(answer).__name__}, not {len(requests)} outputs")
+        with self._lock:
+            reasons = {r.request_id: self._abort_reasons.pop(r.request_id, None) for r in requests}
         completions = [
-            _to_completion(r, out, self.url, check_version=self.reports_adapter_version)
+            _to_completion(r, out, self.url, check_version=self.reports_adapter_version, reason=reasons[r.request_id])
             for r, out in zip(requests, answer, strict=True)
         ]
         self._count(completions)
@@ -229,21 +258,32 @@ class SGLangEngine:
             except EngineError:
                 return
 
-    def abort(self, request_id: str | None = None) -> int:
-        """Abort one request of this client (by id) or every request on the server (None).
+    def abort(self, request_id: str | None = None, *, reason: str = "aborted") -> int:
+        """Abort one request (by id) or every request on the server (None) with `/abort_request`.
+
+        SGLang's `/abort_request` takes no reason (`AbortReq` is `{rid, abort_all}`): this client keeps
+        `reason` for its own requests and sets it as `abort_reason` on their completions.
 
         Returns:
-            How many requests were aborted: the server's count where it reports one, else this
-            client's own in-flight requests that match.
+            How many requests were aborted: the server's count where it reports one (ours does), else
+            this client's own in-flight requests that match (real SGLang answers an empty 200).
+
+        Raises:
+            EngineError: `reason` is not one of `ABORT_REASONS`, or the server refused.
         """
+        if reason not in ABORT_REASONS:
+            raise EngineError(f"abort reason {reason!r} is not one of {ABORT_REASONS}")
         with self._lock:
-            known = set(self._in_flight)
+            known = set(self._in_flight) if request_id is None else {request_id} & self._in_flight
+            self._abort_reasons.update(dict.fromkeys(known, reason))  # before the call: the answer may come first
         body = {"rid": "", "abort_all": True} if request_id is None else {"rid": request_id, "abort_all": False}
-        response = self._call("POST", "/abort_request", json_body=body)
+        response = self._call("POST", "/abort_request", json_body=self._abort_body(body, reason))
         reported = _json_or_empty(response).get("aborted")
-        if isinstance(reported, int):
-            return reported
-        return len(known) if request_id is None else int(request_id in known)
+        return reported if isinstance(reported, int) else len(known)
+
+    def _abort_body(self, body: dict[str, Any], reason: str) -> dict[str, Any]:
+        """The `/abort_request` body: SGLang's `AbortReq` fields only."""
+        return body
 
     # ------------------------------------------------------------- adapters
 
@@ -321,9 +361,13 @@ class SGLangEngine:
     # ------------------------------------------------------------- control
 
     def pause(self, mode: str = "in_place") -> None:
-        """`/pause_generation` with `mode` in abort | retract | in_place."""
+        """`/pause_generation` with `mode` in abort | retract | in_place; with `abort`, this client's requests
+        in flight end with `abort_reason="paused"`."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if mode == "abort":  # the server aborts every request; this client's end with reason `paused`
+            with self._lock:
+                self._abort_reasons.update(dict.fromkeys(self._in_flight, "paused"))
         self._call("POST", "/pause_generation", json_body={"mode": mode})
         self._paused = True
 
@@ -332,9 +376,9 @@ class SGLangEngine:
         self._call("POST", "/continue_generation", json_body={})
         self._paused = False
 
-    def flush_cache(self) -> None:
-        """`/flush_cache`; EngineError when the server refuses (requests running)."""
-        self._call("POST", "/flush_cache")
+    def flush_cache(self) -> bool:
+        """`/flush_cache`: True when flushed, False when the server refused (HTTP 400: requests running)."""
+        return self._call("POST", "/flush_cache", accept=(400,)).status_code < 400
 
     def health(self) -> dict[str, Any]:
         """`{"ok", "paused", "url"}` from `/health` (never raises: an unreachable server is not ok)."""
@@ -359,6 +403,11 @@ class ServerEngine(SGLangEngine):
 
     def _server_path(self, path: str) -> str:
         return path  # the server reads any fsspec URI
+
+    def _abort_body(self, body: dict[str, Any], reason: str) -> dict[str, Any]:
+        """Our server also takes the reason (`abort_message`, a field of SGLang's `AbortReq` that its
+        `/abort_request` ignores), so requests this client did not send end with it too."""
+        return {**body, "abort_message": reason}
 
     def _sampling_payload(self, params: SamplingParams, n: int) -> dict[str, Any]:
         payload = _sampling(params)
@@ -428,7 +477,7 @@ class MultiEngine:
         engines: any engines of the protocol (HTTP clients, embedded engines, or a mix).
     """
 
-    def __init__(self, engines: Sequence[Any]) -> None:
+    def __init__(self, engines: Sequence[InferenceEngine]) -> None:
         if not engines:
             raise EngineError("MultiEngine needs at least one engine")
         self.engines = list(engines)
@@ -472,9 +521,9 @@ class MultiEngine:
         """Submit to the next engine in turn."""
         return self.engines[next(self._turn) % len(self.engines)].submit(request)
 
-    def abort(self, request_id: str | None = None) -> int:
+    def abort(self, request_id: str | None = None, *, reason: str = "aborted") -> int:
         """Abort on every engine; the total count."""
-        return sum(engine.abort(request_id) for engine in self.engines)
+        return sum(engine.abort(request_id, reason=reason) for engine in self.engines)
 
     def load_adapter(self, name: str, **kwargs: Any) -> None:
         """Load on every engine (concurrently). Raises EngineError listing the engines that failed;
@@ -515,10 +564,9 @@ class MultiEngine:
         for engine in self.engines:
             engine.resume()
 
-    def flush_cache(self) -> None:
-        """Flush every engine's cache."""
-        for engine in self.engines:
-            engine.flush_cache()
+    def flush_cache(self) -> bool:
+        """Flush every engine's cache; True when every engine flushed."""
+        return all([engine.flush_cache() for engine in self.engines])
 
     def health(self) -> dict[str, Any]:
         """`{"ok": all ok, "paused": any paused, "engines": [each health]}`."""
@@ -529,11 +577,14 @@ class MultiEngine:
         """`{"engines": [each metrics]}`."""
         return {"engines": [engine.metrics() for engine in self.engines]}
 
+    def members(self) -> list[InferenceEngine]:
+        """The single engines behind this one (members of member `MultiEngine`s included), in order."""
+        return [member for engine in self.engines for member in engine.members()]
+
     def close(self) -> None:
-        """Close every engine that can be closed, and the worker threads."""
+        """Close every engine and the worker threads (idempotent)."""
         for engine in self.engines:
-            if hasattr(engine, "close"):
-                engine.close()
+            engine.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -585,10 +636,19 @@ def _chunks(requests: list[GenerationRequest], size: int) -> list[tuple[list[int
 
 
 def _to_completion(
-    request: GenerationRequest, out: dict[str, Any], url: str, *, check_version: bool = False
+    request: GenerationRequest,
+    out: dict[str, Any],
+    url: str,
+    *,
+    check_version: bool = False,
+    reason: str | None = None,
 ) -> Completion:
     """One `/generate` output -> Completion; token ids and logprobs from `output_token_logprobs`
     (`[logprob, token_id, text]` triples), finish reason from `meta_info.finish_reason.type`.
+
+    An aborted completion's `abort_reason` is `reason` (what this client's `abort` was given), else the
+    server's `finish_reason.message` when it is one of `ABORT_REASONS` (our server's), else `aborted`
+    (SGLang's messages are prose).
 
     With `check_version` (our server), the adapter version the server reports in `meta_info.weight_version`
     must be the one the request named: EngineError otherwise, so a wrong version never reaches training.
@@ -616,19 +676,22 @@ def _to_completion(
         finish_reason=kind,
         adapter=request.adapter,
         adapter_version=adapter_version(request.adapter),
-        abort_reason=((finish.get("message") if isinstance(finish, dict) else None) or "aborted")
-        if kind == "abort"
-        else None,
+        abort_reason=_abort_reason(finish, reason) if kind == "abort" else None,
     )
 
 
-def _generate_on(engine: Any, requests: list[GenerationRequest], timeout_s: float | None) -> list[Completion]:
-    if not requests:
-        return []
-    return engine.generate(requests) if timeout_s is None else engine.generate(requests, timeout_s=timeout_s)
+def _abort_reason(finish: Any, reason: str | None) -> str:
+    message = finish.get("message") if isinstance(finish, dict) else None
+    return reason or (message if message in ABORT_REASONS else "aborted")
 
 
-def _result(engine: Any, future: Future) -> list[Completion]:
+def _generate_on(
+    engine: InferenceEngine, requests: list[GenerationRequest], timeout_s: float | None
+) -> list[Completion]:
+    return engine.generate(requests, timeout_s=timeout_s) if requests else []
+
+
+def _result(engine: InferenceEngine, future: Future) -> list[Completion]:
     try:
         return future.result()
     except EngineError as exc:

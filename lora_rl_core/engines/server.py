@@ -20,11 +20,13 @@ Choices made here:
 * Control endpoints (load, unload, pause, continue, flush, abort) need
   `Authorization: Bearer <api key>` when the server has a key; `check_bind` refuses to bind
   beyond loopback without one.
-* Blocking engine calls run in worker threads under deadlines. When the engine has
-  `submit()`, each HTTP request's prompts are submitted to its scheduler (batched with other
-  callers' prompts); otherwise `generate()` runs in a thread. Prompts unfinished after
-  `request_timeout_s` are aborted and answered with `finish_reason` `{"type": "abort",
-  "message": "timeout"}`, as the protocol's `generate` deadline does.
+* Blocking engine calls run in worker threads under deadlines. Each HTTP request's prompts are
+  submitted to the engine (`InferenceEngine.submit`: batched with other callers' prompts).
+  Prompts unfinished after `request_timeout_s` are aborted and answered with `finish_reason`
+  `{"type": "abort", "message": "timeout"}`, as the protocol's `generate` deadline does.
+* `/abort_request` also takes `abort_message` (a field of SGLang's `AbortReq` that SGLang's
+  endpoint ignores): one of the protocol's `ABORT_REASONS`, given to the engine's `abort` and
+  answered as the aborted requests' `finish_reason.message` (default `aborted`).
 * `lora_path` may also be `store://RUN@VERSION` (the engine loads it from its store on first use),
   and `/load_lora_adapter` takes any fsspec URI, a store version folder (`AdapterRef.uri`, read
   sha256-verified by the engine), or, with `--store`, `RUN@VERSION` / an adapter name.
@@ -44,13 +46,12 @@ import base64
 import binascii
 import hashlib
 import hmac
-import inspect
 import ipaddress
 import os
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import fsspec
@@ -67,10 +68,14 @@ from lora_rl_core.engines.base import (
     PAUSE_MODES,
     Completion,
     GenerationRequest,
+    InferenceEngine,
     SamplingParams,
     unknown_adapter_message,
 )
 from lora_rl_core.errors import EngineError, LoraRLError
+
+if TYPE_CHECKING:
+    from lora_rl_core.config import RunConfig
 
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
 TENSOR_ROOT = "__tensor__"  # SGLang's lora_path for adapters loaded from tensors
@@ -150,10 +155,11 @@ class PauseIn(BaseModel):
 
 
 class AbortIn(BaseModel):
-    """`AbortReq`: one request id, or every request."""
+    """`AbortReq`: one request id, or every request; `abort_message` is the reason (one of `ABORT_REASONS`)."""
 
     rid: str = ""
     abort_all: bool = False
+    abort_message: str | None = None
 
 
 class HTTPError(Exception):
@@ -176,7 +182,7 @@ class EngineServer:
     """The routes of the engine server, bound to one engine. Build the app with `create_app`.
 
     Args:
-        engine: an `InferenceEngine` (normally `EmbeddedEngine`).
+        engine: the engine served (normally an `EmbeddedEngine`).
         tokenizer: decodes `text` and encodes `text` prompts; None serves `input_ids` only.
         served_model_name: the base model's id in `/v1/models`.
         model_path: reported by `/model_info` (default `served_model_name`).
@@ -188,7 +194,7 @@ class EngineServer:
 
     def __init__(
         self,
-        engine: Any,
+        engine: InferenceEngine,
         *,
         tokenizer: Any = None,
         served_model_name: str,
@@ -207,8 +213,6 @@ class EngineServer:
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
         self.started = time.time()
-        abort = getattr(engine, "abort", None)
-        self.abort_takes_reason = abort is not None and "reason" in inspect.signature(abort).parameters
         self.loaded: dict[str, dict[str, Any]] = {}  # name -> {"path", "sha256"} for loads made here
         self.rids: dict[str, list[str]] = {}  # client rid -> engine request ids (n > 1 expands)
         self.registry = CollectorRegistry()
@@ -326,8 +330,6 @@ class EngineServer:
     async def _complete(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Submit every request and wait until `request_timeout_s`; requests unfinished then are aborted and
         answered with `finish_reason` abort (the protocol's `generate` deadline)."""
-        if not hasattr(self.engine, "submit"):
-            return await self._blocking(self.request_timeout_s, self.engine.generate, requests)
         futures = [asyncio.wrap_future(f) for f in await anyio.to_thread.run_sync(self._submit_all, requests)]
         _, late = await asyncio.wait(futures, timeout=self.request_timeout_s)
         if late:
@@ -349,9 +351,8 @@ class EngineServer:
         return futures
 
     def _abort_ids(self, ids: list[str], reason: str) -> int:
-        """Abort requests by id, with `reason` where the engine's `abort` takes one (`EmbeddedEngine` does)."""
-        kwargs = {"reason": reason} if self.abort_takes_reason else {}
-        return sum(self.engine.abort(i, **kwargs) for i in ids)
+        """Abort requests by id with `reason`; how many were aborted."""
+        return sum(self.engine.abort(i, reason=reason) for i in ids)
 
     def _output(self, c: Completion, sampling: SamplingIn, body: GenerateIn) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -489,14 +490,13 @@ class EngineServer:
         return PlainTextResponse("Cache flushed.\n")
 
     async def abort_request(self, body: AbortIn) -> JSONResponse:
-        """`POST /abort_request` {rid, abort_all}; answers `{"aborted": count}`."""
-        if not hasattr(self.engine, "abort"):
-            raise HTTPError(400, "this engine cannot abort requests")
+        """`POST /abort_request` {rid, abort_all, abort_message}; answers `{"aborted": count}`."""
+        reason = body.abort_message or "aborted"
         if body.abort_all:
-            count = await self._blocking(self.control_timeout_s, self.engine.abort, None)
+            count = await self._blocking(self.control_timeout_s, self.engine.abort, None, reason=reason)
             return JSONResponse({"aborted": count})
         ids = self.rids.get(body.rid, [body.rid])
-        count = await self._blocking(self.control_timeout_s, self._abort_ids, ids, "aborted")
+        count = await self._blocking(self.control_timeout_s, self._abort_ids, ids, reason)
         return JSONResponse({"aborted": count})
 
     # ------------------------------------------------------------- info
@@ -621,7 +621,7 @@ class EngineCollector:
     depth, running requests, paused, batches, unloads, aborted requests by reason.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: InferenceEngine) -> None:
         self.engine = engine
 
     def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
@@ -670,7 +670,7 @@ def _active_versions(adapters: dict[str, Any]) -> GaugeMetricFamily:
 
 
 def create_app(
-    engine: Any,
+    engine: InferenceEngine,
     *,
     served_model_name: str,
     api_key: str | None = None,
@@ -680,13 +680,10 @@ def create_app(
     request_timeout_s: float = 600.0,
     control_timeout_s: float = 300.0,
 ) -> FastAPI:
-    """The FastAPI app of the engine server (see `EngineServer` for the arguments).
-
-    `tokenizer` defaults to the engine's `tokenizer` attribute when it has one.
-    """
+    """The FastAPI app of the engine server (see `EngineServer` for the arguments)."""
     server = EngineServer(
         engine,
-        tokenizer=tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None),
+        tokenizer=tokenizer,
         served_model_name=served_model_name,
         model_path=model_path,
         api_key=api_key,
@@ -720,52 +717,44 @@ def check_bind(host: str, api_key: str | None) -> None:
         )
 
 
-def serve(
-    model: str,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 30000,
-    api_key: str | None = None,
-    dtype: str = "auto",
-    device: str = "auto",
-    max_batch_size: int = 64,
-    max_loras_per_batch: int = 8,
-    max_loaded_loras: int | None = None,
-    eviction_policy: str = "lru",
-    max_lora_rank: int | None = None,
-    store_uri: str | None = None,
-    served_model_name: str | None = None,
-) -> None:
-    """Load `model`, wrap it in an `EmbeddedEngine` and serve it with uvicorn until interrupted.
+def serve(cfg: RunConfig, *, host: str, port: int, api_key: str | None, served_model_name: str | None) -> None:
+    """Serve the embedded engine that `cfg` describes with uvicorn until interrupted.
+
+    The engine is built from `cfg.model` and `cfg.engine` (`build_embedded_engine`: batch and adapter pool
+    limits, eviction, rank cap, generation deadline) with `cfg.store` for loads by `RUN@VERSION` and
+    `store://` names, whatever `engine.type` says: a training config that points its rollouts at
+    `engine.urls` serves that engine with the same limits. `engine.timeout_s` is also the deadline of one
+    `/generate` call.
+
+    Args:
+        cfg: the run config (model, engine and store sections are read).
+        host, port: bind address; beyond loopback needs `api_key` (`check_bind`).
+        api_key: Bearer key of the control endpoints.
+        served_model_name: the base model's id in `/v1/models`; None = the model folder's name.
 
     Raises:
-        LoraRLError: unsafe bind (see `check_bind`), unloadable model, bad store URI.
+        LoraRLError: unsafe bind, unloadable model, bad store URI.
     """
     import uvicorn
 
-    from lora_rl_core.config import ModelConfig
-    from lora_rl_core.engines.embedded import EmbeddedEngine
-    from lora_rl_core.models import load_model
-    from lora_rl_core.store import AdapterStore
+    from lora_rl_core.engines.factory import build_embedded_engine
+    from lora_rl_core.models import load_tokenizer
 
     check_bind(host, api_key)
-    store = AdapterStore(store_uri) if store_uri else None
-    model_obj, tokenizer = load_model(ModelConfig(name_or_path=model, dtype=dtype, device=device))
-    engine = EmbeddedEngine(
-        model_obj,
-        tokenizer,
-        max_batch_size=max_batch_size,
-        max_loras_per_batch=max_loras_per_batch,
-        max_loaded_loras=max_loaded_loras,
-        eviction_policy=eviction_policy,
-        max_lora_rank=max_lora_rank,
-        store=store,
-    )
-    name = served_model_name or os.path.basename(os.path.normpath(model))
+    store = cfg.store.build()
+    tokenizer = load_tokenizer(cfg.model)
+    engine = build_embedded_engine(cfg.engine, cfg.model, store, tokenizer=tokenizer)
+    model = cfg.model.name_or_path
     app = create_app(
-        engine, served_model_name=name, api_key=api_key, tokenizer=tokenizer, model_path=model, store=store
+        engine,
+        served_model_name=served_model_name or os.path.basename(os.path.normpath(model)),
+        api_key=api_key,
+        tokenizer=tokenizer,
+        model_path=model,
+        store=store,
+        request_timeout_s=cfg.engine.timeout_s,
     )
-    try:  # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal (see flows.shutdown)
+    try:  # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal (see cli.shutdown)
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=5)
     finally:
         engine.close()  # stop the worker thread: queued requests end aborted

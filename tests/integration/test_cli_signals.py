@@ -149,13 +149,12 @@ def test_train_stops_trainer_workers_and_prefect_server(command, tiny_model_dir,
     assert_stopped_in_order(cmd, tree, sig, "trainer workers, engine and Prefect server")
 
 
-def test_serve_stops_on_ctrl_c(command, tiny_model_dir):
+def test_serve_stops_on_ctrl_c(command, tiny_model_dir, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = command(
-        "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"
-    )
+    model = [f"model.name_or_path={tiny_model_dir}", "model.dtype=float32", f"store.uri=file://{tmp_path}/store"]
+    cmd = command("serve", *model, "--host", "127.0.0.1", "--port", str(port))
 
     def healthy() -> bool:
         try:

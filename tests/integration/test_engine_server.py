@@ -447,9 +447,9 @@ def served(engine: EmbeddedEngine, adapter: str) -> int:
 
 
 def test_subscribe_cli_syncs_store_versions_over_http(engine, tok, adapters, tmp_path):
-    from flows.cli import app as cli
     from typer.testing import CliRunner
 
+    from cli.main import app as cli
     from lora_rl_core.store import AdapterStore
 
     store = AdapterStore(f"file://{tmp_path}/store")
@@ -468,9 +468,10 @@ def test_subscribe_cli_syncs_store_versions_over_http(engine, tok, adapters, tmp
 
 
 def test_serve_cli_refuses_a_public_bind_without_a_key():
-    from flows.cli import app as cli
     from typer.testing import CliRunner
 
-    result = CliRunner().invoke(cli, ["serve", "--model", "nowhere", "--host", "0.0.0.0"])
+    from cli.main import app as cli
+
+    result = CliRunner().invoke(cli, ["serve", "model.name_or_path=nowhere", "--host", "0.0.0.0"])
     assert isinstance(result.exception, LoraRLError)  # `lora-rl` prints it as one `lora-rl: error:` line, exit 2
     assert "refusing to bind '0.0.0.0' without --api-key" in str(result.exception)

@@ -25,11 +25,19 @@ def serve_in_thread(engine: Any, *, start_timeout_s: float = 15.0, **app_options
     Raises:
         RuntimeError: uvicorn did not start in time.
     """
-    import uvicorn
-
     from lora_rl_core.engines.server import create_app
 
     app = create_app(engine, **{"served_model_name": "stress", **app_options})
+    with serve_app_in_thread(app, start_timeout_s=start_timeout_s) as url:
+        yield url
+
+
+@contextmanager
+def serve_app_in_thread(app: Any, *, start_timeout_s: float = 15.0) -> Iterator[str]:
+    """Serve an ASGI `app` with uvicorn in a daemon thread on a free 127.0.0.1 port; yields its URL and
+    stops the server on exit. RuntimeError when uvicorn did not start within `start_timeout_s` seconds."""
+    import uvicorn
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from flows.cli_adapters import adapters_app
+from cli.adapters import adapters_app
 from lora_rl_core.store import AdapterStore
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
@@ -157,7 +157,7 @@ def test_gc_dry_run_then_delete(store_uri):
 
 
 def test_console_entry_point_exits_2_on_store_errors(store_uri, tmp_path, monkeypatch, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     argv = ["lora-rl", "adapters", "pull", "r1@9", "--out", str(tmp_path / "out"), "--store", store_uri]
     monkeypatch.setattr(sys, "argv", argv)

@@ -1,6 +1,6 @@
 """`lora-rl train` turns user errors into one `lora-rl: error:` line on stderr and exit code 2.
 
-Each case runs the console entry point `flows.cli.main` in this process (stderr captured at the file
+Each case runs the console entry point `cli.main.main` in this process (stderr captured at the file
 descriptor, so C-level and warning output counts too); one case runs the real command in a subprocess,
 so a fresh interpreter's start-up, imports and exit add nothing to stderr either.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import shutdown
+from cli import shutdown
 from tests.support import processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def _assert_one_error_line(returncode: int, stderr: str, culprit: str) -> None:
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != SUBPROCESS_CASE])
 def test_train_user_error_is_one_line(tmp_path, case, monkeypatch, capfd):
-    from flows.cli import main
+    from cli.main import main
 
     config, culprit, env = _write_case(tmp_path, case)
     for name, value in env.items():
@@ -72,7 +72,7 @@ def test_train_user_error_is_one_line(tmp_path, case, monkeypatch, capfd):
 def test_train_user_error_is_one_line_in_a_real_process(tmp_path):
     config, culprit, env = _write_case(tmp_path, SUBPROCESS_CASE)
     proc = processes.run(
-        [sys.executable, "-m", "flows.cli", "train", "-c", str(config)],
+        [sys.executable, "-m", "cli.main", "train", "-c", str(config)],
         cwd=ROOT,
         env={**os.environ, **env},
         capture_output=True,

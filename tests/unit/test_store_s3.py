@@ -23,7 +23,7 @@ from s3fs.errors import translate_boto_error
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from flows.cli_adapters import adapters_app
+from cli.adapters import adapters_app
 from lora_rl_core.errors import StoreError
 from lora_rl_core.run.rundir import RunDir
 from lora_rl_core.store import AdapterStore, RetentionPolicy, RetryPolicy

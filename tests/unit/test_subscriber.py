@@ -88,6 +88,9 @@ class FakeEngine:
     def health(self) -> dict:
         return {"ok": True, "paused": self.paused}
 
+    def members(self) -> list:
+        return [self]
+
 
 def test_loads_each_version_and_retires_beyond_keep(engine, store, adapters):
     subscriber = AdapterSubscriber(store, RUN, engine, keep=2)

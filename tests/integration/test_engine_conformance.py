@@ -1,0 +1,255 @@
+"""One behavioural suite for every `InferenceEngine`: the same tests, run against each implementation.
+
+Subjects, each doing its work on an `EmbeddedEngine` over the tiny random model (`tiny_model_dir`):
+
+* `embedded`: the `EmbeddedEngine` itself, in process.
+* `server`: `ServerEngine` (our HTTP client) talking to `lora-rl serve`'s app (`create_app`), uvicorn in a
+  thread on 127.0.0.1.
+* `sglang`: `SGLangEngine` talking to a fake SGLang server (`tests.support.sglang_fake`): our app with
+  SGLang 0.5.x's answers where ours carry more (empty `/abort_request` and `/health` answers,
+  `finish_reason` message "Aborted by AbortReq.", `weight_version` "default", bare `/v1/models` cards),
+  so the client is held to real SGLang's wire format, not to our server's extras.
+
+Behaviours: generation keeps request order and names adapter and version per completion; `submit`
+resolves as `generate`; an unknown adapter is an error, never base-model output; load, list, unload
+(SGLang's no-upsert rule); abort with a reason ends a request with `finish_reason` abort and that
+reason; pause holds requests until resume, pause(abort) ends them as `paused`; flush, health,
+`members()`, close. Adapters are loaded by path: the one source all three take. About 10 s in all.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lora_rl_core.adapters import adapter_version
+from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, InferenceEngine, SamplingParams
+from lora_rl_core.engines.http import ServerEngine, SGLangEngine
+from lora_rl_core.engines.server import create_app
+from lora_rl_core.errors import EngineError
+from tests.support.adapters import random_lora_factory
+from tests.support.servers import serve_app_in_thread
+from tests.support.sglang_fake import create_sglang_fake_app
+
+pytestmark = pytest.mark.slow  # uvicorn in a thread for the HTTP subjects
+
+KINDS = ("embedded", "server", "sglang")
+GREEDY = SamplingParams(max_new_tokens=5, temperature=0.0)
+V1, V2 = "conf-v000001", "conf-v000002"
+WAIT_S = 10.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_harness():
+    """No Prefect server is needed here: overrides the package's session-wide harness for this module."""
+    yield
+
+
+@dataclass
+class Subject:
+    """The engine under test and the in-process engine that does its work (to observe its queue)."""
+
+    engine: InferenceEngine
+    backend: EmbeddedEngine
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    """PEFT folders of two random adapter versions: name -> local path."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    make = random_lora_factory(model, scale=1.0)
+    out = {}
+    for version, name in ((1, V1), (2, V2)):
+        tensors, config = make(version)
+        folder = tmp_path_factory.mktemp(name)
+        save_file(tensors, folder / "adapter_model.safetensors")
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        out[name] = str(folder)
+    return out
+
+
+@pytest.fixture(params=KINDS)
+def subject(request, tiny_model_dir, tokenizer) -> Iterator[Subject]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with EmbeddedEngine(model, tokenizer, max_batch_size=8) as backend:
+        if request.param == "embedded":
+            yield Subject(backend, backend)
+            return
+        if request.param == "server":
+            app, client = create_app(backend, served_model_name="tiny"), ServerEngine
+        else:
+            app, client = create_sglang_fake_app(backend), SGLangEngine
+        with serve_app_in_thread(app) as url, client(url, timeout_s=30, control_timeout_s=30) as engine:
+            yield Subject(engine, backend)
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer(f"What is {i} + {2 * i}?")["input_ids"][: 3 + i % 4] for i in range(n)]
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def queued(subject: Subject, n: int = 1) -> Callable[[], bool]:
+    return lambda: subject.backend.health()["queue_depth"] >= n
+
+
+# ----------------------------------------------------------------- generation
+
+
+def test_generate_keeps_order_and_names_adapter_and_version(subject, tokenizer, adapter_dirs):
+    engine = subject.engine
+    engine.load_adapter(V1, path=adapter_dirs[V1])
+    pairs = [(p, a) for p in prompts(tokenizer, 4) for a in (V1, None)]
+    requests = [GenerationRequest(p, a, GREEDY) for p, a in pairs]
+    got = engine.generate(requests)
+    assert [c.request_id for c in got] == [r.request_id for r in requests]
+    assert [(c.prompt_ids, c.adapter, c.adapter_version) for c in got] == [(p, a, adapter_version(a)) for p, a in pairs]
+    assert all(c.finish_reason in ("stop", "length") and c.abort_reason is None for c in got)
+    assert all(len(c.logprobs) == len(c.completion_ids) > 0 for c in got)
+
+    backwards = engine.generate([GenerationRequest(p, a, GREEDY) for p, a in reversed(pairs)])
+    assert [c.completion_ids for c in reversed(backwards)] == [c.completion_ids for c in got]  # mapped by position
+
+
+def test_submit_resolves_like_generate(subject, tokenizer):
+    prompt = prompts(tokenizer, 1)[0]
+    request = GenerationRequest(prompt, None, GREEDY, request_id="submitted-1")
+    done = subject.engine.submit(request).result(timeout=WAIT_S)
+    assert (done.request_id, done.adapter, done.adapter_version) == ("submitted-1", None, None)
+    [expected] = subject.engine.generate([GenerationRequest(prompt, None, GREEDY)])
+    assert done.completion_ids == expected.completion_ids
+
+
+def test_unknown_adapter_is_an_error_not_base_output(subject, tokenizer):
+    requests = [GenerationRequest(p, "ghost-v000001", GREEDY) for p in prompts(tokenizer, 2)]
+    with pytest.raises(EngineError, match="ghost-v000001"):
+        subject.engine.generate(requests)
+    assert subject.backend.metrics()["base"]["requests"] == 0  # nothing was served by the base model instead
+
+
+# ----------------------------------------------------------------- adapters
+
+
+def test_load_list_unload(subject, tokenizer, adapter_dirs):
+    engine = subject.engine
+    engine.load_adapter(V1, path=adapter_dirs[V1])
+    engine.load_adapter(V2, path=adapter_dirs[V2])
+    listed = engine.list_adapters()
+    assert {name: info["version"] for name, info in listed.items()} == {V1: 1, V2: 2}
+    with pytest.raises(EngineError, match=V1):
+        engine.load_adapter(V1, path=adapter_dirs[V2])  # SGLang has no upsert: a loaded name is refused
+
+    engine.unload_adapter(V1)
+    assert list(engine.list_adapters()) == [V2]
+    with pytest.raises(EngineError, match=V1):
+        engine.generate([GenerationRequest(prompts(tokenizer, 1)[0], V1, GREEDY)])
+    with pytest.raises(EngineError):
+        engine.unload_adapter(V1)
+    [done] = engine.generate([GenerationRequest(prompts(tokenizer, 1)[0], V2, GREEDY)])
+    assert (done.adapter, done.adapter_version) == (V2, 2)
+
+
+# ----------------------------------------------------------------- abort, pause
+
+
+def test_abort_with_reason_ends_the_request(subject, tokenizer):
+    engine = subject.engine
+    engine.pause("in_place")  # the request waits in the queue until aborted
+    try:
+        request = GenerationRequest(prompts(tokenizer, 1)[0], None, GREEDY, request_id="to-abort")
+        future = engine.submit(request)
+        wait_until(queued(subject), "the request to be queued")
+        assert engine.abort("to-abort", reason="timeout") == 1
+        done = future.result(timeout=WAIT_S)
+        assert (done.request_id, done.finish_reason, done.abort_reason) == ("to-abort", "abort", "timeout")
+        assert done.completion_ids == [] and done.logprobs == []
+        assert engine.abort("nobody") == 0
+        with pytest.raises(EngineError, match="because"):
+            engine.abort(None, reason="because")
+    finally:
+        engine.resume()
+
+
+def test_pause_holds_requests_until_resume(subject, tokenizer):
+    engine = subject.engine
+    engine.pause("in_place")
+    try:
+        assert engine.health()["paused"] is True
+        future = engine.submit(GenerationRequest(prompts(tokenizer, 1)[0], None, GREEDY))
+        wait_until(queued(subject), "the request to be queued")
+        time.sleep(0.3)
+        assert not future.done()
+    finally:
+        engine.resume()
+    assert future.result(timeout=WAIT_S).finish_reason in ("stop", "length")
+    assert engine.health()["paused"] is False
+
+
+def test_pause_abort_ends_queued_requests_as_paused(subject, tokenizer):
+    engine = subject.engine
+    engine.pause("in_place")
+    try:
+        futures = [engine.submit(GenerationRequest(p, None, GREEDY)) for p in prompts(tokenizer, 2)]
+        wait_until(queued(subject, 2), "both requests to be queued")
+        engine.pause("abort")
+        done = [f.result(timeout=WAIT_S) for f in futures]
+    finally:
+        engine.resume()
+    assert [(c.finish_reason, c.abort_reason) for c in done] == [("abort", "paused")] * 2
+
+
+# ----------------------------------------------------------------- the rest of the protocol
+
+
+def test_flush_health_members_and_close(subject, tokenizer):
+    engine = subject.engine
+    assert engine.flush_cache() is True  # idle
+    assert engine.health()["ok"] is True
+    assert list(engine.members()) == [engine]
+    engine.close()
+    engine.close()  # idempotent
+    with pytest.raises(EngineError, match="closed"):
+        engine.generate([GenerationRequest(prompts(tokenizer, 1)[0], None, GREEDY)])
+
+
+def test_close_ends_queued_requests_of_the_embedded_engine(tiny_model_dir, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    engine = EmbeddedEngine(model, tokenizer)
+    engine.pause("in_place")
+    future = engine.submit(GenerationRequest([5, 6, 7], None, GREEDY))
+    engine.close()
+    done = future.result(timeout=WAIT_S)
+    assert (done.finish_reason, done.abort_reason) == ("abort", "engine_closed")
+
+
+def test_multi_engine_members_flatten_and_abort_passes_the_reason(tiny_model_dir, tokenizer):
+    from lora_rl_core.engines.http import MultiEngine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with EmbeddedEngine(model, tokenizer) as engine:
+        inner = MultiEngine([engine])
+        outer = MultiEngine([inner])
+        assert outer.members() == [engine]
+        engine.pause("in_place")
+        future = outer.submit(GenerationRequest([5, 6, 7], None, GREEDY, request_id="m1"))
+        assert outer.abort("m1", reason="adapter_unloaded") == 1
+        assert future.result(timeout=WAIT_S).abort_reason == "adapter_unloaded"
+        outer.close()
+        assert engine.health()["closed"] is True

@@ -1,0 +1,66 @@
+"""A fake SGLang server: an embedded engine behind our engine server, answering in real SGLang 0.5.x shapes.
+
+Our server (`lora_rl_core.engines.server`) already speaks SGLang's wire format for the requests and the
+error bodies; where its answers carry more than SGLang's, this fake answers as SGLang does (sglang 0.5.23
+`srt/entrypoints/http_server.py`, 0.5.17 as seen on the GPU host, shared/sglang-offline/README.md):
+
+* `/abort_request` answers an empty 200 (no count) and ignores any reason: SGLang passes only `rid` and
+  `abort_all` to its tokenizer manager.
+* An aborted request's `finish_reason` is `{"type": "abort", "message": "Aborted by AbortReq.", ...}`
+  (`FINISH_ABORT.to_json()`), whatever the reason.
+* `meta_info.weight_version` is `"default"` (the base weights' version, not the adapter's), and there
+  is no `lora_path` in `meta_info`.
+* `/v1/models` adapter cards are `{id, object, created, owned_by, root, parent, max_model_len}` only.
+* `/health` answers an empty 200.
+
+So a client that works against this fake relies on nothing only our server provides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from lora_rl_core.engines.base import Completion, InferenceEngine
+from lora_rl_core.engines.server import AbortIn, EngineServer, GenerateIn, SamplingIn
+
+SGLANG_ABORT_MESSAGE = "Aborted by AbortReq."  # sglang/srt/managers/scheduler.py, abort_request
+_CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len")
+
+
+class SGLangFakeServer(EngineServer):
+    """`EngineServer` with SGLang's answers where ours differ (see the module docstring)."""
+
+    async def abort_request(self, body: AbortIn) -> Response:  # type: ignore[override]
+        """`POST /abort_request`: abort, then an empty 200 as SGLang (no count, no reason)."""
+        await super().abort_request(AbortIn(rid=body.rid, abort_all=body.abort_all))
+        return Response(status_code=200)
+
+    def _output(self, c: Completion, sampling: SamplingIn, body: GenerateIn) -> dict[str, Any]:
+        out = super()._output(c, sampling, body)
+        meta = out["meta_info"]
+        meta["weight_version"] = "default"
+        meta.pop("lora_path", None)
+        if c.finish_reason == "abort":
+            meta["finish_reason"] = {
+                "type": "abort",
+                "message": SGLANG_ABORT_MESSAGE,
+                "status_code": None,
+                "err_type": None,
+            }
+        return out
+
+    def _card(self, name: str, root: str, parent: str | None, info: dict[str, Any]) -> dict[str, Any]:
+        card = super()._card(name, root, parent, info)
+        return {k: card[k] for k in _CARD_FIELDS}
+
+    async def health(self) -> Response:  # type: ignore[override]
+        """`GET /health`: an empty 200."""
+        return Response(status_code=200)
+
+
+def create_sglang_fake_app(engine: InferenceEngine, *, served_model_name: str = "fake-sglang") -> FastAPI:
+    """The FastAPI app of the fake SGLang server over `engine` (`input_ids` prompts only: no tokenizer)."""
+    return SGLangFakeServer(engine, served_model_name=served_model_name).app()
