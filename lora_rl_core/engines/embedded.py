@@ -60,7 +60,7 @@ from lora_rl_core.adapters import STORE_URI_PREFIX, adapter_run, adapter_version
 from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest
 from lora_rl_core.engines.peft_model import PeftAdapterModel, adapter_loader
 from lora_rl_core.engines.pool import AdapterPool
-from lora_rl_core.engines.requests import Job, RequestQueue
+from lora_rl_core.engines.requests import Job, RequestQueue, check_request
 from lora_rl_core.errors import EngineError, StoreError
 
 log = logging.getLogger(__name__)
@@ -216,14 +216,8 @@ class EmbeddedEngine:
         `in_flight` counts running and queued requests (SGLang counts a request from its arrival), so a
         subscriber never retires a version that queued requests still name.
         """
-        keys = ("version", "source", "loaded_at", "in_flight", "pinned", "resident")
         with self._cond:
-            queued = self._requests.queued_per_adapter()
-            snapshot = self._pool.snapshot()
-        return {
-            n: {**{k: info[k] for k in keys}, "in_flight": info["in_flight"] + queued[n]}
-            for n, info in snapshot.items()
-        }
+            return _adapter_list(self._pool, self._requests)
 
     # ----------------------------------------------------------------- requests
     def submit(self, request: GenerationRequest) -> Future[Completion]:
@@ -290,10 +284,7 @@ class EmbeddedEngine:
 
     def _prepare(self, request: GenerationRequest) -> Job:
         """Check one request and resolve a `store://` adapter to its versioned name (loading it if new)."""
-        if not request.prompt_ids:
-            raise EngineError(f"request {request.request_id}: empty prompt")
-        if request.sampling.max_new_tokens < 1:
-            raise EngineError(f"request {request.request_id}: max_new_tokens must be >= 1")
+        check_request(request)
         if request.adapter is not None and request.adapter.startswith(STORE_URI_PREFIX):
             request = dataclasses.replace(request, adapter=self._auto_load(request.adapter))
         return Job(request)
@@ -344,17 +335,7 @@ class EmbeddedEngine:
         """`{"ok", "paused", "closed", "worker_alive", "adapters", "resident", "queue_depth", "running"}`;
         ok = the worker is alive and the engine not closed."""
         with self._cond:
-            alive, q = self._worker.is_alive(), self._requests
-            return {
-                "ok": alive and not q.closed,
-                "paused": q.paused,
-                "closed": q.closed,
-                "worker_alive": alive,
-                "adapters": len(self._pool.registered()),
-                "resident": self._pool.resident_count(),
-                "queue_depth": len(q.queue),
-                "running": len(q.batch),
-            }
+            return _health(self._pool, self._requests, self._worker.is_alive())
 
     def metrics(self) -> dict[str, Any]:
         """Counters and gauges as plain values (ready for Prometheus labels).
@@ -365,23 +346,8 @@ class EmbeddedEngine:
             `active_versions`: run -> newest loaded version; `unloading`: name -> request ids holding it;
             `aborted`: reason -> count; `queue_depth`, `running`, `batches`, `unloads`, `resident`, `paused`.
         """
-        skip = ("source", "loaded_at")
         with self._cond:
-            adapters = {n: {k: v for k, v in i.items() if k not in skip} for n, i in self._pool.snapshot().items()}
-            q, c = self._requests, self._requests.counters
-            return {
-                "adapters": adapters,
-                "base": {"requests": c["base_requests"], "tokens": c["base_tokens"]},
-                "active_versions": _newest_versions(adapters),
-                "unloading": {e.name: sorted(e.holders) for e in self._pool.draining()},
-                "aborted": dict(q.aborted),
-                "queue_depth": len(q.queue),
-                "running": len(q.batch),
-                "batches": c["batches"],
-                "unloads": c["unloads"],
-                "resident": self._pool.resident_count(),
-                "paused": q.paused,
-            }
+            return _metrics(self._pool, self._requests)
 
     # ------------------------------------------------------------------- worker
     def _drive(self, jobs: list[Job], deadline: float, owner: int | None) -> None:
@@ -449,6 +415,48 @@ def _warm_up_intra_op_pool() -> None:
     spin-waiting under CPU oversubscription. One tiny parallel op here avoids it (< 1 ms).
     """
     torch.ones(1 << 16).sum()
+
+
+# ------------------------------------------------------------------- reports (condition held)
+def _adapter_list(pool: AdapterPool, requests: RequestQueue) -> dict[str, dict[str, Any]]:
+    keys = ("version", "source", "loaded_at", "in_flight", "pinned", "resident")
+    queued = requests.queued_per_adapter()
+    return {
+        n: {**{k: info[k] for k in keys}, "in_flight": info["in_flight"] + queued[n]}
+        for n, info in pool.snapshot().items()
+    }
+
+
+def _health(pool: AdapterPool, requests: RequestQueue, alive: bool) -> dict[str, Any]:
+    return {
+        "ok": alive and not requests.closed,
+        "paused": requests.paused,
+        "closed": requests.closed,
+        "worker_alive": alive,
+        "adapters": len(pool.registered()),
+        "resident": pool.resident_count(),
+        "queue_depth": len(requests.queue),
+        "running": len(requests.batch),
+    }
+
+
+def _metrics(pool: AdapterPool, requests: RequestQueue) -> dict[str, Any]:
+    skip = ("source", "loaded_at")
+    adapters = {n: {k: v for k, v in i.items() if k not in skip} for n, i in pool.snapshot().items()}
+    c = requests.counters
+    return {
+        "adapters": adapters,
+        "base": {"requests": c["base_requests"], "tokens": c["base_tokens"]},
+        "active_versions": _newest_versions(adapters),
+        "unloading": {e.name: sorted(e.holders) for e in pool.draining()},
+        "aborted": dict(requests.aborted),
+        "queue_depth": len(requests.queue),
+        "running": len(requests.batch),
+        "batches": c["batches"],
+        "unloads": c["unloads"],
+        "resident": pool.resident_count(),
+        "paused": requests.paused,
+    }
 
 
 def _newest_versions(adapters: dict[str, dict[str, Any]]) -> dict[str, int]:

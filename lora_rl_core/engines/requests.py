@@ -195,6 +195,18 @@ class RequestQueue:
                 pass
 
 
+def check_request(request: GenerationRequest) -> None:
+    """Refuse a request that can't run: an empty prompt or `max_new_tokens < 1`.
+
+    Raises:
+        EngineError: naming the request id.
+    """
+    if not request.prompt_ids:
+        raise EngineError(f"request {request.request_id}: empty prompt")
+    if request.sampling.max_new_tokens < 1:
+        raise EngineError(f"request {request.request_id}: max_new_tokens must be >= 1")
+
+
 def aborted_completion(request: GenerationRequest, version: int | None, reason: str) -> Completion:
     """The Completion of an aborted request: no tokens, `finish_reason="abort"`, `abort_reason=reason`."""
     return Completion(
