@@ -63,7 +63,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lora_rl_core.adapters import STORE_URI_PREFIX, adapter_run, adapter_version, peft_folder
+from lora_rl_core.adapters import STORE_URI_PREFIX, adapter_run, adapter_version, load_safetensors, peft_folder
 from lora_rl_core.engines.base import (
     PAUSE_MODES,
     Completion,
@@ -72,7 +72,7 @@ from lora_rl_core.engines.base import (
     SamplingParams,
     unknown_adapter_message,
 )
-from lora_rl_core.errors import EngineError, LoraRLError
+from lora_rl_core.errors import EngineError, LoraRLError, StoreError
 
 if TYPE_CHECKING:
     from lora_rl_core.config import RunConfig
@@ -418,8 +418,6 @@ class EngineServer:
         return await self._update_ok()
 
     def _load_tensors(self, body: LoadTensorsIn) -> str:
-        from safetensors.torch import load as st_load
-
         payloads = body.serialized_named_tensors or []
         if len(payloads) != 1:
             raise EngineError(f"serialized_named_tensors must hold exactly one safetensors file, got {len(payloads)}")
@@ -428,9 +426,9 @@ class EngineServer:
         except (binascii.Error, ValueError) as exc:
             raise EngineError(f"serialized_named_tensors[0] is not base64: {exc}") from None
         try:
-            tensors = st_load(data)
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError
-            raise EngineError(f"serialized_named_tensors[0] is not a valid safetensors file: {exc}") from None
+            tensors = load_safetensors(data, "serialized_named_tensors[0]")  # header checked before loading
+        except StoreError as exc:
+            raise EngineError(str(exc)) from None
         self.engine.load_adapter(body.lora_name, tensors=tensors, config=body.config_dict, pinned=body.pinned)
         return hashlib.sha256(data).hexdigest()
 
