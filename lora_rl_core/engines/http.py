@@ -588,11 +588,10 @@ class MultiEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def connect_engines(
-    kind: str, urls: Sequence[str], *, api_key: str | None = None, timeout_s: float = 600.0
-) -> SGLangEngine | MultiEngine:
+def connect_engines(kind: str, urls: Sequence[str], **options: Any) -> SGLangEngine | MultiEngine:
     """HTTP engines for `urls`: `kind` is `server` (our engine server) or `sglang` (a real one);
-    several URLs give a `MultiEngine`.
+    several URLs give a `MultiEngine`. `options` are the clients' keyword arguments (`api_key`,
+    `timeout_s`, `control_timeout_s`, ...; defaults as `SGLangEngine`).
 
     Raises:
         EngineError: unknown kind, no URLs, or a malformed URL.
@@ -602,7 +601,7 @@ def connect_engines(
         raise EngineError(f"engine kind must be one of {sorted(classes)}, got {kind!r}")
     if not urls:
         raise EngineError("give at least one engine URL, e.g. http://127.0.0.1:30000")
-    engines = [classes[kind](url, api_key=api_key, timeout_s=timeout_s) for url in urls]
+    engines = [classes[kind](url, **options) for url in urls]
     return engines[0] if len(engines) == 1 else MultiEngine(engines)
 
 

@@ -49,9 +49,9 @@ import hmac
 import ipaddress
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import fsspec
@@ -247,10 +247,14 @@ class EngineServer:
         ]
         for path, endpoint, methods, deps in routes:
             app.add_api_route(path, endpoint, methods=methods, dependencies=deps, response_model=None)
-        app.add_exception_handler(HTTPError, _on_http_error)
-        app.add_exception_handler(LoraRLError, _on_engine_error)
-        app.add_exception_handler(RequestValidationError, _on_validation_error)
-        app.add_exception_handler(StarletteHTTPException, _on_starlette_error)
+        handlers: dict[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]] = {
+            HTTPError: _on_http_error,
+            LoraRLError: _on_engine_error,
+            RequestValidationError: _on_validation_error,
+            StarletteHTTPException: _on_starlette_error,
+        }
+        for error, handler in handlers.items():
+            app.add_exception_handler(error, handler)
         return app
 
     # ------------------------------------------------------------- helpers
@@ -297,12 +301,12 @@ class EngineServer:
             raise HTTPError(400, "give exactly one of `text` or `input_ids`")
         if body.input_ids is not None:
             batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
-            prompts = body.input_ids if batch else [body.input_ids]
+            prompts = cast(list[list[int]], body.input_ids if batch else [body.input_ids])
         else:
             if self.tokenizer is None:
                 raise HTTPError(400, "this server has no tokenizer: send `input_ids` instead of `text`")
             batch = isinstance(body.text, list)
-            texts = body.text if batch else [body.text]
+            texts = cast(list[str], body.text if batch else [body.text])
             prompts = [self.tokenizer(t)["input_ids"] for t in texts]
         if not prompts or any(not p for p in prompts):
             raise HTTPError(400, "every prompt needs at least one token")
@@ -566,7 +570,7 @@ def _finish_reason(c: Completion) -> dict[str, Any]:
         return {"type": "stop", "matched": c.completion_ids[-1] if c.completion_ids else None}
     if c.finish_reason == "length":
         return {"type": "length", "length": len(c.completion_ids)}
-    return {"type": "abort", "message": getattr(c, "abort_reason", None) or "aborted"}
+    return {"type": "abort", "message": c.abort_reason or "aborted"}
 
 
 def _folder_sha256(path: str) -> str | None:
@@ -667,29 +671,11 @@ def _active_versions(adapters: dict[str, Any]) -> GaugeMetricFamily:
 # ----------------------------------------------------------------- app + serve
 
 
-def create_app(
-    engine: InferenceEngine,
-    *,
-    served_model_name: str,
-    api_key: str | None = None,
-    tokenizer: Any = None,
-    model_path: str | None = None,
-    store: Any = None,
-    request_timeout_s: float = 600.0,
-    control_timeout_s: float = 300.0,
-) -> FastAPI:
-    """The FastAPI app of the engine server (see `EngineServer` for the arguments)."""
-    server = EngineServer(
-        engine,
-        tokenizer=tokenizer,
-        served_model_name=served_model_name,
-        model_path=model_path,
-        api_key=api_key,
-        store=store,
-        request_timeout_s=request_timeout_s,
-        control_timeout_s=control_timeout_s,
-    )
-    return server.app()
+def create_app(engine: InferenceEngine, **options: Any) -> FastAPI:
+    """The FastAPI app of the engine server over `engine`; `options` are `EngineServer`'s keyword arguments
+    (`served_model_name` required; `tokenizer`, `api_key`, `store`, `model_path`, `request_timeout_s`,
+    `control_timeout_s`), whose defaults live there."""
+    return EngineServer(engine, **options).app()
 
 
 def is_loopback(host: str) -> bool:

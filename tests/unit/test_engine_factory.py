@@ -1,0 +1,89 @@
+"""`build_engine`: every engine is built from `EngineConfig`, and `lora-rl eval` builds through it.
+
+The embedded engine gets every limit of the config (here: the rank cap refuses a larger adapter, the pool
+cap evicts); `server`/`sglang` give the HTTP clients (a `MultiEngine` for several URLs) with the Bearer
+key from `engine.api_key_env`; `lora-rl eval` applies the config's engine limits and reads a stored
+version by path.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from cli.main import app as cli
+from lora_rl_core.config import load_config
+from lora_rl_core.engines import EmbeddedEngine, MultiEngine, ServerEngine, SGLangEngine
+from lora_rl_core.engines.factory import build_engine
+from lora_rl_core.errors import EngineError
+from tests.integration.tiny_run import write_tiny_config
+from tests.support.adapters import random_lora_factory
+
+
+@pytest.fixture()
+def lora(tiny_model_dir):
+    """A rank-2 random adapter factory for the tiny model."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return random_lora_factory(model, rank=2)
+
+
+def test_embedded_engine_gets_the_config_limits(tiny_model_dir, lora, tmp_path):
+    cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", "model.dtype=float32", "engine.max_lora_rank=1"])
+    with build_engine(cfg.engine, cfg.model, None) as engine:
+        assert isinstance(engine, EmbeddedEngine)
+        tensors, config = lora(1)
+        with pytest.raises(EngineError, match="rank"):
+            engine.load_adapter("r-v000001", tensors=tensors, config=config)
+
+    overrides = ["engine.max_loras_per_batch=1", "engine.max_loaded_loras=1", "engine.eviction_policy=fifo"]
+    cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", "model.dtype=float32", *overrides])
+    with build_engine(cfg.engine, cfg.model, None) as engine:
+        for version in (1, 2):
+            tensors, config = lora(version)
+            engine.load_adapter(f"r-v{version:06d}", tensors=tensors, config=config)
+        resident = {name: info["resident"] for name, info in engine.list_adapters().items()}
+        assert resident == {"r-v000001": False, "r-v000002": True}  # one resident adapter at most
+
+
+@pytest.mark.parametrize(("kind", "cls"), [("server", ServerEngine), ("sglang", SGLangEngine)])
+def test_remote_engines_are_http_clients_with_the_key_from_the_env(kind, cls, monkeypatch):
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    sync = ["engine.sync=store"] if kind == "sglang" else []
+    one = ["engine.urls=[http://127.0.0.1:1]", "engine.api_key_env=MY_KEY", "engine.timeout_s=7"]
+    cfg = load_config(None, [f"engine.type={kind}", *one, *sync])
+    engine = build_engine(cfg.engine, cfg.model, None)
+    try:
+        assert type(engine) is cls and engine.timeout_s == 7
+        assert engine._http.headers["authorization"] == "Bearer s3cret"
+        assert engine.members() == [engine]
+    finally:
+        engine.close()
+
+    cfg = load_config(None, [f"engine.type={kind}", "engine.urls=[http://127.0.0.1:1,http://127.0.0.1:2]", *sync])
+    engines = build_engine(cfg.engine, cfg.model, None)
+    try:
+        assert isinstance(engines, MultiEngine)
+        assert [e.url for e in engines.members()] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    finally:
+        engines.close()
+
+
+def test_eval_cli_uses_the_engine_config_and_a_stored_version(tiny_model_dir, lora, tmp_path):
+    from lora_rl_core.store import AdapterStore
+
+    config = write_tiny_config(tmp_path, tiny_model_dir, "ev")
+    store = AdapterStore(f"file://{tmp_path / 'store'}")
+    tensors, adapter_config = lora(1)
+    store.publish("ev", 1, tensors=tensors, adapter_config=adapter_config, step=1, base_model="tiny")
+
+    result = CliRunner().invoke(cli, ["eval", "-c", str(config), "--adapter", "ev@latest", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["n"] == 4
+
+    limited = CliRunner().invoke(cli, ["eval", "-c", str(config), "engine.max_lora_rank=1", "--adapter", "ev@1"])
+    assert isinstance(limited.exception, EngineError)  # `lora-rl` prints it as one `lora-rl: error:` line
+    assert "rank" in str(limited.exception)
