@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cli import shutdown
 from cli.adapters import adapters_app
 from lora_rl_core import progress
+from lora_rl_core.config import EngineConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.subscriber import ENGINE_KIND, KEEP_VERSIONS, POLL_INTERVAL_S
 
@@ -28,6 +29,7 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="LoRA RL fine-tuning of LLMs (GRPO) as a Prefect flow."
 )
 app.add_typer(adapters_app, name="adapters", help="List and pull adapter versions from a store.")
+API_KEY_ENV = EngineConfig.model_fields["api_key_env"].default  # the config's default, for commands without one
 console = Console(soft_wrap=True)  # step lines stay whole when output is a file
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="YAML run config, e.g. configs/smollm2-arith-grpo.yaml")]
@@ -149,13 +151,15 @@ def eval_(
 @shutdown.stops("the HTTP server and the engine")
 def serve(
     config: Annotated[
-        str | None, typer.Option("--config", "-c", help="YAML run config (model, engine, store); default: defaults")
+        str | None,
+        typer.Option("--config", "-c", help="YAML run config (model, engine, store sections); omitted: the defaults"),
     ] = None,
     overrides: OverridesArg = None,
     host: Annotated[str, typer.Option(help="bind address; beyond loopback needs --api-key")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 30000,
     api_key: Annotated[
-        str | None, typer.Option(envvar="LORA_RL_API_KEY", help="Bearer key for the control endpoints")
+        str | None,
+        typer.Option(help="Bearer key for the control endpoints (default: the variable named by engine.api_key_env)"),
     ] = None,
     served_model_name: Annotated[
         str | None, typer.Option(help="the base model's id in /v1/models (default: the model folder's name)")
@@ -174,6 +178,7 @@ def serve(
     from lora_rl_core.runtime import choose_dtype, configure_threads
 
     cfg = load_config(config, overrides or [])
+    api_key = api_key or os.environ.get(cfg.engine.api_key_env)
     check_bind(host, api_key)
     configure_threads()  # before loading the model
     model = cfg.model.name_or_path
@@ -190,7 +195,7 @@ def subscribe(
     run: Annotated[str, typer.Option(help="run id to follow")],
     engine: Annotated[list[str], typer.Option(help="engine URL (repeat for several)")],
     api_key: Annotated[
-        str | None, typer.Option(envvar="LORA_RL_API_KEY", help="Bearer key for the engines' control endpoints")
+        str | None, typer.Option(envvar=API_KEY_ENV, help="Bearer key for the engines' control endpoints")
     ] = None,
     keep: Annotated[int, typer.Option(help="versions kept loaded per engine")] = KEEP_VERSIONS,
     poll_interval: Annotated[float, typer.Option(help="seconds between store polls")] = POLL_INTERVAL_S,
