@@ -483,6 +483,7 @@ class MultiEngine:
         self.engines = list(engines)
         self._turn = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="multi-engine")
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"MultiEngine({self.engines!r})"
@@ -493,8 +494,9 @@ class MultiEngine:
         """Deal prompts round-robin (all samples of a prompt on one engine); order is preserved.
 
         Raises:
-            EngineError: naming the engine that failed (no silent retry on another engine).
+            EngineError: naming the engine that failed (no silent retry on another engine); closed.
         """
+        self._check_open()
         shares = self._spread(requests)
         futures = [
             self._pool.submit(_generate_on, engine, [requests[i] for i in share], timeout_s)
@@ -519,6 +521,7 @@ class MultiEngine:
 
     def submit(self, request: GenerationRequest) -> Future[Completion]:
         """Submit to the next engine in turn."""
+        self._check_open()
         return self.engines[next(self._turn) % len(self.engines)].submit(request)
 
     def abort(self, request_id: str | None = None, *, reason: str = "aborted") -> int:
@@ -582,10 +585,15 @@ class MultiEngine:
         return [member for engine in self.engines for member in engine.members()]
 
     def close(self) -> None:
-        """Close every engine and the worker threads (idempotent)."""
+        """Close every engine and the worker threads (idempotent); later calls raise EngineError."""
+        self._closed = True
         for engine in self.engines:
             engine.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"{self!r} is closed")
 
 
 def connect_engines(kind: str, urls: Sequence[str], **options: Any) -> SGLangEngine | MultiEngine:

@@ -253,3 +253,5 @@ def test_multi_engine_members_flatten_and_abort_passes_the_reason(tiny_model_dir
         assert future.result(timeout=WAIT_S).abort_reason == "adapter_unloaded"
         outer.close()
         assert engine.health()["closed"] is True
+        with pytest.raises(EngineError, match="closed"):
+            outer.generate([GenerationRequest([5, 6, 7], None, GREEDY)])
