@@ -162,6 +162,9 @@ class StoreConfig(Section):
     """Adapter store (fsspec URI)."""
 
     uri: str = "file://./runs"
+    """fsspec URI of the store's root: `file://./runs` (the default: `runs/` under the working directory),
+    `s3://bucket/prefix`, `memory://...` (tests). A run keeps its adapter versions, config snapshot, tags and
+    checkpoints under `<uri>/<run_id>/` (docs/DESIGN.md, "Object store layout")."""
     storage_options: dict[str, Any] = {}
     """Passed to fsspec (e.g. S3 endpoint_url, key, secret)."""
 

@@ -41,7 +41,7 @@ def evaluate_accuracy(
         for p in problems
     ]
     completions = engine.generate(requests, inline=True)  # on this thread, as the trainer computes
-    texts = [tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
+    texts = tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
     correct = [math_reward(t, p.answer) for t, p in zip(texts, problems, strict=True)]
     return {
         "accuracy": sum(correct) / max(1, len(problems)),

@@ -184,7 +184,7 @@ class PolicyTrainer:
                 "train_sequences": 0.0,
                 "train_tokens": 0.0,
                 "train_seconds": 0.0,
-                "lr": self.scheduler.get_last_lr()[0],
+                "lr": float(self.scheduler.get_last_lr()[0]),
             }
         chunks = list(_split(len(batch), self.algo.num_minibatches))
         plans = [self._micro_plan(batch, rows) for rows in chunks]
@@ -200,7 +200,7 @@ class PolicyTrainer:
             "train_sequences": float(len(batch)),
             "train_tokens": float(tokens),
             "train_seconds": time.perf_counter() - start,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": float(self.scheduler.get_last_lr()[0]),
         }
 
     def _micro_plan(self, batch: TrainBatch, rows: list[int]) -> list[list[int]]:

@@ -41,6 +41,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal, NoReturn
@@ -333,7 +334,7 @@ def _load_state_dict(trainer: PolicyTrainer, blob: bytes, meta: dict[str, Any]) 
     trainer.load_state_dict({"tensors": load_tensors(blob), "meta": meta})
 
 
-_COMMANDS = {
+_COMMANDS: dict[str, Callable[..., Any]] = {
     "train_step": PolicyTrainer.train_step,
     "adapter_state": _adapter_state,
     "state_dict": _state_dict,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -30,7 +30,7 @@ from lora_rl_core.trainer import PolicyTrainer, Trainer
 from lora_rl_core.trainer_workers import TrainerWorkers
 
 
-def build_problems(cfg: DataConfig, split: str, seed: int) -> list[Problem]:
+def build_problems(cfg: DataConfig, split: Literal["train", "test"], seed: int) -> list[Problem]:
     """Training or held-out problems for a data config (arithmetic generator or a JSONL dataset).
 
     Raises:

@@ -102,7 +102,7 @@ def score(run: RunComponents, step: int) -> ScoreStats:
     maybe_fail("score", step, run.run_dir)
     start = time.perf_counter()
     rows = run.run_dir.read_phase("rollouts", step, RolloutBatch).rows
-    texts = [run.tokenizer.decode(row.completion_ids, skip_special_tokens=True) for row in rows]
+    texts = run.tokenizer.batch_decode([row.completion_ids for row in rows], skip_special_tokens=True)
     totals, per_fn = score_completions(texts, [row.answer for row in rows], run.rewards)
     rewards_NG = torch.tensor(totals, dtype=torch.float32).view(-1, run.cfg.rollout.group_size)  # [N, G]
     advantages_NG = ADVANTAGE_ESTIMATORS[run.cfg.algorithm.advantage](rewards_NG)  # [N, G]
