@@ -21,6 +21,7 @@ ABORT_REASONS = ("aborted", "paused", "timeout", "adapter_unloaded", "engine_clo
 """Why a request ended with `finish_reason="abort"`: `abort()` was called; `pause(mode="abort")`;
 its deadline passed; its adapter was unloaded before the request was admitted; the engine closed."""
 
+
 def unknown_adapter_message(name: str, loaded: list[str]) -> str:
     """The error for a request naming an adapter that is not registered: SGLang's wording
     (`sglang/srt/lora/lora_registry.py`, `LoRARegistry.acquire`; HTTP 400 on `/generate`)."""
