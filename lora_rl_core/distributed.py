@@ -40,7 +40,7 @@ from __future__ import annotations
 import datetime
 import socket
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -189,7 +189,7 @@ def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full tensor (the same on every rank) into `target`, a parameter or its DTensor shard."""
     if isinstance(target, DTensor):
-        target.to_local().copy_(shard_like(target, full).to_local())
+        cast(DTensor, target).to_local().copy_(cast(DTensor, shard_like(target, full)).to_local())
     else:
         target.copy_(full)
 

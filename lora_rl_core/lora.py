@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from torch import nn
 
 from lora_rl_core.adapters.validation import adaptable_module_names
@@ -52,7 +52,7 @@ def peft_lora_config(model: nn.Module, cfg: LoRAConfig) -> LoraConfig:
     """A PEFT `LoraConfig` for `model` from our `LoRAConfig` (targets resolved and checked)."""
     return LoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # PEFT annotates int; the scale alpha / r takes any number
         lora_dropout=cfg.dropout,
         target_modules=resolve_target_modules(model, cfg),
         init_lora_weights=True if cfg.init == "default" else cfg.init,
@@ -82,6 +82,6 @@ def adapter_state(model: PeftModel, adapter_name: str = "default") -> tuple[dict
     return tensors, peft_config_dict(model.peft_config[adapter_name])
 
 
-def peft_config_dict(config: LoraConfig) -> dict[str, Any]:
+def peft_config_dict(config: PeftConfig) -> dict[str, Any]:
     """A PEFT config as a JSON-safe dict (sets become sorted lists)."""
     return json.loads(json.dumps(config.to_dict(), default=lambda o: sorted(o) if isinstance(o, set) else str(o)))

@@ -87,7 +87,9 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
         raise ModelError(f"cannot load model from {folder}: {_first_line(exc)}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(resolve_device(cfg.device)).eval(), tokenizer
+    # transformers' `to` wrapper confuses mypy about `self`; at runtime it is PreTrainedModel.to
+    model = model.to(resolve_device(cfg.device))  # type: ignore[call-arg,arg-type,unused-ignore]
+    return model.eval(), tokenizer
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

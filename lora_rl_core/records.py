@@ -110,10 +110,10 @@ class TrainBatch:
     def select(self, rows: list[int]) -> TrainBatch:
         """The sub-batch of the given row indices."""
         return TrainBatch(
-            *[
-                [field[i] for i in rows]
-                for field in (self.prompt_ids, self.completion_ids, self.advantages, self.inference_logprobs)
-            ]
+            [self.prompt_ids[i] for i in rows],
+            [self.completion_ids[i] for i in rows],
+            [self.advantages[i] for i in rows],
+            [self.inference_logprobs[i] for i in rows],
         )
 
     @classmethod

@@ -7,6 +7,8 @@ The user turn is the question, a newline, then the instruction (e.g.
 
 from __future__ import annotations
 
+from typing import Any
+
 from lora_rl_core.data.problems import Problem
 from lora_rl_core.errors import DataError
 
@@ -28,7 +30,7 @@ def build_messages(problem: Problem, *, system_prompt: str | None, instruction: 
     return messages
 
 
-def _as_ids(encoded: object) -> list[int]:
+def _as_ids(encoded: Any) -> list[int]:
     """Return the ``input_ids`` of a single encoding as a list of ints.
 
     Accepts a dict/``BatchEncoding`` or a bare list, batched (``[[...]]``) or not.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import (
@@ -30,7 +30,6 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
-    PreTrainedModel,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -72,7 +71,7 @@ class InverseCdfSampler(LogitsProcessor):
         # right=True: the first entry with cdf > u, so a zero-probability token is never chosen
         tokens_B1 = torch.searchsorted(cdf_BV, u_B1, right=True).clamp_(max=cdf_BV.shape[1] - 1)
         out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, tokens_B1, 0.0)
+        return cast(torch.FloatTensor, out.scatter_(1, tokens_B1, 0.0))
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +143,7 @@ def generation_config(p: SamplingParams, pad_id: int, eos_ids: list[int]) -> Gen
 
 @torch.no_grad()
 def generate_batch(
-    model: PreTrainedModel | Any,
+    model: Any,
     prompts: list[list[int]],
     adapters: list[str] | None,
     params: SamplingParams,

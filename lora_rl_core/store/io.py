@@ -95,9 +95,10 @@ class RetryPolicy:
 def _chain(exc: BaseException) -> list[BaseException]:
     """``exc`` and its causes / contexts, outermost first."""
     out: list[BaseException] = []
-    while exc is not None and exc not in out and len(out) < 8:
-        out.append(exc)
-        exc = exc.__cause__ or exc.__context__
+    cur: BaseException | None = exc
+    while cur is not None and cur not in out and len(out) < 8:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
     return out
 
 
