@@ -155,8 +155,8 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     If building the trainer fails, the engine already built is closed again.
 
     Raises:
-        ValueError: bad run id.
-        ConfigError / DataError / RewardError / ModelError / StoreError / EngineError: what could not be built.
+        StoreError: bad run id, or the store cannot be opened or written.
+        ConfigError / DataError / RewardError / ModelError / EngineError: what could not be built.
     """
     run_id = validate_run_id(run_id)
     configure_threads()

@@ -44,8 +44,7 @@ class RunDir:
             `uri` then only names the root.
 
     Raises:
-        StoreError: the URI cannot be opened (unknown protocol, missing package).
-        ValueError: bad run id.
+        StoreError: bad run id, or the URI cannot be opened (unknown protocol, missing package).
     """
 
     def __init__(

@@ -1,0 +1,63 @@
+"""`build_run` builds every component once and owns them: the config snapshot is written, `close()` stops
+the engine, a failure half-way closes what was built; the tasks' registry names a run that is not open."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_rl_core.config import load_config
+from lora_rl_core.errors import EngineError, LoraRLError, StoreError
+from lora_rl_core.run import build_run, components
+from lora_rl_core.run.rundir import RunDir
+from tasks import registry
+from tests.integration.tiny_run import write_tiny_config
+
+
+@pytest.fixture
+def cfg(tmp_path, tiny_model_dir):
+    return load_config(write_tiny_config(tmp_path, tiny_model_dir, "comp"))
+
+
+def test_build_run_writes_the_snapshot_and_close_stops_the_engine(cfg, tmp_path):
+    run = build_run(cfg, "comp-1")
+    try:
+        snapshot = RunDir(cfg.store.uri, "comp-1").read_config()
+        assert snapshot is not None and snapshot["lora"]["rank"] == 4
+        assert snapshot["runtime"]["dtype"] == "float32" and snapshot["runtime"]["device"] == "cpu"
+        assert len(run.train_problems) == 64 and len(run.test_problems) == 4
+        assert run.policy.version is None and run.engine.health()["ok"]
+    finally:
+        run.close()
+    with pytest.raises(EngineError):
+        run.engine.generate([])
+
+
+def test_a_failing_trainer_build_closes_the_engine(cfg, monkeypatch):
+    built = []
+    real_build_engine = components.build_engine
+
+    def spy(*args, **kwargs):
+        built.append(real_build_engine(*args, **kwargs))
+        return built[-1]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no trainer today")
+
+    monkeypatch.setattr(components, "build_engine", spy)
+    monkeypatch.setattr(components, "build_trainer", broken)
+    with pytest.raises(RuntimeError, match="no trainer today"):
+        build_run(cfg, "comp-2")
+    assert len(built) == 1
+    with pytest.raises(EngineError):
+        built[0].generate([])
+
+
+def test_bad_run_id_fails_before_anything_is_built(cfg):
+    with pytest.raises(StoreError, match="invalid run id"):
+        build_run(cfg, "../escape")
+
+
+def test_registry_names_a_run_that_is_not_open():
+    with pytest.raises(LoraRLError, match="run 'nowhere' is not open in this process"):
+        registry.get_run("nowhere")
+    registry.close_run("nowhere")  # closing what is not open is a no-op
