@@ -2,7 +2,7 @@
 
 Layout (docs/DESIGN.md): `<store>/<run_id>/checkpoints/step-000010/` holding
 `tensors.safetensors` (every tensor of the state: LoRA weights, optimizer
-moments, RNG states), `state.json` (everything else: scheduler, data cursor,
+moments, RNG states), `state.json` (everything else: scheduler, step,
 policy version, with tensors replaced by `{"__tensor__": key}`) and
 `manifest.json`, written LAST with the sha256 and size of each file. A
 checkpoint exists iff its manifest exists and every file matches it, so a

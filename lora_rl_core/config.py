@@ -204,7 +204,8 @@ class TrainerConfig(Section):
     device: Literal["cpu", "cuda"] = "cpu"
     """Device of the FSDP2 workers (world_size >= 1)."""
     checkpoint_every: int = Field(1, ge=1)
-    """Save a checkpoint (adapter, optimizer, scheduler, RNG, data cursor) every this many steps."""
+    """Save a checkpoint (LoRA weights, optimizer, scheduler, RNG states) every this many steps. The prompts
+    of a step are a function of `run.seed` and the step, so no data cursor is saved."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept in the store; older ones are deleted."""
 
