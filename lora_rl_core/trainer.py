@@ -47,7 +47,7 @@ from lora_rl_core.algorithm import (
     selective_log_softmax,
     truncated_importance_weights,
 )
-from lora_rl_core.config import AlgorithmConfig, TrainerConfig
+from lora_rl_core.config import AlgorithmConfig, RunConfig, TrainerConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import peft_config_dict
 from lora_rl_core.records import TrainBatch
@@ -163,6 +163,13 @@ class PolicyTrainer:
         if trainer.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
+
+    @classmethod
+    def from_config(cls, model: PeftModel, cfg: RunConfig, *, pad_id: int) -> PolicyTrainer:
+        """A trainer for `model` with the run's algorithm, trainer and rollout-temperature settings."""
+        return cls(
+            model, pad_id=pad_id, algorithm=cfg.algorithm, trainer=cfg.trainer, temperature=cfg.rollout.temperature
+        )
 
     @property
     def device(self) -> torch.device:

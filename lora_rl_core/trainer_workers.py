@@ -78,12 +78,9 @@ def build_sharded_trainer(cfg: RunConfig, *, device: torch.device, mixed_precisi
     distributed.shard_model(
         peft_model, mixed_precision=mixed_precision, activation_checkpointing=cfg.trainer.gradient_checkpointing
     )
-    return PolicyTrainer(
-        peft_model,
-        pad_id=tokenizer.pad_token_id,
-        algorithm=cfg.algorithm,
-        trainer=cfg.trainer.model_copy(update={"gradient_checkpointing": False}),  # done by shard_model
-        temperature=cfg.rollout.temperature,
+    unchecked = cfg.trainer.model_copy(update={"gradient_checkpointing": False})  # done by shard_model
+    return PolicyTrainer.from_config(
+        peft_model, cfg.model_copy(update={"trainer": unchecked}), pad_id=tokenizer.pad_token_id
     )
 
 

@@ -83,13 +83,7 @@ def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer
     if cfg.trainer.world_size >= 1:
         return TrainerWorkers(cfg, world_size=cfg.trainer.world_size, device=cfg.trainer.device)
     model, _ = load_model(cfg.model)
-    return PolicyTrainer(
-        apply_lora(model, cfg.lora),
-        pad_id=tokenizer.pad_token_id,
-        algorithm=cfg.algorithm,
-        trainer=cfg.trainer,
-        temperature=cfg.rollout.temperature,
-    )
+    return PolicyTrainer.from_config(apply_lora(model, cfg.lora), cfg, pad_id=tokenizer.pad_token_id)
 
 
 @dataclass

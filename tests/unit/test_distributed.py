@@ -75,13 +75,7 @@ BATCHES = [make_batch(8, 1), make_batch(8, 2), make_batch(5, 3), make_batch(1, 4
 def inprocess_trainer(cfg: RunConfig) -> PolicyTrainer:
     model, tokenizer = load_model(cfg.model)
     torch.manual_seed(cfg.run.seed)  # as build_sharded_trainer does
-    return PolicyTrainer(
-        apply_lora(model, cfg.lora),
-        pad_id=tokenizer.pad_token_id,
-        algorithm=cfg.algorithm,
-        trainer=cfg.trainer,
-        temperature=cfg.rollout.temperature,
-    )
+    return PolicyTrainer.from_config(apply_lora(model, cfg.lora), cfg, pad_id=tokenizer.pad_token_id)
 
 
 def assert_adapters_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float) -> None:

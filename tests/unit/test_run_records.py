@@ -3,8 +3,6 @@ and `RunDir` reading back (and refusing) phase files through retried store I/O."
 
 from __future__ import annotations
 
-import uuid
-
 import fsspec
 import pytest
 
@@ -59,18 +57,8 @@ def test_from_scored_counts_stale_before_uniform():
     assert len(batch) == 1 and batch.stale_rejected == 1 and batch.uniform_skipped == 1
 
 
-@pytest.fixture
-def root():
-    """A fresh memory:// store root, removed afterwards."""
-    uri = f"memory://rundir-{uuid.uuid4().hex}"
-    yield uri
-    fs, path = fsspec.core.url_to_fs(uri)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
-
-
-def test_phase_round_trip_and_missing_phase(root):
-    run_dir = RunDir(root, "r1")
+def test_phase_round_trip_and_missing_phase(memory_root):
+    run_dir = RunDir(memory_root, "r1")
     rows = [Rollout(**scored(2).model_dump(include=set(Rollout.model_fields)))]
     run_dir.write_phase("rollouts", 3, RolloutBatch(step=3, sampler={"epoch": 0, "index": 8, "seed": 0}, rows=rows))
     back = run_dir.read_phase("rollouts", 3, RolloutBatch)
@@ -79,9 +67,9 @@ def test_phase_round_trip_and_missing_phase(root):
         run_dir.read_phase("scored", 3, ScoredBatch)
 
 
-def test_a_damaged_phase_file_names_the_field_and_the_fix(root):
-    run_dir = RunDir(root, "r1")
-    fs, path = fsspec.core.url_to_fs(f"{root}/r1/scored/step-000002.json")
+def test_a_damaged_phase_file_names_the_field_and_the_fix(memory_root):
+    run_dir = RunDir(memory_root, "r1")
+    fs, path = fsspec.core.url_to_fs(f"{memory_root}/r1/scored/step-000002.json")
     fs.pipe_file(path, b'{"step": 2, "rows": [{"group": 0}]}')
     with pytest.raises(LoraRLError, match=r"step-000002.json is not a valid ScoredBatch \(rows.0.problem_id: Field "):
         run_dir.read_phase("scored", 2, ScoredBatch)
@@ -90,16 +78,16 @@ def test_a_damaged_phase_file_names_the_field_and_the_fix(root):
         run_dir.read_phase("scored", 2, ScoredBatch)
 
 
-def test_phase_writes_are_retried_on_transient_store_errors(root):
+def test_phase_writes_are_retried_on_transient_store_errors(memory_root):
     flaky = FlakyFS(fsspec.filesystem("memory"), methods={"pipe_file"}, failures=2, error=lambda: TimeoutError("slow"))
-    run_dir = RunDir(root, "r1", retry=FAST, fs=flaky)
+    run_dir = RunDir(memory_root, "r1", retry=FAST, fs=flaky)
     run_dir.write_phase("scored", 1, ScoredBatch(step=1, rows=[scored(0)]))
     assert len(flaky.injected) == 2
-    assert RunDir(root, "r1").read_phase("scored", 1, ScoredBatch).rows == [scored(0)]
+    assert RunDir(memory_root, "r1").read_phase("scored", 1, ScoredBatch).rows == [scored(0)]
 
 
-def test_config_snapshot_round_trip(root):
-    run_dir = RunDir(root, "r1")
+def test_config_snapshot_round_trip(memory_root):
+    run_dir = RunDir(memory_root, "r1")
     assert run_dir.read_config() is None
     run_dir.write_config({"lr": 1e-4, "tags": {"b", "a"}, "betas": (0.9, 0.99)})
     assert run_dir.read_config() == {"lr": 1e-4, "tags": ["a", "b"], "betas": [0.9, 0.99]}
@@ -107,9 +95,9 @@ def test_config_snapshot_round_trip(root):
         run_dir.write_config({"bad": object()})
 
 
-def test_fault_markers_fire_once_per_run(root, monkeypatch):
+def test_fault_markers_fire_once_per_run(memory_root, monkeypatch):
     monkeypatch.setenv("LORA_RL_FAULT", "score:2")
-    run_dir = RunDir(root, "r1")
+    run_dir = RunDir(memory_root, "r1")
     maybe_fail("score", 1, run_dir)  # not this step
     with pytest.raises(RuntimeError, match="injected fault at score step 2"):
         maybe_fail("score", 2, run_dir)

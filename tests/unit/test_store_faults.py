@@ -86,16 +86,6 @@ class FlakyFS:
         return flaky
 
 
-@pytest.fixture
-def memory_root():
-    """A fresh memory:// store root, removed afterwards."""
-    root = f"memory://faults-{uuid.uuid4().hex}"
-    yield root
-    fs, path = fsspec.core.url_to_fs(root)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
-
-
 def flaky_store(root: str, **kwargs) -> tuple[AdapterStore, FlakyFS]:
     """A store at ``root`` over a FlakyFS(memory, **kwargs), with millisecond retries."""
     fs = FlakyFS(fsspec.filesystem("memory"), **kwargs)
