@@ -42,6 +42,11 @@ connections) are retried with exponential backoff and jitter; permanent ones
 raise ``StoreError`` at once. A publish that fails leaves no manifest, so a
 Prefect retry of the task simply publishes again.
 
+Modules: ``adapter_store`` (``AdapterStore``, the one object callers use) owns its parts, which share
+its ``StoreIO`` (``io``) and ``StoreLayout`` (``layout``: paths, size caps, JSON): ``reader``
+(runs, versions, manifests, refs, specs), ``publish`` (the protocol above), ``verify`` (verify, pull,
+load_tensors), ``tags`` and ``retention`` (``gc``); ``models`` holds the records and ``plan_retention``.
+
 Left out: deleting leftover data folders of versions that never completed
 (they may belong to a publish still in flight; delete them by hand if a version
 number is abandoned); locking between ``gc`` and readers of the versions it
@@ -61,8 +66,9 @@ from lora_rl_core.adapters.names import (  # the naming rules live in lora_rl_co
     validate_tag,
     validate_version,
 )
-from lora_rl_core.store.adapter_store import DEFAULT_MAX_FILE_BYTES, MAX_JSON_BYTES, AdapterStore
+from lora_rl_core.store.adapter_store import AdapterStore
 from lora_rl_core.store.io import RetryPolicy, is_transient
+from lora_rl_core.store.layout import DEFAULT_MAX_FILE_BYTES, MAX_JSON_BYTES
 from lora_rl_core.store.models import AdapterManifest, AdapterRef, FileEntry, RetentionPolicy, plan_retention
 
 __all__ = [
