@@ -108,7 +108,7 @@ class SGLangEngine:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="engine-http")
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
-        self._abort_reasons: dict[str, str] = {}  # request id -> reason given to `abort` (SGLang keeps none)
+        self._abort_reasons: dict[str, str] = {}  # request id -> first reason given to `abort` (SGLang keeps none)
         self._closed = False
         self._counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self._paused = False
@@ -206,7 +206,7 @@ class SGLangEngine:
         left = deadline - time.monotonic()
         if left <= 0:
             raise EngineUnavailable(f"POST {self.url}/generate: deadline passed before the call was sent")
-        with self._tracking(requests):
+        with self._tracking(requests) as reasons:
             try:
                 answer = self._call("POST", "/generate", json_body=payload, timeout_s=left).json()
             except EngineUnavailable:
@@ -214,10 +214,10 @@ class SGLangEngine:
                 raise
         if not isinstance(answer, list) or len(answer) != len(requests):
             raise EngineError(f"{self.url}/generate answered {type(answer).__name__}, not {len(requests)} outputs")
-        with self._lock:
-            reasons = {r.request_id: self._abort_reasons.pop(r.request_id, None) for r in requests}
         completions = [
-            _to_completion(r, out, self.url, check_version=self.reports_adapter_version, reason=reasons[r.request_id])
+            _to_completion(
+                r, out, self.url, check_version=self.reports_adapter_version, reason=reasons.get(r.request_id)
+            )
             for r, out in zip(requests, answer, strict=True)
         ]
         self._count(completions)
@@ -231,15 +231,20 @@ class SGLangEngine:
         return [{**base, "sampling_seed": params.seed + i} for i in range(n)]
 
     @contextmanager
-    def _tracking(self, requests: list[GenerationRequest]) -> Iterator[None]:
+    def _tracking(self, requests: list[GenerationRequest]) -> Iterator[dict[str, str]]:
+        """Mark `requests` in flight (what `abort` and `pause("abort")` keep reasons for) during the call.
+        Yields a dict that, on exit, holds the reasons given to their aborts meanwhile (request id -> reason);
+        this client forgets them then, whether or not the call succeeded."""
         ids = {r.request_id for r in requests}
+        reasons: dict[str, str] = {}
         with self._lock:
             self._in_flight |= ids
         try:
-            yield
+            yield reasons
         finally:
             with self._lock:
                 self._in_flight -= ids
+                reasons.update((i, self._abort_reasons.pop(i)) for i in ids if i in self._abort_reasons)
 
     def _count(self, completions: list[Completion]) -> None:
         with self._lock:
@@ -262,7 +267,9 @@ class SGLangEngine:
         """Abort one request (by id) or every request on the server (None) with `/abort_request`.
 
         SGLang's `/abort_request` takes no reason (`AbortReq` is `{rid, abort_all}`): this client keeps
-        `reason` for its own requests and sets it as `abort_reason` on their completions.
+        `reason` for its own requests in flight and sets it as `abort_reason` on their completions when the
+        server's answer names no reason of its own (SGLang's prose). A request keeps the first reason given:
+        a later `abort` or `pause("abort")` does not end it again.
 
         Returns:
             How many requests were aborted: the server's count where it reports one (ours does), else
@@ -275,11 +282,16 @@ class SGLangEngine:
             raise EngineError(f"abort reason {reason!r} is not one of {ABORT_REASONS}")
         with self._lock:
             known = set(self._in_flight) if request_id is None else {request_id} & self._in_flight
-            self._abort_reasons.update(dict.fromkeys(known, reason))  # before the call: the answer may come first
+            self._keep_reason(known, reason)  # before the call: the answer may come first
         body = {"rid": "", "abort_all": True} if request_id is None else {"rid": request_id, "abort_all": False}
         response = self._call("POST", "/abort_request", json_body=self._abort_body(body, reason))
         reported = _json_or_empty(response).get("aborted")
         return reported if isinstance(reported, int) else len(known)
+
+    def _keep_reason(self, request_ids: set[str], reason: str) -> None:
+        """Remember `reason` for these requests unless one was given before (call under `self._lock`)."""
+        for rid in request_ids:
+            self._abort_reasons.setdefault(rid, reason)
 
     def _abort_body(self, body: dict[str, Any], reason: str) -> dict[str, Any]:
         """The `/abort_request` body: SGLang's `AbortReq` fields only."""
@@ -367,7 +379,7 @@ class SGLangEngine:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if mode == "abort":  # the server aborts every request; this client's end with reason `paused`
             with self._lock:
-                self._abort_reasons.update(dict.fromkeys(self._in_flight, "paused"))
+                self._keep_reason(self._in_flight, "paused")
         self._call("POST", "/pause_generation", json_body={"mode": mode})
         self._paused = True
 
@@ -653,9 +665,10 @@ def _to_completion(
     """One `/generate` output -> Completion; token ids and logprobs from `output_token_logprobs`
     (`[logprob, token_id, text]` triples), finish reason from `meta_info.finish_reason.type`.
 
-    An aborted completion's `abort_reason` is `reason` (what this client's `abort` was given), else the
-    server's `finish_reason.message` when it is one of `ABORT_REASONS` (our server's), else `aborted`
-    (SGLang's messages are prose).
+    An aborted completion's `abort_reason` is the server's `finish_reason.message` when it is one of
+    `ABORT_REASONS` (our server's: it knows why it ended the request, e.g. `paused` when a pause came before
+    this client's abort), else `reason` (what this client's `abort` was given; SGLang's messages are prose),
+    else `aborted`.
 
     With `check_version` (our server), the adapter version the server reports in `meta_info.weight_version`
     must be the one the request named: EngineError otherwise, so a wrong version never reaches training.
@@ -689,7 +702,9 @@ def _to_completion(
 
 def _abort_reason(finish: Any, reason: str | None) -> str:
     message = finish.get("message") if isinstance(finish, dict) else None
-    return reason or (message if message in ABORT_REASONS else "aborted")
+    if message in ABORT_REASONS:
+        return str(message)
+    return reason or "aborted"
 
 
 def _generate_on(
