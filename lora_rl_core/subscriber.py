@@ -337,7 +337,7 @@ def open_subscriber(
         EngineError: unknown kind, no URLs or a malformed URL.
         StoreError: a bad store URI; LoraRLError: a bad run id or keep.
     """
-    from lora_rl_core.engines.http import connect_engines  # lazy: keeps httpx out of in-process use
+    from lora_rl_core.engines.multi import connect_engines  # lazy: keeps httpx out of in-process use
 
     engines = connect_engines(engine_kind, engine_urls, api_key=api_key)
     try:

@@ -75,7 +75,7 @@ def build_remote_engine(engine_cfg: EngineConfig) -> InferenceEngine:
     Raises:
         EngineError: `engine.type` is `embedded`, no URLs, or a malformed URL.
     """
-    from lora_rl_core.engines.http import connect_engines
+    from lora_rl_core.engines.multi import connect_engines
 
     return connect_engines(
         engine_cfg.type, engine_cfg.urls, api_key=os.environ.get(engine_cfg.api_key_env), timeout_s=engine_cfg.timeout_s

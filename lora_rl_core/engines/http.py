@@ -1,4 +1,4 @@
-"""HTTP engines: a client of a real SGLang server, of our engine server, and a spread over several.
+"""HTTP engines: a client of a real SGLang server (`SGLangEngine`) and of our engine server (`ServerEngine`).
 
 `SGLangEngine` speaks the SGLang API exactly as docs/SGLANG.md lists it (sglang
 0.5.23 `sglang/srt/entrypoints/http_server.py`, structs in `sglang/srt/managers/io_struct.py`):
@@ -23,8 +23,12 @@ Choices made here:
   version first). Loading tensors into real SGLang is refused: its
   tensor endpoint takes torch multiprocessing pickles, usable on the same host only.
 * `pause`/`resume` state of a real SGLang server is known only from this client's own calls.
-* `MultiEngine` keeps every sample of one prompt on one engine (prefix cache) and deals
-  prompts round-robin; loads and unloads go to every engine.
+* Abort reasons: the server's reason wins where it names one (ours does); for SGLang's prose this client
+  keeps the reason it gave (`http_tracking.InFlightRequests`).
+
+Modules: the wire format (payloads, answers into `Completion`s, error messages, metrics text) is
+`http_wire`; what a client keeps about its requests is `http_tracking`; several engines behind one
+(`MultiEngine`, `connect_engines`) are `lora_rl_core.engines.multi`.
 
 Left out: streaming, OpenAI-compatible endpoints, retries (the caller decides).
 """
@@ -32,40 +36,27 @@ Left out: streaming, OpenAI-compatible endpoints, retries (the caller decides).
 from __future__ import annotations
 
 import base64
-import itertools
-import json
-import threading
 import time
-from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
-from lora_rl_core.adapters import adapter_version, check_adapter_name, peft_folder, safetensors_bytes
-from lora_rl_core.engines.base import (
-    ABORT_REASONS,
-    PAUSE_MODES,
-    Completion,
-    GenerationRequest,
-    InferenceEngine,
-    SamplingParams,
+from lora_rl_core.adapters import peft_folder, safetensors_bytes
+from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, SamplingParams
+from lora_rl_core.engines.http_tracking import InFlightRequests
+from lora_rl_core.engines.http_wire import (
+    adapters_from_models,
+    check_name,
+    chunks,
+    error_message,
+    json_or_empty,
+    json_safe,
+    parse_metrics,
+    sampling_body,
+    to_completion,
 )
 from lora_rl_core.errors import EngineError, StoreError
-
-_ADAPTER_SAMPLES = {  # `lora_rl_adapter_<sample>` of our server's /metrics -> engine.metrics() field
-    "requests_total": "requests",
-    "tokens_total": "tokens",
-    "loads_total": "loads",
-    "evictions_total": "evictions",
-    "load_seconds_total": "load_seconds_total",
-    "in_flight": "in_flight",
-    "resident": "resident",
-    "pinned": "pinned",
-    "version": "version",
-}
 
 
 class EngineUnavailable(EngineError):
@@ -73,8 +64,6 @@ class EngineUnavailable(EngineError):
 
 
 class SGLangEngine:
-    # Real SGLang's meta_info.weight_version names the base weights, not the LoRA adapter; ours names the adapter.
-    reports_adapter_version = False
     """`InferenceEngine` over a real SGLang server's HTTP API.
 
     Args:
@@ -84,7 +73,13 @@ class SGLangEngine:
         control_timeout_s: deadline of every other call, seconds.
         max_batch_requests: prompts per `/generate` call.
         max_concurrency: `/generate` calls in flight at once from this client.
+
+    Raises:
+        EngineError: `url` is not http(s).
     """
+
+    reports_adapter_version = False
+    """Whether `meta_info.weight_version` is the adapter's version (ours) or the base weights' (SGLang's)."""
 
     def __init__(
         self,
@@ -106,11 +101,8 @@ class SGLangEngine:
         self.control_timeout_s = control_timeout_s
         self._max_batch = max_batch_requests
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="engine-http")
-        self._lock = threading.Lock()
-        self._in_flight: set[str] = set()
-        self._abort_reasons: dict[str, str] = {}  # request id -> first reason given to `abort` (SGLang keeps none)
+        self._requests = InFlightRequests()
         self._closed = False
-        self._counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self._paused = False
 
     def __repr__(self) -> str:
@@ -157,7 +149,7 @@ class SGLangEngine:
             raise EngineUnavailable(f"{method} {self.url}{path}: cannot reach the engine: {exc}") from None
         if response.status_code >= 400 and response.status_code not in accept:
             error = EngineUnavailable if response.status_code in (502, 503, 504) else EngineError
-            raise error(f"{_error_message(response)} ({method} {self.url}{path}: HTTP {response.status_code})")
+            raise error(f"{error_message(response)} ({method} {self.url}{path}: HTTP {response.status_code})")
         return response
 
     # ------------------------------------------------------------- generation
@@ -172,13 +164,13 @@ class SGLangEngine:
             EngineUnavailable: no answer within `timeout_s` (default `self.timeout_s`), or unreachable.
         """
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
-        chunks = _chunks(requests, self._max_batch)
-        if len(chunks) == 1:
-            done = [self._generate_chunk(chunks[0][1], deadline)]
+        batches = chunks(requests, self._max_batch)
+        if len(batches) == 1:
+            done = [self._generate_chunk(batches[0][1], deadline)]
         else:
-            done = list(self._pool.map(lambda chunk: self._generate_chunk(chunk[1], deadline), chunks))
+            done = list(self._pool.map(lambda batch: self._generate_chunk(batch[1], deadline), batches))
         out: list[Completion | None] = [None] * len(requests)
-        for (indices, _), completions in zip(chunks, done, strict=True):
+        for (indices, _), completions in zip(batches, done, strict=True):
             for i, completion in zip(indices, completions, strict=True):
                 out[i] = completion
         return out  # type: ignore[return-value]  # every slot is filled above
@@ -206,7 +198,7 @@ class SGLangEngine:
         left = deadline - time.monotonic()
         if left <= 0:
             raise EngineUnavailable(f"POST {self.url}/generate: deadline passed before the call was sent")
-        with self._tracking(requests) as reasons:
+        with self._requests.tracking(requests) as reasons:
             try:
                 answer = self._call("POST", "/generate", json_body=payload, timeout_s=left).json()
             except EngineUnavailable:
@@ -215,41 +207,20 @@ class SGLangEngine:
         if not isinstance(answer, list) or len(answer) != len(requests):
             raise EngineError(f"{self.url}/generate answered {type(answer).__name__}, not {len(requests)} outputs")
         completions = [
-            _to_completion(
+            to_completion(
                 r, out, self.url, check_version=self.reports_adapter_version, reason=reasons.get(r.request_id)
             )
             for r, out in zip(requests, answer, strict=True)
         ]
-        self._count(completions)
+        self._requests.count(completions)
         return completions
 
     def _sampling_payload(self, params: SamplingParams, n: int) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang seeds each request: give request i the seed `seed + i` so a group's samples differ."""
-        base = _sampling(params)
+        base = sampling_body(params)
         if params.seed is None:
             return base
         return [{**base, "sampling_seed": params.seed + i} for i in range(n)]
-
-    @contextmanager
-    def _tracking(self, requests: list[GenerationRequest]) -> Iterator[dict[str, str]]:
-        """Mark `requests` in flight (what `abort` and `pause("abort")` keep reasons for) during the call.
-        Yields a dict that, on exit, holds the reasons given to their aborts meanwhile (request id -> reason);
-        this client forgets them then, whether or not the call succeeded."""
-        ids = {r.request_id for r in requests}
-        reasons: dict[str, str] = {}
-        with self._lock:
-            self._in_flight |= ids
-        try:
-            yield reasons
-        finally:
-            with self._lock:
-                self._in_flight -= ids
-                reasons.update((i, self._abort_reasons.pop(i)) for i in ids if i in self._abort_reasons)
-
-    def _count(self, completions: list[Completion]) -> None:
-        with self._lock:
-            for c in completions:
-                self._counters[c.adapter or "__base__"].update(requests=1, tokens=len(c.completion_ids))
 
     def _abort_quietly(self, request_ids: list[str]) -> None:
         """Best effort, at most ~5 s in all: the server may be what is failing."""
@@ -280,18 +251,11 @@ class SGLangEngine:
         """
         if reason not in ABORT_REASONS:
             raise EngineError(f"abort reason {reason!r} is not one of {ABORT_REASONS}")
-        with self._lock:
-            known = set(self._in_flight) if request_id is None else {request_id} & self._in_flight
-            self._keep_reason(known, reason)  # before the call: the answer may come first
+        known = self._requests.keep_reason(request_id, reason)  # before the call: the answer may come first
         body = {"rid": "", "abort_all": True} if request_id is None else {"rid": request_id, "abort_all": False}
         response = self._call("POST", "/abort_request", json_body=self._abort_body(body, reason))
-        reported = _json_or_empty(response).get("aborted")
+        reported = json_or_empty(response).get("aborted")
         return reported if isinstance(reported, int) else len(known)
-
-    def _keep_reason(self, request_ids: set[str], reason: str) -> None:
-        """Remember `reason` for these requests unless one was given before (call under `self._lock`)."""
-        for rid in request_ids:
-            self._abort_reasons.setdefault(rid, reason)
 
     def _abort_body(self, body: dict[str, Any], reason: str) -> dict[str, Any]:
         """The `/abort_request` body: SGLang's `AbortReq` fields only."""
@@ -315,7 +279,7 @@ class SGLangEngine:
             EngineError: bad name, tensors given (see the module docstring), a path the server cannot
                 read, or the server's refusal (already loaded, rank or target modules outside the pool).
         """
-        _check_name(name)
+        check_name(name)
         if tensors is not None:
             raise EngineError(
                 f"{self.url}: loading tensors into a real SGLang server is not supported: its "
@@ -343,7 +307,7 @@ class SGLangEngine:
 
     def _update(self, path: str, body: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
         """POST a LoRA update and check `LoRAUpdateOutput.success`."""
-        answer = _json_or_empty(self._call("POST", path, json_body=body, timeout_s=timeout_s))
+        answer = json_or_empty(self._call("POST", path, json_body=body, timeout_s=timeout_s))
         if answer.get("success") is False:
             raise EngineError(f"{answer.get('error_message') or 'refused'} ({self.url}{path})")
         return answer
@@ -361,14 +325,7 @@ class SGLangEngine:
     def list_adapters(self) -> dict[str, dict[str, Any]]:
         """Adapters from `/v1/models` (cards with a `parent`): name -> {path, version, and any
         of sha256, in_flight, pinned, resident the server reports}."""
-        cards = _json_or_empty(self._call("GET", "/v1/models")).get("data") or []
-        out = {}
-        for card in cards:
-            if card.get("parent") is None:
-                continue
-            extra = {k: card[k] for k in ("sha256", "in_flight", "pinned", "resident") if card.get(k) is not None}
-            out[card["id"]] = {"path": card.get("root"), "version": adapter_version(card["id"]), **extra}
-        return out
+        return adapters_from_models(json_or_empty(self._call("GET", "/v1/models")))
 
     # ------------------------------------------------------------- control
 
@@ -378,8 +335,7 @@ class SGLangEngine:
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if mode == "abort":  # the server aborts every request; this client's end with reason `paused`
-            with self._lock:
-                self._keep_reason(self._in_flight, "paused")
+            self._requests.keep_reason(None, "paused")
         self._call("POST", "/pause_generation", json_body={"mode": mode})
         self._paused = True
 
@@ -402,9 +358,7 @@ class SGLangEngine:
 
     def metrics(self) -> dict[str, Any]:
         """This client's counters: `{"adapters": {name: {"requests", "tokens"}}, "in_flight", "paused"}`."""
-        with self._lock:
-            adapters = {name: dict(counts) for name, counts in self._counters.items()}
-            return {"adapters": adapters, "in_flight": len(self._in_flight), "paused": self._paused}
+        return {"adapters": self._requests.counts(), "in_flight": len(self._requests), "paused": self._paused}
 
 
 class ServerEngine(SGLangEngine):
@@ -422,7 +376,7 @@ class ServerEngine(SGLangEngine):
         return {**body, "abort_message": reason}
 
     def _sampling_payload(self, params: SamplingParams, n: int) -> dict[str, Any]:
-        payload = _sampling(params)
+        payload = sampling_body(params)
         return payload if params.seed is None else {**payload, "sampling_seed": params.seed}
 
     def load_adapter(
@@ -444,12 +398,12 @@ class ServerEngine(SGLangEngine):
         if tensors is None:
             super().load_adapter(name, path=path, pinned=pinned, timeout_s=timeout_s)
             return
-        _check_name(name)
+        check_name(name)
         if config is None:
             raise EngineError(f"load_adapter({name!r}, tensors=...) needs config= (the PEFT config dict)")
         body = {
             "lora_name": name,
-            "config_dict": _json_safe(config),
+            "config_dict": json_safe(config),
             "serialized_named_tensors": [base64.b64encode(safetensors_bytes(tensors)).decode("ascii")],
             "load_format": "safetensors",
             "pinned": pinned,
@@ -462,284 +416,9 @@ class ServerEngine(SGLangEngine):
             response = self._http.get("/health", timeout=20.0)
         except httpx.HTTPError as exc:
             return {"ok": False, "url": self.url, "error": str(exc)}
-        facts = _json_or_empty(response)
+        facts = json_or_empty(response)
         return {**facts, "ok": response.status_code == 200 and facts.get("ok", True), "url": self.url}
 
     def metrics(self) -> dict[str, Any]:
         """The server's `/metrics`, read back into `{"adapters": {name: {field: value}}, ...}`."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = self._call("GET", "/metrics").text
-        adapters: defaultdict[str, dict[str, float]] = defaultdict(dict)
-        out: dict[str, Any] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                field = _ADAPTER_SAMPLES.get(sample.name.removeprefix("lora_rl_adapter_"))
-                if field is not None and "adapter" in sample.labels:
-                    adapters[sample.labels["adapter"]][field] = sample.value
-                elif sample.name.startswith("lora_rl_engine_") and not sample.labels:
-                    out[sample.name.removeprefix("lora_rl_engine_").removesuffix("_total")] = sample.value
-        return {**out, "adapters": dict(adapters)}
-
-
-class MultiEngine:
-    """Several engines behind one `InferenceEngine`: generation is spread, adapter changes broadcast.
-
-    Args:
-        engines: any engines of the protocol (HTTP clients, embedded engines, or a mix).
-    """
-
-    def __init__(self, engines: Sequence[InferenceEngine]) -> None:
-        if not engines:
-            raise EngineError("MultiEngine needs at least one engine")
-        self.engines = list(engines)
-        self._turn = itertools.count()
-        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="multi-engine")
-        self._closed = False
-
-    def __repr__(self) -> str:
-        return f"MultiEngine({self.engines!r})"
-
-    def generate(
-        self, requests: list[GenerationRequest], *, timeout_s: float | None = None, inline: bool = False
-    ) -> list[Completion]:
-        """Deal prompts round-robin (all samples of a prompt on one engine); order is preserved.
-
-        Raises:
-            EngineError: naming the engine that failed (no silent retry on another engine); closed.
-        """
-        self._check_open()
-        shares = self._spread(requests)
-        futures = [
-            self._pool.submit(_generate_on, engine, [requests[i] for i in share], timeout_s)
-            for engine, share in zip(self.engines, shares, strict=True)
-        ]
-        out: list[Completion | None] = [None] * len(requests)
-        for engine, share, future in zip(self.engines, shares, futures, strict=True):
-            for i, completion in zip(share, _result(engine, future), strict=True):
-                out[i] = completion
-        return out  # type: ignore[return-value]  # every slot is filled above
-
-    def _spread(self, requests: list[GenerationRequest]) -> list[list[int]]:
-        """Indices per engine: prompts (equal `prompt_ids`) dealt round-robin from a rotating start."""
-        start = next(self._turn)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(tuple(r.prompt_ids), []).append(i)
-        shares: list[list[int]] = [[] for _ in self.engines]
-        for k, indices in enumerate(groups.values()):
-            shares[(start + k) % len(self.engines)].extend(indices)
-        return shares
-
-    def submit(self, request: GenerationRequest) -> Future[Completion]:
-        """Submit to the next engine in turn."""
-        self._check_open()
-        return self.engines[next(self._turn) % len(self.engines)].submit(request)
-
-    def abort(self, request_id: str | None = None, *, reason: str = "aborted") -> int:
-        """Abort on every engine; the total count."""
-        return sum(engine.abort(request_id, reason=reason) for engine in self.engines)
-
-    def load_adapter(self, name: str, **kwargs: Any) -> None:
-        """Load on every engine (concurrently). Raises EngineError listing the engines that failed;
-        the others keep the adapter."""
-        self._broadcast(lambda engine: engine.load_adapter(name, **kwargs), f"load_adapter({name!r})")
-
-    def unload_adapter(self, name: str, **kwargs: Any) -> None:
-        """Unload from every engine (concurrently); EngineError lists the engines that failed."""
-        self._broadcast(lambda engine: engine.unload_adapter(name, **kwargs), f"unload_adapter({name!r})")
-
-    def _broadcast(self, call: Any, what: str) -> None:
-        futures = [self._pool.submit(call, engine) for engine in self.engines]
-        failures = []
-        for engine, future in zip(self.engines, futures, strict=True):
-            try:
-                future.result()
-            except EngineError as exc:
-                failures.append((engine, exc))
-        if failures:
-            text = "; ".join(f"{engine!r}: {exc}" for engine, exc in failures)
-            unavailable = all(isinstance(exc, EngineUnavailable) for _, exc in failures)
-            error = EngineUnavailable if unavailable else EngineError
-            raise error(f"{what} failed on {len(failures)} of {len(self.engines)} engines: {text}")
-
-    def list_adapters(self) -> dict[str, dict[str, Any]]:
-        """Adapters loaded on every engine (info from the first engine)."""
-        listed = [engine.list_adapters() for engine in self.engines]
-        common = set(listed[0]).intersection(*listed[1:])
-        return {name: info for name, info in listed[0].items() if name in common}
-
-    def pause(self, mode: str = "in_place") -> None:
-        """Pause every engine."""
-        for engine in self.engines:
-            engine.pause(mode)
-
-    def resume(self) -> None:
-        """Resume every engine."""
-        for engine in self.engines:
-            engine.resume()
-
-    def flush_cache(self) -> bool:
-        """Flush every engine's cache; True when every engine flushed."""
-        return all([engine.flush_cache() for engine in self.engines])
-
-    def health(self) -> dict[str, Any]:
-        """`{"ok": all ok, "paused": any paused, "engines": [each health]}`."""
-        facts = [engine.health() for engine in self.engines]
-        return {"ok": all(f.get("ok") for f in facts), "paused": any(f.get("paused") for f in facts), "engines": facts}
-
-    def metrics(self) -> dict[str, Any]:
-        """`{"engines": [each metrics]}`."""
-        return {"engines": [engine.metrics() for engine in self.engines]}
-
-    def members(self) -> list[InferenceEngine]:
-        """The single engines behind this one (members of member `MultiEngine`s included), in order."""
-        return [member for engine in self.engines for member in engine.members()]
-
-    def close(self) -> None:
-        """Close every engine and the worker threads (idempotent); later calls raise EngineError."""
-        self._closed = True
-        for engine in self.engines:
-            engine.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineError(f"{self!r} is closed")
-
-
-def connect_engines(kind: str, urls: Sequence[str], **options: Any) -> SGLangEngine | MultiEngine:
-    """HTTP engines for `urls`: `kind` is `server` (our engine server) or `sglang` (a real one);
-    several URLs give a `MultiEngine`. `options` are the clients' keyword arguments (`api_key`,
-    `timeout_s`, `control_timeout_s`, ...; defaults as `SGLangEngine`).
-
-    Raises:
-        EngineError: unknown kind, no URLs, or a malformed URL.
-    """
-    classes = {"server": ServerEngine, "sglang": SGLangEngine}
-    if kind not in classes:
-        raise EngineError(f"engine kind must be one of {sorted(classes)}, got {kind!r}")
-    if not urls:
-        raise EngineError("give at least one engine URL, e.g. http://127.0.0.1:30000")
-    engines = [classes[kind](url, **options) for url in urls]
-    return engines[0] if len(engines) == 1 else MultiEngine(engines)
-
-
-# ----------------------------------------------------------------- helpers
-
-
-def _check_name(name: str) -> None:
-    try:
-        check_adapter_name(name)
-    except ValueError as exc:
-        raise EngineError(str(exc)) from None
-
-
-def _sampling(p: SamplingParams) -> dict[str, Any]:
-    """SGLang sampling params (top_k -1 = off)."""
-    top_k = p.top_k if p.top_k > 0 else -1
-    return {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": top_k, "n": 1}
-
-
-def _chunks(requests: list[GenerationRequest], size: int) -> list[tuple[list[int], list[GenerationRequest]]]:
-    """(indices, requests) batches of equal sampling params, at most `size` each."""
-    groups: dict[SamplingParams, list[int]] = {}
-    for i, r in enumerate(requests):
-        groups.setdefault(r.sampling, []).append(i)
-    out = []
-    for indices in groups.values():
-        for start in range(0, len(indices), size):
-            part = indices[start : start + size]
-            out.append((part, [requests[i] for i in part]))
-    return out
-
-
-def _to_completion(
-    request: GenerationRequest,
-    out: dict[str, Any],
-    url: str,
-    *,
-    check_version: bool = False,
-    reason: str | None = None,
-) -> Completion:
-    """One `/generate` output -> Completion; token ids and logprobs from `output_token_logprobs`
-    (`[logprob, token_id, text]` triples), finish reason from `meta_info.finish_reason.type`.
-
-    An aborted completion's `abort_reason` is the server's `finish_reason.message` when it is one of
-    `ABORT_REASONS` (our server's: it knows why it ended the request, e.g. `paused` when a pause came before
-    this client's abort), else `reason` (what this client's `abort` was given; SGLang's messages are prose),
-    else `aborted`.
-
-    With `check_version` (our server), the adapter version the server reports in `meta_info.weight_version`
-    must be the one the request named: EngineError otherwise, so a wrong version never reaches training.
-    """
-    meta = out.get("meta_info") or {}
-    expected = adapter_version(request.adapter)
-    reported = meta.get("weight_version")
-    if check_version and reported is not None and str(reported) != str(expected):
-        raise EngineError(
-            f"{url}/generate served request {request.request_id} with version {reported}, "
-            f"but it named {request.adapter!r} (version {expected})"
-        )
-    triples = meta.get("output_token_logprobs")
-    if triples is None:
-        raise EngineError(f"{url}/generate returned no output_token_logprobs (return_logprob was set)")
-    finish = meta.get("finish_reason") or {}
-    kind = finish.get("type") if isinstance(finish, dict) else finish
-    if kind not in ("stop", "length", "abort"):
-        raise EngineError(f"{url}/generate returned finish_reason {finish!r}; expected stop, length or abort")
-    return Completion(
-        request_id=request.request_id,
-        prompt_ids=list(request.prompt_ids),
-        completion_ids=[int(t[1]) for t in triples],
-        logprobs=[float(t[0]) for t in triples],
-        finish_reason=kind,
-        adapter=request.adapter,
-        adapter_version=adapter_version(request.adapter),
-        abort_reason=_abort_reason(finish, reason) if kind == "abort" else None,
-    )
-
-
-def _abort_reason(finish: Any, reason: str | None) -> str:
-    message = finish.get("message") if isinstance(finish, dict) else None
-    if message in ABORT_REASONS:
-        return str(message)
-    return reason or "aborted"
-
-
-def _generate_on(
-    engine: InferenceEngine, requests: list[GenerationRequest], timeout_s: float | None
-) -> list[Completion]:
-    return engine.generate(requests, timeout_s=timeout_s) if requests else []
-
-
-def _result(engine: InferenceEngine, future: Future) -> list[Completion]:
-    try:
-        return future.result()
-    except EngineError as exc:
-        raise type(exc)(f"{engine!r}: {exc}") from exc
-
-
-def _error_message(response: httpx.Response) -> str:
-    """The message of an SGLang error answer: `{"error": {"message"}}`, `error_message`, `message`, or text."""
-    body = _json_or_empty(response)
-    error = body.get("error")
-    if isinstance(error, dict) and error.get("message"):
-        return str(error["message"])
-    for key in ("error_message", "message", "detail", "error"):
-        if body.get(key):
-            return str(body[key])
-    return response.text.strip()[:500] or response.reason_phrase
-
-
-def _json_or_empty(response: httpx.Response) -> dict[str, Any]:
-    try:
-        body = response.json()
-    except ValueError:
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-def _json_safe(config: dict[str, Any]) -> dict[str, Any]:
-    """A PEFT config as plain JSON (sets become sorted lists)."""
-    return json.loads(json.dumps(config, default=lambda o: sorted(o) if isinstance(o, set | frozenset) else str(o)))
+        return parse_metrics(self._call("GET", "/metrics").text)

@@ -16,7 +16,7 @@ Choices made here:
 * `sampling_seed` (or `seed`) seeds one batch of this server's engine, so the samples of one
   call differ from each other; in SGLang it seeds each request.
 * Tensor loads take only `load_format: "safetensors"` with base64 safetensors file bytes:
-  SGLang's torch-multiprocessing pickles are refused, never deserialised.
+  SGLang's torch-multiprocessing pickles are refused, never deserialised (`server_adapters`).
 * Control endpoints (load, unload, pause, continue, flush, abort) need
   `Authorization: Bearer <api key>` when the server has a key; `check_bind` refuses to bind
   beyond loopback without one.
@@ -33,7 +33,11 @@ Choices made here:
 * `/v1/models` adapter cards carry extra fields (`version`, `sha256` of the safetensors bytes
   this server loaded, `in_flight`, `pinned`, `resident`) that SGLang clients ignore.
 * `/metrics` is Prometheus text read from `engine.metrics()` at scrape time (a fresh
-  `CollectorRegistry` per app), names prefixed `lora_rl_`.
+  `CollectorRegistry` per app), names prefixed `lora_rl_` (`server_metrics`).
+
+Modules: this one holds `EngineServer` (the routes: generation, control, info), `create_app`, the bind
+check and `serve`; `server_api` the request bodies, error answers and output shape; `server_adapters` the
+adapter load/unload routes; `server_metrics` the Prometheus collector.
 
 Left out: streaming (`stream: true` is a 400), OpenAI-compatible `/v1/completions`, input
 logprobs and top-k logprobs, stop strings and penalties (unknown sampling fields are a 400).
@@ -42,28 +46,19 @@ logprobs and top-k logprobs, stop strings and penalties (unknown sampling fields
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import hashlib
 import hmac
 import ipaddress
 import os
 import time
-from collections.abc import Awaitable, Callable
-from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import fsspec
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lora_rl_core.adapters import STORE_URI_PREFIX, adapter_run, adapter_version, load_safetensors, peft_folder
+from lora_rl_core.adapters import STORE_URI_PREFIX, adapter_version
 from lora_rl_core.engines.base import (
     PAUSE_MODES,
     Completion,
@@ -72,114 +67,34 @@ from lora_rl_core.engines.base import (
     SamplingParams,
     unknown_adapter_message,
 )
-from lora_rl_core.errors import EngineError, LoraRLError, StoreError
+from lora_rl_core.engines.server_adapters import AdapterRoutes
+from lora_rl_core.engines.server_api import (
+    AbortIn,
+    GenerateIn,
+    HTTPError,
+    PauseIn,
+    SamplingIn,
+    expand_samples,
+    generate_output,
+    install_error_handlers,
+    per_prompt,
+    prompt_ids,
+    run_blocking,
+)
+from lora_rl_core.engines.server_metrics import server_registry
+from lora_rl_core.errors import LoraRLError
 
 if TYPE_CHECKING:
     from lora_rl_core.config import RunConfig
 
-TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
-TENSOR_ROOT = "__tensor__"  # SGLang's lora_path for adapters loaded from tensors
 HEALTH_CHECK_TIMEOUT_S = 20.0  # as SGLANG_HEALTH_CHECK_TIMEOUT
-
-
-# ----------------------------------------------------------------- request bodies
-
-
-class SamplingIn(BaseModel):
-    """The `sampling_params` subset served (sglang/srt/sampling/sampling_params.py); unknown fields are a 400."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    """-1 (or 0, or >= 2**30) disables top-k."""
-    n: int = Field(1, ge=1, le=1024)
-    sampling_seed: int | None = None
-    seed: int | None = None
-    """Alias of sampling_seed."""
-    skip_special_tokens: bool = True
-
-    def to_params(self) -> SamplingParams:
-        """Our `SamplingParams` (top_k 0 = off)."""
-        top_k = 0 if self.top_k <= 0 or self.top_k >= TOP_K_ALL else self.top_k
-        seed = self.sampling_seed if self.sampling_seed is not None else self.seed
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=top_k, seed=seed
-        )
-
-
-class GenerateIn(BaseModel):
-    """`GenerateReqInput` subset: one prompt or a batch, as text or token ids; other fields are ignored."""
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SamplingIn | list[SamplingIn] | None = None
-    lora_path: str | list[str | None] | None = None
-    """Adapter name per prompt (a list) or for all; null = base model."""
-    return_logprob: bool = False
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    rid: str | list[str] | None = None
-
-
-class LoadIn(BaseModel):
-    """`LoadLoRAAdapterReqInput`. Without `lora_path`, a server with a store resolves `lora_name` there."""
-
-    lora_name: str
-    lora_path: str | None = None
-    pinned: bool = False
-
-
-class LoadTensorsIn(BaseModel):
-    """`LoadLoRAAdapterFromTensorsReqInput`; only `load_format: "safetensors"` is accepted here."""
-
-    lora_name: str
-    config_dict: dict[str, Any]
-    serialized_named_tensors: list[str] | None = None
-    load_format: str | None = None
-    pinned: bool = False
-
-
-class UnloadIn(BaseModel):
-    """`UnloadLoRAAdapterReqInput`."""
-
-    lora_name: str
-
-
-class PauseIn(BaseModel):
-    """`PauseGenerationReqInput`: `abort` (SGLang's default), `retract` or `in_place`."""
-
-    mode: str = "abort"
-
-
-class AbortIn(BaseModel):
-    """`AbortReq`: one request id, or every request; `abort_message` is the reason (one of `ABORT_REASONS`)."""
-
-    rid: str = ""
-    abort_all: bool = False
-    abort_message: str | None = None
-
-
-class HTTPError(Exception):
-    """An error answered as `{"error": {"message": ...}}` with `status`."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def _error(status: int, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}, **extra}, status_code=status)
-
-
-# ----------------------------------------------------------------- the server
 
 
 class EngineServer:
     """The routes of the engine server, bound to one engine. Build the app with `create_app`.
+
+    Generation (`/generate`), control (pause, continue, flush, abort) and info (`/v1/models`, health, model
+    info, metrics) are handled here; adapter loads and unloads by `self.adapters` (`AdapterRoutes`).
 
     Args:
         engine: the engine served (normally an `EmbeddedEngine`).
@@ -213,16 +128,10 @@ class EngineServer:
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
         self.started = time.time()
-        self.loaded: dict[str, dict[str, Any]] = {}  # name -> {"path", "sha256"} for loads made here
         self.rids: dict[str, list[str]] = {}  # client rid -> engine request ids (n > 1 expands)
-        self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
-        self.load_seconds = Histogram(
-            "lora_rl_adapter_load_latency_seconds",
-            "Wall time of adapter loads over HTTP, by source (path or tensors).",
-            ["source"],
-            registry=self.registry,
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        self.registry, load_seconds = server_registry(engine)
+        self.adapters = AdapterRoutes(
+            engine, store=store, control_timeout_s=control_timeout_s, load_seconds=load_seconds
         )
 
     def app(self) -> FastAPI:
@@ -231,9 +140,9 @@ class EngineServer:
         control = [Depends(self._authorize)]
         routes: list[tuple[str, Callable, list[str], list]] = [
             ("/generate", self.generate, ["POST", "PUT"], []),
-            ("/load_lora_adapter", self.load_lora_adapter, ["POST"], control),
-            ("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors, ["POST"], control),
-            ("/unload_lora_adapter", self.unload_lora_adapter, ["POST"], control),
+            ("/load_lora_adapter", self.adapters.load_lora_adapter, ["POST"], control),
+            ("/load_lora_adapter_from_tensors", self.adapters.load_lora_adapter_from_tensors, ["POST"], control),
+            ("/unload_lora_adapter", self.adapters.unload_lora_adapter, ["POST"], control),
             ("/pause_generation", self.pause_generation, ["POST"], control),
             ("/continue_generation", self.continue_generation, ["POST"], control),
             ("/flush_cache", self.flush_cache, ["GET", "POST"], control),
@@ -247,17 +156,8 @@ class EngineServer:
         ]
         for path, endpoint, methods, deps in routes:
             app.add_api_route(path, endpoint, methods=methods, dependencies=deps, response_model=None)
-        handlers: dict[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]] = {
-            HTTPError: _on_http_error,
-            LoraRLError: _on_engine_error,
-            RequestValidationError: _on_validation_error,
-            StarletteHTTPException: _on_starlette_error,
-        }
-        for error, handler in handlers.items():
-            app.add_exception_handler(error, handler)
+        install_error_handlers(app)
         return app
-
-    # ------------------------------------------------------------- helpers
 
     async def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -266,26 +166,16 @@ class EngineServer:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise HTTPError(401, "Unauthorized: control endpoints need the header 'Authorization: Bearer <api key>'")
 
-    async def _blocking(self, timeout_s: float, fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
-        """Run a blocking engine call in a worker thread; HTTP 504 after `timeout_s` (the call is
-        abandoned, not killed: a torch call in a thread cannot be interrupted)."""
-        try:
-            with anyio.fail_after(timeout_s):
-                return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), abandon_on_cancel=True)
-        except TimeoutError:
-            name = getattr(fn, "__name__", "engine call")
-            raise HTTPError(504, f"{name} did not finish within {timeout_s:g} s") from None
-
     # ------------------------------------------------------------- generation
 
     async def generate(self, body: GenerateIn) -> Any:
         """`POST /generate`: complete each prompt `n` times with its adapter."""
         if body.stream:
             raise HTTPError(400, "stream=true is not supported by this server: send stream=false")
-        prompts, batch = self._prompts(body)
-        sampling = _per_prompt(body.sampling_params or SamplingIn(), len(prompts), "sampling_params")
-        adapters = _per_prompt(body.lora_path, len(prompts), "lora_path")
-        rids = [rid or os.urandom(16).hex() for rid in _per_prompt(body.rid, len(prompts), "rid")]
+        prompts, batch = prompt_ids(body, self.tokenizer)
+        sampling = per_prompt(body.sampling_params or SamplingIn(), len(prompts), "sampling_params")
+        adapters = per_prompt(body.lora_path, len(prompts), "lora_path")
+        rids = [rid or os.urandom(16).hex() for rid in per_prompt(body.rid, len(prompts), "rid")]
         requests = self._requests(prompts, sampling, adapters, rids)
         try:
             await self._check_adapters({r.adapter for r in requests if r.adapter is not None})
@@ -293,24 +183,8 @@ class EngineServer:
         finally:
             for rid in rids:
                 self.rids.pop(rid, None)
-        outs = [self._output(c, s, body) for c, s in zip(completions, _expand(sampling), strict=True)]
+        outs = [self._output(c, s, body) for c, s in zip(completions, expand_samples(sampling), strict=True)]
         return outs if batch or len(outs) > 1 else outs[0]
-
-    def _prompts(self, body: GenerateIn) -> tuple[list[list[int]], bool]:
-        if (body.text is None) == (body.input_ids is None):
-            raise HTTPError(400, "give exactly one of `text` or `input_ids`")
-        if body.input_ids is not None:
-            batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
-            prompts = cast(list[list[int]], body.input_ids if batch else [body.input_ids])
-        else:
-            if self.tokenizer is None:
-                raise HTTPError(400, "this server has no tokenizer: send `input_ids` instead of `text`")
-            batch = isinstance(body.text, list)
-            texts = cast(list[str], body.text if batch else [body.text])
-            prompts = [self.tokenizer(t)["input_ids"] for t in texts]
-        if not prompts or any(not p for p in prompts):
-            raise HTTPError(400, "every prompt needs at least one token")
-        return prompts, batch
 
     def _requests(self, prompts: list, sampling: list, adapters: list, rids: list[str]) -> list[GenerationRequest]:
         """Prompt-major requests (SGLang's order); the samples of rid R are `R-0`, `R-1`, ... when n > 1."""
@@ -326,7 +200,7 @@ class EngineServer:
         names = {n for n in names if not n.startswith(STORE_URI_PREFIX)}
         if not names:
             return
-        loaded = await self._blocking(self.control_timeout_s, self.engine.list_adapters)
+        loaded = await run_blocking(self.control_timeout_s, self.engine.list_adapters)
         unknown = sorted(names - set(loaded))
         if unknown:
             raise HTTPError(400, unknown_adapter_message(unknown[0], list(loaded)))
@@ -359,112 +233,7 @@ class EngineServer:
         return sum(self.engine.abort(i, reason=reason) for i in ids)
 
     def _output(self, c: Completion, sampling: SamplingIn, body: GenerateIn) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": c.request_id,
-            "finish_reason": _finish_reason(c),
-            "prompt_tokens": len(c.prompt_ids),
-            "completion_tokens": len(c.completion_ids),
-            "cached_tokens": 0,
-            "weight_version": c.adapter_version,
-            "lora_path": c.adapter,
-        }
-        if body.return_logprob:
-            texts = [self._decode([t], True) if body.return_text_in_logprobs else None for t in c.completion_ids]
-            meta["output_token_logprobs"] = [
-                [lp, tid, txt] for lp, tid, txt in zip(c.logprobs, c.completion_ids, texts, strict=True)
-            ]
-        text = self._decode(c.completion_ids, sampling.skip_special_tokens)
-        return {"text": text, "output_ids": c.completion_ids, "meta_info": meta}
-
-    def _decode(self, ids: list[int], skip_special: bool) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=skip_special)
-
-    # ------------------------------------------------------------- adapters
-
-    async def load_lora_adapter(self, body: LoadIn) -> JSONResponse:
-        """`POST /load_lora_adapter`: load a PEFT folder (local path or fsspec URI) under `lora_name`."""
-        try:
-            path = self._resolve(body.lora_name, body.lora_path)
-            start = time.perf_counter()
-            await self._blocking(
-                self.control_timeout_s, self.engine.load_adapter, body.lora_name, path=path, pinned=body.pinned
-            )
-            self.load_seconds.labels("path").observe(time.perf_counter() - start)
-            sha = await anyio.to_thread.run_sync(_folder_sha256, path)
-        except (LoraRLError, HTTPError) as exc:
-            return await self._update_failed(exc)
-        self.loaded[body.lora_name] = {"path": path, "sha256": sha}
-        return await self._update_ok()
-
-    def _resolve(self, name: str, path: str | None) -> str:
-        if path is not None and (self.store is None or "://" in path or "/" in path or os.path.exists(path)):
-            return path
-        if self.store is None:
-            raise EngineError(f"load_lora_adapter({name!r}) needs lora_path (this server has no --store)")
-        return self.store.resolve(path or name).uri
-
-    async def load_lora_adapter_from_tensors(self, body: LoadTensorsIn) -> JSONResponse:
-        """`POST /load_lora_adapter_from_tensors`: base64 safetensors bytes plus the PEFT config dict."""
-        if body.load_format != "safetensors":
-            message = (
-                f"load_format {body.load_format!r} refused: this server accepts only load_format='safetensors' "
-                "with serialized_named_tensors=[base64 of a safetensors file]; pickle payloads (torch "
-                "multiprocessing, flattened_bucket) are never deserialised"
-            )
-            return await self._update_failed(HTTPError(400, message))
-        try:
-            start = time.perf_counter()
-            sha = await self._blocking(self.control_timeout_s, self._load_tensors, body)
-            self.load_seconds.labels("tensors").observe(time.perf_counter() - start)
-        except (LoraRLError, HTTPError) as exc:
-            return await self._update_failed(exc)
-        self.loaded[body.lora_name] = {"path": TENSOR_ROOT, "sha256": sha}
-        return await self._update_ok()
-
-    def _load_tensors(self, body: LoadTensorsIn) -> str:
-        payloads = body.serialized_named_tensors or []
-        if len(payloads) != 1:
-            raise EngineError(f"serialized_named_tensors must hold exactly one safetensors file, got {len(payloads)}")
-        try:
-            data = base64.b64decode(payloads[0], validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise EngineError(f"serialized_named_tensors[0] is not base64: {exc}") from None
-        try:
-            tensors = load_safetensors(data, "serialized_named_tensors[0]")  # header checked before loading
-        except StoreError as exc:
-            raise EngineError(str(exc)) from None
-        self.engine.load_adapter(body.lora_name, tensors=tensors, config=body.config_dict, pinned=body.pinned)
-        return hashlib.sha256(data).hexdigest()
-
-    async def unload_lora_adapter(self, body: UnloadIn) -> JSONResponse:
-        """`POST /unload_lora_adapter`."""
-        try:
-            await self._blocking(self.control_timeout_s, self.engine.unload_adapter, body.lora_name)
-        except (LoraRLError, HTTPError) as exc:
-            return await self._update_failed(exc)
-        self.loaded.pop(body.lora_name, None)
-        return await self._update_ok()
-
-    async def _loaded_adapters(self) -> dict[str, str]:
-        listed = await self._blocking(self.control_timeout_s, self.engine.list_adapters)
-        return {name: self._root(name, info) for name, info in listed.items()}
-
-    async def _update_ok(self) -> JSONResponse:
-        body = {"success": True, "error_message": None, "loaded_adapters": await self._loaded_adapters()}
-        return JSONResponse(body)
-
-    async def _update_failed(self, exc: Exception) -> JSONResponse:
-        """`LoRAUpdateOutput` with success=false (HTTP 400), plus SGLang's `error` shape."""
-        message = exc.message if isinstance(exc, HTTPError) else str(exc)
-        status = exc.status if isinstance(exc, HTTPError) else 400
-        loaded = await self._loaded_adapters()
-        return _error(status, message, success=False, error_message=message, loaded_adapters=loaded)
-
-    def _root(self, name: str, info: dict[str, Any]) -> str:
-        if name in self.loaded:
-            return self.loaded[name]["path"]
-        source = info.get("path") or info.get("source")
-        return TENSOR_ROOT if source in (None, "tensors") else str(source)
+        return generate_output(c, sampling, body, self.tokenizer)
 
     # ------------------------------------------------------------- control
 
@@ -473,18 +242,18 @@ class EngineServer:
         mode = (body or PauseIn()).mode
         if mode not in PAUSE_MODES:
             raise HTTPError(400, f"mode must be one of {PAUSE_MODES}, got {mode!r}")
-        await self._blocking(self.control_timeout_s, self.engine.pause, mode)
+        await run_blocking(self.control_timeout_s, self.engine.pause, mode)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self) -> JSONResponse:
         """`POST /continue_generation`."""
-        await self._blocking(self.control_timeout_s, self.engine.resume)
+        await run_blocking(self.control_timeout_s, self.engine.resume)
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self) -> PlainTextResponse:
         """`POST /flush_cache`: 200, or 400 when the engine refuses (requests running)."""
         try:
-            flushed = await self._blocking(self.control_timeout_s, self.engine.flush_cache)
+            flushed = await run_blocking(self.control_timeout_s, self.engine.flush_cache)
         except LoraRLError as exc:
             return PlainTextResponse(f"Cache not flushed: {exc}\n", status_code=400)
         if flushed is False:
@@ -495,20 +264,21 @@ class EngineServer:
         """`POST /abort_request` {rid, abort_all, abort_message}; answers `{"aborted": count}`."""
         reason = body.abort_message or "aborted"
         if body.abort_all:
-            count = await self._blocking(self.control_timeout_s, self.engine.abort, None, reason=reason)
+            count = await run_blocking(self.control_timeout_s, self.engine.abort, None, reason=reason)
             return JSONResponse({"aborted": count})
         ids = self.rids.get(body.rid, [body.rid])
-        count = await self._blocking(self.control_timeout_s, self._abort_ids, ids, reason)
+        count = await run_blocking(self.control_timeout_s, self._abort_ids, ids, reason)
         return JSONResponse({"aborted": count})
 
     # ------------------------------------------------------------- info
 
     async def models(self) -> JSONResponse:
         """`GET /v1/models`: the base model, then one card per adapter (`parent` = base model)."""
-        listed = await self._blocking(self.control_timeout_s, self.engine.list_adapters)
+        listed = await run_blocking(self.control_timeout_s, self.engine.list_adapters)
         cards = [self._card(self.served_model_name, self.model_path, None, {})]
         cards += [
-            self._card(name, self._root(name, info), self.served_model_name, info) for name, info in listed.items()
+            self._card(name, self.adapters.root(name, info), self.served_model_name, info)
+            for name, info in listed.items()
         ]
         return JSONResponse({"object": "list", "data": cards})
 
@@ -516,14 +286,14 @@ class EngineServer:
         card = {"id": name, "object": "model", "created": int(info.get("loaded_at") or self.started)}
         card.update(owned_by="lora-rl", root=root, parent=parent, max_model_len=None)
         if parent is not None:
-            card.update(version=adapter_version(name), sha256=self.loaded.get(name, {}).get("sha256"))
+            card.update(version=adapter_version(name), sha256=self.adapters.sha256(name))
             card.update({k: info[k] for k in ("in_flight", "pinned", "resident") if k in info})
         return card
 
     async def health(self) -> JSONResponse:
         """`GET /health`: 200 with `engine.health()` as JSON, 503 when it is not ok."""
         try:
-            facts = await self._blocking(HEALTH_CHECK_TIMEOUT_S, self.engine.health)
+            facts = await run_blocking(HEALTH_CHECK_TIMEOUT_S, self.engine.health)
         except (LoraRLError, HTTPError) as exc:
             return JSONResponse({"ok": False, "error": str(exc)}, status_code=503)
         return JSONResponse(facts, status_code=200 if facts.get("ok", True) else 503)
@@ -550,125 +320,6 @@ class EngineServer:
         """`GET /metrics`: Prometheus text format."""
         data = await anyio.to_thread.run_sync(generate_latest, self.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
-
-
-def _per_prompt(value: Any, n: int, field: str) -> list[Any]:
-    """One value per prompt: a list must match the number of prompts; a scalar is repeated."""
-    if not isinstance(value, list):
-        return [value] * n
-    if len(value) != n:
-        raise HTTPError(400, f"`{field}` lists {len(value)} values for {n} prompts")
-    return value
-
-
-def _expand(sampling: list[SamplingIn]) -> list[SamplingIn]:
-    return [s for s in sampling for _ in range(s.n)]
-
-
-def _finish_reason(c: Completion) -> dict[str, Any]:
-    if c.finish_reason == "stop":
-        return {"type": "stop", "matched": c.completion_ids[-1] if c.completion_ids else None}
-    if c.finish_reason == "length":
-        return {"type": "length", "length": len(c.completion_ids)}
-    return {"type": "abort", "message": c.abort_reason or "aborted"}
-
-
-def _folder_sha256(path: str) -> str | None:
-    """sha256 of the `adapter_model.safetensors` the engine read from `path` (a PEFT folder, or a store
-    version folder: its data folder), or None when it cannot be read."""
-    try:
-        fs, root = fsspec.core.url_to_fs(peft_folder(path))
-        return hashlib.sha256(fs.cat_file(f"{root.rstrip('/')}/adapter_model.safetensors")).hexdigest()
-    except (OSError, ValueError, LoraRLError):
-        return None
-
-
-async def _on_http_error(request: Request, exc: HTTPError) -> JSONResponse:
-    return _error(exc.status, exc.message)
-
-
-async def _on_engine_error(request: Request, exc: LoraRLError) -> JSONResponse:
-    return _error(400, str(exc))
-
-
-async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-    return _error(400, "invalid request: " + "; ".join(parts))
-
-
-async def _on_starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return _error(exc.status_code, str(exc.detail))
-
-
-# ----------------------------------------------------------------- metrics
-
-_ADAPTER_METRICS = {  # engine.metrics()["adapters"][name] key -> (counter?, metric name, help)
-    "requests": (True, "lora_rl_adapter_requests", "Completions served, per adapter."),
-    "tokens": (True, "lora_rl_adapter_tokens", "Completion tokens generated, per adapter."),
-    "loads": (True, "lora_rl_adapter_loads", "Loads (including reloads after eviction), per adapter."),
-    "evictions": (True, "lora_rl_adapter_evictions", "Evictions from the adapter pool, per adapter."),
-    "load_seconds_total": (True, "lora_rl_adapter_load_seconds", "Seconds spent loading, per adapter."),
-    "in_flight": (False, "lora_rl_adapter_in_flight", "Requests running or queued, per adapter."),
-    "resident": (False, "lora_rl_adapter_resident", "1 when the adapter's weights are resident."),
-    "pinned": (False, "lora_rl_adapter_pinned", "1 when the adapter is pinned (never evicted)."),
-    "version": (False, "lora_rl_adapter_version", "The adapter's version number."),
-}
-
-
-class EngineCollector:
-    """Prometheus collector reading `engine.metrics()` (the `EmbeddedEngine` shape) at scrape time.
-
-    Per adapter (label `adapter`; the base model is `__base__`): requests, tokens, loads, evictions, load
-    seconds, in-flight, resident, pinned, version. Per run: the newest loaded version. Engine-wide: queue
-    depth, running requests, paused, batches, unloads, aborted requests by reason.
-    """
-
-    def __init__(self, engine: InferenceEngine) -> None:
-        self.engine = engine
-
-    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
-        """Yield the metric families (read fresh from the engine on every scrape)."""
-        metrics = self.engine.metrics()
-        adapters = dict(metrics.get("adapters") or {})
-        if isinstance(metrics.get("base"), dict):
-            adapters["__base__"] = metrics["base"]
-        for key, (counter, name, doc) in _ADAPTER_METRICS.items():
-            family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["adapter"])
-            for adapter, info in adapters.items():
-                if isinstance(info.get(key), int | float | bool):
-                    family.add_metric([adapter], float(info[key]))
-            yield family
-        yield _active_versions(self.engine.list_adapters())
-        yield from _engine_families(metrics)
-
-
-def _engine_families(metrics: dict[str, Any]):  # noqa: ANN202 - a generator of metric families
-    for key in ("queue_depth", "running", "paused", "resident"):
-        if isinstance(metrics.get(key), int | float | bool):
-            yield GaugeMetricFamily(f"lora_rl_engine_{key}", f"Engine {key}.", value=float(metrics[key]))
-    for key in ("batches", "unloads"):
-        if isinstance(metrics.get(key), int | float):
-            yield CounterMetricFamily(f"lora_rl_engine_{key}", f"Engine {key}.", value=float(metrics[key]))
-    aborted = CounterMetricFamily("lora_rl_engine_aborted", "Requests aborted, by reason.", labels=["reason"])
-    for reason, count in sorted((metrics.get("aborted") or {}).items()):
-        aborted.add_metric([reason], float(count))
-    yield aborted
-
-
-def _active_versions(adapters: dict[str, Any]) -> GaugeMetricFamily:
-    """Newest loaded version per run (versioned adapter names only)."""
-    family = GaugeMetricFamily("lora_rl_active_version", "Newest loaded adapter version, per run.", labels=["run"])
-    newest: dict[str, int] = {}
-    for name in adapters:
-        run, version = adapter_run(name), adapter_version(name)
-        if run is not None and version is not None:
-            newest[run] = max(version, newest.get(run, version))
-    for run, version in sorted(newest.items()):
-        family.add_metric([run], float(version))
-    return family
-
-
-# ----------------------------------------------------------------- app + serve
 
 
 def create_app(engine: InferenceEngine, **options: Any) -> FastAPI:

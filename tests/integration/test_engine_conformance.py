@@ -240,7 +240,7 @@ def test_close_ends_queued_requests_of_the_embedded_engine(tiny_model_dir, token
 
 
 def test_multi_engine_members_flatten_and_abort_passes_the_reason(tiny_model_dir, tokenizer):
-    from lora_rl_core.engines.http import MultiEngine
+    from lora_rl_core.engines.multi import MultiEngine
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with EmbeddedEngine(model, tokenizer) as engine:

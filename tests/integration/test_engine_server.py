@@ -29,7 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.engines import Completion, EmbeddedEngine, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import MultiEngine, ServerEngine, SGLangEngine
+from lora_rl_core.engines.http import ServerEngine, SGLangEngine
+from lora_rl_core.engines.multi import MultiEngine
 from lora_rl_core.engines.server import check_bind, create_app
 from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.lora import peft_config_dict

@@ -24,7 +24,8 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from lora_rl_core.engines.base import Completion, InferenceEngine
-from lora_rl_core.engines.server import AbortIn, EngineServer, GenerateIn, SamplingIn
+from lora_rl_core.engines.server import EngineServer
+from lora_rl_core.engines.server_api import AbortIn, GenerateIn, SamplingIn
 
 SGLANG_ABORT_MESSAGE = "Aborted by AbortReq."  # sglang/srt/managers/scheduler.py, abort_request
 _CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len")

@@ -64,7 +64,7 @@ def test_sglang_prose_takes_the_first_reason_the_client_gave() -> None:
 
     with _client(SGLangEngine, SGLANG_PROSE, during) as engine:
         assert _one(engine) == "timeout"
-        assert engine._abort_reasons == {}  # forgotten once the call ended
+        assert engine._requests.kept_reasons() == {}  # forgotten once the call ended
 
 
 def test_sglang_prose_without_a_client_reason_is_aborted() -> None:

@@ -1,0 +1,247 @@
+"""The engine server's wire format: SGLang's request bodies, error answers and `/generate` output shape.
+
+Request bodies mirror the structs of sglang 0.5.23 `sglang/srt/managers/io_struct.py` (`GenerateReqInput`,
+`LoadLoRAAdapterReqInput`, `LoadLoRAAdapterFromTensorsReqInput`, `UnloadLoRAAdapterReqInput`,
+`PauseGenerationReqInput`, `AbortReq`) as pydantic models; only the sampling params are strict (an unknown
+field is a 400). Errors are answered as SGLang does, `{"error": {"message": ...}}` with HTTP 400 for a
+refused request (`install_error_handlers`). `generate_output` shapes one completion as an element of
+SGLang's `/generate` answer. `EngineServer` (`lora_rl_core.engines.server`) and its adapter routes
+(`server_adapters`) use these; docs/SGLANG.md is the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, cast
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lora_rl_core.engines.base import Completion, SamplingParams
+from lora_rl_core.errors import LoraRLError
+
+TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
+
+
+class SamplingIn(BaseModel):
+    """The `sampling_params` subset served (sglang/srt/sampling/sampling_params.py); unknown fields are a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    """-1 (or 0, or >= 2**30) disables top-k."""
+    n: int = Field(1, ge=1, le=1024)
+    sampling_seed: int | None = None
+    seed: int | None = None
+    """Alias of sampling_seed."""
+    skip_special_tokens: bool = True
+
+    def to_params(self) -> SamplingParams:
+        """Our `SamplingParams` (top_k 0 = off)."""
+        top_k = 0 if self.top_k <= 0 or self.top_k >= TOP_K_ALL else self.top_k
+        seed = self.sampling_seed if self.sampling_seed is not None else self.seed
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=top_k, seed=seed
+        )
+
+
+class GenerateIn(BaseModel):
+    """`GenerateReqInput` subset: one prompt or a batch, as text or token ids; other fields are ignored."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingIn | list[SamplingIn] | None = None
+    lora_path: str | list[str | None] | None = None
+    """Adapter name per prompt (a list) or for all; null = base model."""
+    return_logprob: bool = False
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+class LoadIn(BaseModel):
+    """`LoadLoRAAdapterReqInput`. Without `lora_path`, a server with a store resolves `lora_name` there."""
+
+    lora_name: str
+    lora_path: str | None = None
+    pinned: bool = False
+
+
+class LoadTensorsIn(BaseModel):
+    """`LoadLoRAAdapterFromTensorsReqInput`; only `load_format: "safetensors"` is accepted here."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str] | None = None
+    load_format: str | None = None
+    pinned: bool = False
+
+
+class UnloadIn(BaseModel):
+    """`UnloadLoRAAdapterReqInput`."""
+
+    lora_name: str
+
+
+class PauseIn(BaseModel):
+    """`PauseGenerationReqInput`: `abort` (SGLang's default), `retract` or `in_place`."""
+
+    mode: str = "abort"
+
+
+class AbortIn(BaseModel):
+    """`AbortReq`: one request id, or every request; `abort_message` is the reason (one of `ABORT_REASONS`)."""
+
+    rid: str = ""
+    abort_all: bool = False
+    abort_message: str | None = None
+
+
+class HTTPError(Exception):
+    """An error answered as `{"error": {"message": ...}}` with `status`."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_response(status: int, message: str, **extra: Any) -> JSONResponse:
+    """SGLang's error answer: `{"error": {"message": message}, **extra}` with HTTP `status`."""
+    return JSONResponse({"error": {"message": message}, **extra}, status_code=status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error in SGLang's shape: `HTTPError` with its status, `LoraRLError` (an engine refusal)
+    and request validation errors with 400, Starlette's own (404, 405) with theirs."""
+    handlers: dict[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]] = {
+        HTTPError: _on_http_error,
+        LoraRLError: _on_engine_error,
+        RequestValidationError: _on_validation_error,
+        StarletteHTTPException: _on_starlette_error,
+    }
+    for error, handler in handlers.items():
+        app.add_exception_handler(error, handler)
+
+
+async def run_blocking(timeout_s: float, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Run a blocking engine call in a worker thread and return its result.
+
+    Raises:
+        HTTPError: 504 when it did not finish within `timeout_s` seconds (the call is abandoned, not
+            killed: a torch call in a thread cannot be interrupted).
+    """
+    try:
+        with anyio.fail_after(timeout_s):
+            return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), abandon_on_cancel=True)
+    except TimeoutError:
+        name = getattr(fn, "__name__", "engine call")
+        raise HTTPError(504, f"{name} did not finish within {timeout_s:g} s") from None
+
+
+# ----------------------------------------------------------------- /generate
+
+
+def prompt_ids(body: GenerateIn, tokenizer: Any) -> tuple[list[list[int]], bool]:
+    """The token ids of each prompt of `body` (`text` is encoded with `tokenizer`), and whether the body
+    was a batch (lists) rather than one prompt.
+
+    Raises:
+        HTTPError: 400 for both or neither of `text` and `input_ids`, `text` without a tokenizer, or an
+            empty prompt.
+    """
+    if (body.text is None) == (body.input_ids is None):
+        raise HTTPError(400, "give exactly one of `text` or `input_ids`")
+    if body.input_ids is not None:
+        batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        prompts = cast(list[list[int]], body.input_ids if batch else [body.input_ids])
+    else:
+        if tokenizer is None:
+            raise HTTPError(400, "this server has no tokenizer: send `input_ids` instead of `text`")
+        batch = isinstance(body.text, list)
+        texts = cast(list[str], body.text if batch else [body.text])
+        prompts = [tokenizer(t)["input_ids"] for t in texts]
+    if not prompts or any(not p for p in prompts):
+        raise HTTPError(400, "every prompt needs at least one token")
+    return prompts, batch
+
+
+def per_prompt(value: Any, n: int, field: str) -> list[Any]:
+    """One value per prompt: a scalar is repeated `n` times; a list must have `n` values.
+
+    Raises:
+        HTTPError: 400 when the list `field` has another length.
+    """
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise HTTPError(400, f"`{field}` lists {len(value)} values for {n} prompts")
+    return value
+
+
+def expand_samples(sampling: list[SamplingIn]) -> list[SamplingIn]:
+    """Each prompt's sampling params repeated `n` times: one per completion, in SGLang's prompt-major order."""
+    return [s for s in sampling for _ in range(s.n)]
+
+
+def generate_output(c: Completion, sampling: SamplingIn, body: GenerateIn, tokenizer: Any) -> dict[str, Any]:
+    """One element of SGLang's `/generate` answer: `text` (decoded with `tokenizer`; "" without one),
+    `output_ids` and `meta_info` (`id`, `finish_reason`, token counts, `weight_version` = the adapter version
+    that produced it, `lora_path`, and `output_token_logprobs` triples `[logprob, token_id, text]` when
+    `body.return_logprob`)."""
+    meta: dict[str, Any] = {
+        "id": c.request_id,
+        "finish_reason": finish_reason(c),
+        "prompt_tokens": len(c.prompt_ids),
+        "completion_tokens": len(c.completion_ids),
+        "cached_tokens": 0,
+        "weight_version": c.adapter_version,
+        "lora_path": c.adapter,
+    }
+    if body.return_logprob:
+        with_text = body.return_text_in_logprobs
+        texts = [_decode(tokenizer, [t], True) if with_text else None for t in c.completion_ids]
+        meta["output_token_logprobs"] = [
+            [lp, tid, txt] for lp, tid, txt in zip(c.logprobs, c.completion_ids, texts, strict=True)
+        ]
+    text = _decode(tokenizer, c.completion_ids, sampling.skip_special_tokens)
+    return {"text": text, "output_ids": c.completion_ids, "meta_info": meta}
+
+
+def finish_reason(c: Completion) -> dict[str, Any]:
+    """SGLang's `meta_info.finish_reason`: `stop` (with the matched token), `length`, or `abort` whose
+    `message` is the completion's `abort_reason` (one of `ABORT_REASONS`)."""
+    if c.finish_reason == "stop":
+        return {"type": "stop", "matched": c.completion_ids[-1] if c.completion_ids else None}
+    if c.finish_reason == "length":
+        return {"type": "length", "length": len(c.completion_ids)}
+    return {"type": "abort", "message": c.abort_reason or "aborted"}
+
+
+def _decode(tokenizer: Any, ids: list[int], skip_special: bool) -> str:
+    return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+
+async def _on_http_error(request: Request, exc: HTTPError) -> JSONResponse:
+    return error_response(exc.status, exc.message)
+
+
+async def _on_engine_error(request: Request, exc: LoraRLError) -> JSONResponse:
+    return error_response(400, str(exc))
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+    return error_response(400, "invalid request: " + "; ".join(parts))
+
+
+async def _on_starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail))
