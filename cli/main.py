@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cli import shutdown
 from cli.adapters import adapters_app
 from lora_rl_core import progress
-from lora_rl_core.config import EngineConfig
+from lora_rl_core.config import SGLANG_DEFAULT_PORT, EngineConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.subscriber import ENGINE_KIND, KEEP_VERSIONS, POLL_INTERVAL_S
 
@@ -156,7 +156,7 @@ def serve(
     ] = None,
     overrides: OverridesArg = None,
     host: Annotated[str, typer.Option(help="bind address; beyond loopback needs --api-key")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port")] = 30000,
+    port: Annotated[int, typer.Option(help="port")] = SGLANG_DEFAULT_PORT,
     api_key: Annotated[
         str | None,
         typer.Option(help="Bearer key for the control endpoints (default: the variable named by engine.api_key_env)"),

@@ -14,12 +14,18 @@ from __future__ import annotations
 import datetime as _dt
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lora_rl_core.errors import ConfigError
+
+EvictionPolicy = Literal["lru", "fifo"]
+EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
+"""Which resident adapter is evicted when the pool is full (SGLang `--lora-eviction-policy`)."""
+SGLANG_DEFAULT_PORT = 30000
+"""The port SGLang and `lora-rl serve` listen on unless told otherwise (SGLang's `--port` default)."""
 
 
 class Section(BaseModel):
@@ -138,7 +144,7 @@ class EngineConfig(Section):
     """Distinct adapters in one forward batch, the base model counted (SGLang `--max-loras-per-batch`)."""
     max_loaded_loras: int | None = Field(None, ge=1)
     """Resident adapter cap; None = unlimited (SGLang `--max-loaded-loras`)."""
-    eviction_policy: Literal["lru", "fifo"] = "lru"
+    eviction_policy: EvictionPolicy = "lru"
     """Which resident adapter is evicted when `max_loaded_loras` are resident and another is needed: `lru`
     the least recently loaded or used by an admitted request, `fifo` the one resident longest. Pinned
     adapters are never evicted; no effect while `max_loaded_loras` is None (SGLang `--lora-eviction-policy`)."""

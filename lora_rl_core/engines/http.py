@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from lora_rl_core.adapters import peft_folder, safetensors_bytes
+from lora_rl_core.config import EngineConfig
 from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, SamplingParams
 from lora_rl_core.engines.http_tracking import InFlightRequests
 from lora_rl_core.engines.http_wire import (
@@ -57,6 +58,8 @@ from lora_rl_core.engines.http_wire import (
     to_completion,
 )
 from lora_rl_core.errors import EngineError, StoreError
+
+_DEFAULTS = EngineConfig()  # the generation deadline's default lives once, in the config
 
 
 class EngineUnavailable(EngineError):
@@ -86,7 +89,7 @@ class SGLangEngine:
         url: str,
         *,
         api_key: str | None = None,
-        timeout_s: float = 600.0,
+        timeout_s: float = _DEFAULTS.timeout_s,
         control_timeout_s: float = 60.0,
         max_batch_requests: int = 256,
         max_concurrency: int = 4,

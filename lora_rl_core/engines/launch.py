@@ -19,12 +19,14 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from lora_rl_core.adapters import check_adapter_name
+from lora_rl_core.config import EVICTION_POLICIES, SGLANG_DEFAULT_PORT, EngineConfig
 from lora_rl_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from lora_rl_core.config import RunConfig
 
-EVICTION_POLICIES = ("lru", "fifo")
+_DEFAULTS = EngineConfig()  # pool defaults live once, in the config
+
 LoraPath = tuple[str, str, bool]  # (name, path, pinned)
 
 
@@ -33,12 +35,12 @@ def sglang_launch_command(
     *,
     max_lora_rank: int,
     target_modules: Sequence[str] | str,
-    max_loras_per_batch: int = 8,
-    max_loaded_loras: int | None = None,
-    eviction_policy: str = "lru",
+    max_loras_per_batch: int = _DEFAULTS.max_loras_per_batch,
+    max_loaded_loras: int | None = _DEFAULTS.max_loaded_loras,
+    eviction_policy: str = _DEFAULTS.eviction_policy,
     lora_paths: Iterable[LoraPath] = (),
     host: str = "127.0.0.1",
-    port: int = 30000,
+    port: int = SGLANG_DEFAULT_PORT,
     python: str = "python",
     extra: Sequence[str] = (),
 ) -> list[str]:
@@ -130,7 +132,7 @@ def sglang_launch_command_from_config(
     model_path: str | None = None,
     lora_paths: Iterable[LoraPath] = (),
     host: str = "127.0.0.1",
-    port: int = 30000,
+    port: int = SGLANG_DEFAULT_PORT,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """`sglang_launch_command` for a run config: base model, dtype, LoRA rank and targets, and the

@@ -35,10 +35,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lora_rl_core.config import EVICTION_POLICIES
 from lora_rl_core.engines.base import unknown_adapter_message
 from lora_rl_core.errors import EngineError
-
-EVICTION_POLICIES = ("lru", "fifo")
 
 
 @dataclass
