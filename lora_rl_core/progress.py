@@ -44,7 +44,7 @@ def format_step(m: dict[str, Any]) -> str:
 
 
 def format_runtime(runtime: dict[str, Any]) -> str:
-    """One line for the run log: device, model dtype and why, CPU threads (`session.runtime_info`)."""
+    """One line for the run log: device, model dtype and why, CPU threads (`lora_rl_core.run.runtime_info`)."""
     return (
         f"model dtype {runtime['dtype']} on {runtime['device']}: {runtime['dtype_reason']}; "
         f"{runtime['cpu_threads']} CPU threads"

@@ -121,7 +121,7 @@ def run_summary(
         run_id, final_adapter, steps, wall_seconds, seconds_per_step (mean step wall time, s),
         completions_per_second (completions / rollout seconds), base_accuracy / final_accuracy
         (fractions, None when not measured), base_eval, final_eval, store_uri, runtime (device, dtype and
-        why, CPU threads: `session.runtime_info`).
+        why, CPU threads: `lora_rl_core.run.runtime_info`).
     """
     steps = len(history)
     rollout_seconds = sum(h["rollout_seconds"] for h in history)
