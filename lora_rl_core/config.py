@@ -127,6 +127,40 @@ class RolloutConfig(Section):
     """Appended to each question in the user message."""
 
 
+class SGLangLaunchConfig(Section):
+    """Start an SGLang server as a subprocess of the run (`engine.type: sglang`), with the flags that work
+    for LoRA on one GPU (docs/SGLANG.md, "Launch"), and stop it with its process group when the run ends."""
+
+    enabled: bool = False
+    """Launch the server; `engine.urls` must then be empty (the run talks to the server it started)."""
+    python: str = "python3"
+    """Interpreter that runs `-m sglang.launch_server` (SGLang may live in another environment than ours)."""
+    env: dict[str, str] = {}
+    """Extra environment of the server process, e.g. `{PYTHONPATH: /opt/sglang-site}`."""
+    host: str = "127.0.0.1"
+    """Bind address of the server (loopback: only this machine's run talks to it)."""
+    port: int = Field(SGLANG_DEFAULT_PORT, ge=1, le=65535)
+    """Port of the server (SGLang's `--port`)."""
+    mem_fraction_static: float | None = Field(0.5, gt=0, lt=1)
+    """Fraction of GPU memory SGLang takes for weights and KV cache (`--mem-fraction-static`); the rest stays
+    for a trainer on the same GPU. None = SGLang's own default (about 0.84 on an 80 GB GPU)."""
+    cuda_graph_max_bs: int | None = Field(32, ge=1)
+    """Largest decode batch captured as a CUDA graph (`--cuda-graph-max-bs-decode`, prefill graphs off);
+    None = `--disable-cuda-graph` (starts faster, decodes ~10x slower for a 135M model)."""
+    attention_backend: str = "triton"
+    """`--attention-backend`; `triton` needs no FlashAttention-3 kernels."""
+    sampling_backend: str = "pytorch"
+    """`--sampling-backend`."""
+    lora_backend: str = "triton"
+    """`--lora-backend`."""
+    grammar_backend: str = "none"
+    """`--grammar-backend`; `none`: rollouts use no constrained decoding."""
+    extra_args: list[str] = []
+    """Further `sglang.launch_server` arguments, appended as given."""
+    startup_timeout_s: float = Field(900.0, gt=0)
+    """How long to wait for `/health` after the start, seconds (a cold start with CUDA graphs takes ~3 min)."""
+
+
 class EngineConfig(Section):
     """Inference engine(s) that produce rollouts."""
 
@@ -152,10 +186,15 @@ class EngineConfig(Section):
     """Reject adapters of a higher rank (SGLang `--max-lora-rank`)."""
     sync: Literal["tensor", "store"] = "tensor"
     """How a new adapter version reaches the engines: in-memory tensors, or read back from the store."""
+    launch: SGLangLaunchConfig = SGLangLaunchConfig()
+    """Start a local SGLang server for this run (`engine.type: sglang`)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
-        if (self.type == "embedded") == bool(self.urls):
+        if self.launch.enabled:
+            if self.type != "sglang" or self.urls:
+                raise ValueError("engine.launch.enabled needs engine.type: sglang and no engine.urls")
+        elif (self.type == "embedded") == bool(self.urls):
             raise ValueError("engine.urls must be set exactly when engine.type is server or sglang")
         if self.type == "sglang" and self.sync == "tensor":
             raise ValueError("a remote SGLang server cannot take tensors: use engine.sync: store")

@@ -36,16 +36,17 @@ Left out: streaming, OpenAI-compatible endpoints, retries (the caller decides).
 from __future__ import annotations
 
 import base64
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
-from lora_rl_core.adapters import peft_folder, safetensors_bytes
+from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.config import EngineConfig
 from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http_tracking import InFlightRequests
+from lora_rl_core.engines.http_tracking import InFlightRequests, RetiredAdapters
 from lora_rl_core.engines.http_wire import (
     adapters_from_models,
     check_name,
@@ -53,12 +54,14 @@ from lora_rl_core.engines.http_wire import (
     error_message,
     json_or_empty,
     json_safe,
+    local_peft_folder,
     parse_metrics,
     sampling_body,
     to_completion,
 )
-from lora_rl_core.errors import EngineError, StoreError
+from lora_rl_core.errors import EngineError
 
+log = logging.getLogger(__name__)
 _DEFAULTS = EngineConfig()  # the generation deadline's default lives once, in the config
 
 
@@ -83,6 +86,9 @@ class SGLangEngine:
 
     reports_adapter_version = False
     """Whether `meta_info.weight_version` is the adapter's version (ours) or the base weights' (SGLang's)."""
+    guards_retired = True
+    """Whether this client refuses requests for adapters it unloaded (`RetiredAdapters`): SGLang reloads an
+    unloaded adapter silently when a request names it; our server refuses such a request itself."""
 
     def __init__(
         self,
@@ -105,6 +111,7 @@ class SGLangEngine:
         self._max_batch = max_batch_requests
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="engine-http")
         self._requests = InFlightRequests()
+        self._retired = RetiredAdapters()
         self._closed = False
         self._paused = False
 
@@ -190,6 +197,8 @@ class SGLangEngine:
         return self._pool.submit(lambda: self._generate_chunk([request], deadline)[0])
 
     def _generate_chunk(self, requests: list[GenerationRequest], deadline: float) -> list[Completion]:
+        if self.guards_retired:  # never send a retired name: SGLang would load that version again
+            self._retired.check(requests, self.url)
         payload = {
             "input_ids": [list(r.prompt_ids) for r in requests],
             "sampling_params": self._sampling_payload(requests[0].sampling, len(requests)),
@@ -295,18 +304,8 @@ class SGLangEngine:
         self._update("/load_lora_adapter", body, timeout_s)
 
     def _server_path(self, path: str) -> str:
-        """A PEFT folder SGLang can read: `file://` URIs become local paths, a store version folder becomes
-        the folder of its files (`peft_folder`); other URIs are refused."""
-        scheme, sep, rest = path.partition("://")
-        if not sep or scheme == "file":
-            try:
-                return peft_folder(rest if sep else path)
-            except StoreError as exc:
-                raise EngineError(str(exc)) from None
-        raise EngineError(
-            f"{self.url}: SGLang reads adapters from a local folder, not {path!r}: pull the version to a folder "
-            "the server can read (`lora-rl adapters pull`) or use a shared filesystem"
-        )
+        """A PEFT folder SGLang can read (`local_peft_folder`)."""
+        return local_peft_folder(path, self.url)
 
     def _update(self, path: str, body: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
         """POST a LoRA update and check `LoRAUpdateOutput.success`."""
@@ -316,19 +315,26 @@ class SGLangEngine:
         return answer
 
     def unload_adapter(self, name: str, *, timeout_s: float = 30.0) -> None:
-        """Unload `name` (`/unload_lora_adapter`).
+        """Unload `name` (`/unload_lora_adapter`). On a real SGLang server the name is retired in this client
+        first (`RetiredAdapters`): from then on a request naming it is refused as an unknown adapter.
 
         Raises:
             EngineError: unknown name, or the server's refusal.
             EngineUnavailable: no answer within `timeout_s`: SGLang's unload waits without timeout for
                 the adapter's requests (hangs: sglang#36894); the server may be stuck.
         """
+        if self.guards_retired:
+            self._retired.retire(name)
         self._update("/unload_lora_adapter", {"lora_name": name}, timeout_s)
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
         """Adapters from `/v1/models` (cards with a `parent`): name -> {path, version, and any
         of sha256, in_flight, pinned, resident the server reports}."""
-        return adapters_from_models(json_or_empty(self._call("GET", "/v1/models")))
+        adapters = adapters_from_models(json_or_empty(self._call("GET", "/v1/models")))
+        back = self._retired.revived_in(list(adapters)) if self.guards_retired else []
+        if back:
+            log.warning("%s lists retired adapters again (reloaded by a request naming them): %s", self.url, back)
+        return adapters
 
     # ------------------------------------------------------------- control
 
@@ -361,7 +367,12 @@ class SGLangEngine:
 
     def metrics(self) -> dict[str, Any]:
         """This client's counters: `{"adapters": {name: {"requests", "tokens"}}, "in_flight", "paused"}`."""
-        return {"adapters": self._requests.counts(), "in_flight": len(self._requests), "paused": self._paused}
+        return {
+            "adapters": self._requests.counts(),
+            "in_flight": len(self._requests),
+            "paused": self._paused,
+            "revived_adapters": self._retired.revived,
+        }
 
 
 class ServerEngine(SGLangEngine):
@@ -369,6 +380,7 @@ class ServerEngine(SGLangEngine):
     fsspec URIs as adapter paths, the server's health facts and its Prometheus metrics."""
 
     reports_adapter_version = True
+    guards_retired = False
 
     def _server_path(self, path: str) -> str:
         return path  # the server reads any fsspec URI

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from lora_rl_core.engines.base import Completion, GenerationRequest
+from lora_rl_core.errors import EngineError
 
 
 class InFlightRequests:
@@ -71,3 +72,52 @@ class InFlightRequests:
         """Per adapter: `{"requests", "tokens"}` counted so far."""
         with self._lock:
             return {name: dict(counts) for name, counts in self._counters.items()}
+
+
+class RetiredAdapters:
+    """Adapter names this client retired from a real SGLang server, which it refuses to send again.
+
+    Why: SGLang 0.5.17 answers a `/generate` that names an unloaded adapter by loading it again from the
+    path it remembers (`TokenizerManager.lora_ref_cache`, log line "Reloading evicted adapter"), with HTTP 200
+    (docs/SGLANG.md, "Hazards"). A late request for a retired version would bring that version back
+    resident and unnoticed. So the name is retired here before the unload is sent; a request naming it is
+    refused at once as an unknown adapter, as the embedded engine and our server refuse one; and a retired name that the
+    server lists again (another client revived it) is counted and logged, and stays listed so that the
+    next `retire_stale` unloads it again. Names are never reused for other weights, so none comes back.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._names: set[str] = set()
+        self.revived = 0
+        """How many times a retired name was found listed again by the server."""
+
+    def retire(self, name: str) -> None:
+        """Refuse `name` from now on."""
+        with self._lock:
+            self._names.add(name)
+
+    def refuses(self, name: str | None) -> bool:
+        """True when `name` was retired (the base model, None, never is)."""
+        with self._lock:
+            return name is not None and name in self._names
+
+    def revived_in(self, listed: Iterator[str] | list[str]) -> list[str]:
+        """The retired names among `listed` (what the server lists now); each sighting is counted."""
+        with self._lock:
+            back = sorted(n for n in listed if n in self._names)
+            self.revived += len(back)
+        return back
+
+    def check(self, requests: list[GenerationRequest], url: str) -> None:
+        """Refuse a batch that names a retired adapter, before anything reaches the server.
+
+        Raises:
+            EngineError: with SGLang's wording for an unknown adapter, as for a name never loaded.
+        """
+        refused = sorted({r.adapter for r in requests if self.refuses(r.adapter)} - {None})
+        if refused:
+            raise EngineError(
+                f"LoRA adapter {refused[0]!r} has never been loaded or was unloaded: this client retired it and "
+                f"does not send it ({url} would load it again from its old path, docs/SGLANG.md)"
+            )

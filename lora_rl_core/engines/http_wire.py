@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 
-from lora_rl_core.adapters import adapter_version, check_adapter_name
+from lora_rl_core.adapters import adapter_version, check_adapter_name, peft_folder
 from lora_rl_core.engines.base import ABORT_REASONS, Completion, GenerationRequest, SamplingParams
-from lora_rl_core.errors import EngineError
+from lora_rl_core.errors import EngineError, StoreError
 
 _ADAPTER_SAMPLES = {  # `lora_rl_adapter_<sample>` of our server's /metrics -> engine.metrics() field
     "requests_total": "requests",
@@ -175,3 +175,23 @@ def json_or_empty(response: httpx.Response) -> dict[str, Any]:
 def json_safe(config: dict[str, Any]) -> dict[str, Any]:
     """A PEFT config as plain JSON (sets become sorted lists, other non-JSON values strings)."""
     return json.loads(json.dumps(config, default=lambda o: sorted(o) if isinstance(o, set | frozenset) else str(o)))
+
+
+def local_peft_folder(path: str, url: str) -> str:
+    """A PEFT folder an SGLang server on this machine can read: `file://` URIs become local paths, a store
+    version folder becomes the folder of its files (`peft_folder`).
+
+    Raises:
+        EngineError: another URI scheme (SGLang reads local folders only), or a store folder that is not a
+            complete version; the message says how to get a local copy.
+    """
+    scheme, sep, rest = path.partition("://")
+    if not sep or scheme == "file":
+        try:
+            return peft_folder(rest if sep else path)
+        except StoreError as exc:
+            raise EngineError(str(exc)) from None
+    raise EngineError(
+        f"{url}: SGLang reads adapters from a local folder, not {path!r}: pull the version to a folder "
+        "the server can read (`lora-rl adapters pull`) or use a shared filesystem"
+    )

@@ -7,8 +7,8 @@ The flags and their checks mirror sglang 0.5.23 `sglang/srt/arg_groups/fields/lo
 and the eviction policy is `lru` or `fifo`. Pinned adapters are rendered as JSON objects
 `{"lora_name", "lora_path", "pinned": true}`, the others as `NAME=PATH`.
 
-Left out: flags that do not concern LoRA (tensor parallelism, memory fraction, ...); pass
-them through `extra`.
+`launch_flags` adds what `engine.launch` sets beyond LoRA (backends, memory fraction, CUDA graphs);
+`sglang_server_command` is the whole argv that `lora_rl_core.engines.sglang_server` starts.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from lora_rl_core.config import EVICTION_POLICIES, SGLANG_DEFAULT_PORT, EngineCo
 from lora_rl_core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lora_rl_core.config import RunConfig
+    from lora_rl_core.config import RunConfig, SGLangLaunchConfig
 
 _DEFAULTS = EngineConfig()  # pool defaults live once, in the config
 
@@ -176,6 +176,39 @@ def sglang_launch_command_from_config(
         port=port,
         extra=[*model_flags, *extra],
     )
+
+
+def launch_flags(launch: SGLangLaunchConfig) -> list[str]:
+    """The non-LoRA flags of `engine.launch` that made SGLang 0.5.17 start and serve LoRA on one GPU
+    (docs/SGLANG.md, "Launch"): backends, memory fraction, decode CUDA graphs (or none), then `extra_args`."""
+    flags = ["--attention-backend", launch.attention_backend, "--sampling-backend", launch.sampling_backend]
+    flags += ["--lora-backend", launch.lora_backend, "--grammar-backend", launch.grammar_backend]
+    if launch.mem_fraction_static is not None:
+        flags += ["--mem-fraction-static", str(launch.mem_fraction_static)]
+    if launch.cuda_graph_max_bs is None:
+        flags.append("--disable-cuda-graph")
+    else:
+        flags += [
+            "--cuda-graph-max-bs-decode",
+            str(launch.cuda_graph_max_bs),
+            "--cuda-graph-backend-prefill",
+            "disabled",
+        ]
+    return flags + list(launch.extra_args)
+
+
+def sglang_server_command(cfg: RunConfig, model_path: str) -> list[str]:
+    """The argv `engine.launch` starts: `sglang_launch_command_from_config` for the local model folder
+    `model_path`, with `engine.launch`'s interpreter, address and flags (`launch_flags`).
+
+    Raises:
+        ConfigError: as `sglang_launch_command`.
+    """
+    launch = cfg.engine.launch
+    argv = sglang_launch_command_from_config(
+        cfg, model_path=model_path, host=launch.host, port=launch.port, extra=launch_flags(launch)
+    )
+    return [launch.python, *argv[1:]]
 
 
 def render(argv: Sequence[str]) -> str:

@@ -20,6 +20,7 @@ from lora_rl_core.config import DataConfig, RunConfig
 from lora_rl_core.data import Problem, PromptSampler, arithmetic_split, load_dataset
 from lora_rl_core.engines import InferenceEngine
 from lora_rl_core.engines.factory import build_engine
+from lora_rl_core.engines.sglang_server import SGLangServer, launch_sglang
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
 from lora_rl_core.rewards import RewardFn, load_reward
@@ -115,7 +116,8 @@ class RunComponents:
         train_problems / test_problems / sampler: the data.
         rewards: `(name, fn, weight)` reward terms.
         runtime: device, dtype and why, CPU threads (`runtime_info`).
-        policy: the version rollouts use (mutable; `lora_rl_core.run.phases.sync` moves it).
+        policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
+        server: the SGLang server this run launched (`engine.launch.enabled`), else None.
     """
 
     cfg: RunConfig
@@ -133,20 +135,27 @@ class RunComponents:
     rewards: list[tuple[str, RewardFn, float]]
     runtime: dict[str, Any]
     policy: PolicyState = field(default_factory=PolicyState)
+    server: SGLangServer | None = None
 
     def close(self) -> None:
-        """Stop the trainer's worker processes and the engine (its worker thread, or its HTTP clients)."""
+        """Stop the trainer's worker processes, the engine (its worker thread, or its HTTP clients) and the
+        SGLang server the run launched (`engine.launch`)."""
         try:
             self.trainer.close()
         finally:
-            self.engine.close()
+            try:
+                self.engine.close()
+            finally:
+                if self.server is not None:
+                    self.server.stop()
 
 
 def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     """Build the components of run `run_id`: set CPU threads, write the config snapshot `run.json`, load data,
     rewards, tokenizer, the engine and the trainer, and seed Python's and torch's RNGs with `run.seed`.
 
-    If building the trainer fails, the engine already built is closed again.
+    With `engine.launch.enabled`, an SGLang server is started first (log: `<workdir>/sglang.log`) and the
+    engine talks to it. If a later part fails, what was already built is closed or stopped again.
 
     Raises:
         StoreError: bad run id, or the store cannot be opened or written.
@@ -164,11 +173,21 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
-    engine = build_engine(cfg.engine, cfg.model, store, tokenizer=tokenizer)
+    workdir = Path(cfg.run.output_dir) / run_id
+    server = launch_sglang(cfg, workdir / "sglang.log") if cfg.engine.launch.enabled else None
+    try:
+        engine_cfg = cfg.engine if server is None else cfg.engine.model_copy(update={"urls": [server.url]})
+        engine = build_engine(engine_cfg, cfg.model, store, tokenizer=tokenizer)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
     try:
         trainer = build_trainer(cfg, tokenizer)
     except BaseException:
         engine.close()
+        if server is not None:
+            server.stop()
         raise
     return RunComponents(
         cfg=cfg,
@@ -176,7 +195,7 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
         store=store,
         run_dir=run_dir,
         checkpoints=CheckpointStore(store.uri, cfg.store.storage_options),
-        workdir=Path(cfg.run.output_dir) / run_id,
+        workdir=workdir,
         tokenizer=tokenizer,
         engine=engine,
         trainer=trainer,
@@ -185,4 +204,5 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
         sampler=PromptSampler(train_problems, seed=cfg.run.seed),
         rewards=rewards,
         runtime=runtime,
+        server=server,
     )

@@ -12,6 +12,9 @@ error bodies; where its answers carry more than SGLang's, this fake answers as S
   is no `lora_path` in `meta_info`.
 * `/v1/models` adapter cards are `{id, object, created, owned_by, root, parent, max_model_len}` only.
 * `/health` answers an empty 200.
+* A `/generate` that names an adapter unloaded earlier loads it again from the path it was first loaded
+  from, and answers 200 (0.5.17 on the GPU host: `TokenizerManager.lora_ref_cache`, log line
+  "Reloading evicted adapter"); `SGLangFakeServer.reloaded` lists the names brought back so.
 
 So a client that works against this fake relies on nothing only our server provides.
 """
@@ -21,18 +24,52 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from lora_rl_core.engines.base import Completion, InferenceEngine
 from lora_rl_core.engines.server import EngineServer
-from lora_rl_core.engines.server_api import AbortIn, GenerateIn, SamplingIn
+from lora_rl_core.engines.server_adapters import AdapterRoutes
+from lora_rl_core.engines.server_api import AbortIn, GenerateIn, LoadIn, SamplingIn, run_blocking
 
 SGLANG_ABORT_MESSAGE = "Aborted by AbortReq."  # sglang/srt/managers/scheduler.py, abort_request
 _CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len")
 
 
+class _RememberingRoutes(AdapterRoutes):
+    """Adapter routes that remember the path of every adapter loaded from a folder, as SGLang's
+    `lora_ref_cache` does, also after the adapter is unloaded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ref_cache: dict[str, str] = {}
+
+    async def load_lora_adapter(self, body: LoadIn) -> JSONResponse:
+        answer = await super().load_lora_adapter(body)
+        if body.lora_name in self.loaded:
+            self.ref_cache[body.lora_name] = self.loaded[body.lora_name]["path"]
+        return answer
+
+
 class SGLangFakeServer(EngineServer):
     """`EngineServer` with SGLang's answers where ours differ (see the module docstring)."""
+
+    def __init__(self, engine: InferenceEngine, **options: Any) -> None:
+        super().__init__(engine, **options)
+        self.adapters = _RememberingRoutes(
+            engine, store=self.store, control_timeout_s=self.control_timeout_s, load_seconds=self.adapters.load_seconds
+        )
+        self.reloaded: list[str] = []
+
+    async def _check_adapters(self, names: set[str]) -> None:
+        """SGLang loads an unloaded adapter again from its remembered path before the 400 check."""
+        listed = await run_blocking(self.control_timeout_s, self.engine.list_adapters)
+        for name in sorted(names - set(listed)):
+            path = self.adapters.ref_cache.get(name)
+            if path is not None:
+                await run_blocking(self.control_timeout_s, self.engine.load_adapter, name, path=path)
+                self.adapters.loaded[name] = {"path": path, "sha256": None}
+                self.reloaded.append(name)
+        await super()._check_adapters(names)
 
     async def abort_request(self, body: AbortIn) -> Response:  # type: ignore[override]
         """`POST /abort_request`: abort, then an empty 200 as SGLang (no count, no reason)."""

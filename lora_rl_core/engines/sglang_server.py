@@ -1,0 +1,171 @@
+"""An SGLang server as a subprocess of the run: started in its own process group, waited for until healthy,
+logged to a file, and stopped with its whole group (SGLang runs a tokenizer manager, a scheduler and a
+detokenizer as separate processes; killing only the parent would leave the GPU held).
+
+`launch_sglang(cfg, log_path)` starts what `engine.launch` describes for the run's model (the local folder
+`lora_rl_core.models.model_folder` resolves, so an offline host needs no hub) and returns a running
+`SGLangServer`; the run (`lora_rl_core.run.components.build_run`) owns it and stops it on close, on failure
+and on SIGTERM (the CLI turns signals into an exception, so every `finally` runs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+import httpx
+
+from lora_rl_core.errors import EngineError
+
+if TYPE_CHECKING:
+    from lora_rl_core.config import RunConfig
+
+_POLL_S = 1.0
+
+
+class SGLangServer:
+    """One SGLang server process group.
+
+    Args:
+        argv: the command (`lora_rl_core.engines.launch.sglang_server_command`).
+        url: where it will answer, e.g. `http://127.0.0.1:30000`.
+        log_path: file that receives the server's stdout and stderr (appended).
+        env: extra environment variables of the server.
+        startup_timeout_s: how long `start` waits for `GET /health` to answer 200, seconds.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        url: str,
+        log_path: str | Path,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 900.0,
+    ) -> None:
+        self.argv = list(argv)
+        self.url = url.rstrip("/")
+        self.log_path = Path(log_path)
+        self.env = dict(env or {})
+        self.startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id (its process group id too); None before `start`."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        """True while the server process lives."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> SGLangServer:
+        """Start the server and wait until `/health` answers 200.
+
+        Raises:
+            EngineError: the process exited during start-up, or was not healthy within `startup_timeout_s`
+                (it is stopped then); the message ends with the last lines of the log.
+        """
+        if self._proc is not None:
+            raise EngineError(f"SGLang server at {self.url} was already started (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+            start_new_session=True,  # its own process group: stop() ends SGLang's child processes too
+        )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        start = time.monotonic()
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() - start < self.startup_timeout_s:
+                if self._proc is not None and self._proc.poll() is not None:
+                    raise EngineError(
+                        f"SGLang server exited with code {self._proc.returncode} during start-up "
+                        f"({time.monotonic() - start:.0f} s); last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass  # not listening yet
+                time.sleep(_POLL_S)
+        raise EngineError(
+            f"SGLang server at {self.url} was not healthy after {self.startup_timeout_s:.0f} s "
+            f"(engine.launch.startup_timeout_s); last lines of {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, then SIGKILL it after `grace_s` seconds; idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(proc.pid, signal.SIGKILL)  # the group's other processes, even if the parent is gone
+            proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last `lines` lines of the server's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def launch_sglang(cfg: RunConfig, log_path: str | Path) -> SGLangServer:
+    """Start the SGLang server `cfg.engine.launch` describes, for the run's model, and wait until it is healthy.
+
+    Raises:
+        ModelError: the model folder cannot be had.
+        ConfigError: a pool SGLang would refuse (`sglang_launch_command`).
+        EngineError: the server did not become healthy (the log's tail is in the message).
+    """
+    from lora_rl_core.engines.launch import sglang_server_command
+    from lora_rl_core.models import model_folder
+
+    launch = cfg.engine.launch
+    argv = sglang_server_command(cfg, str(model_folder(cfg.model)))
+    server = SGLangServer(
+        argv,
+        url=f"http://{launch.host}:{launch.port}",
+        log_path=log_path,
+        env=launch.env,
+        startup_timeout_s=launch.startup_timeout_s,
+    )
+    return server.start()

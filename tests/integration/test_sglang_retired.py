@@ -1,0 +1,99 @@
+"""Retiring adapter versions from an SGLang server, which reloads an unloaded adapter when a request names it.
+
+SGLang 0.5.17 answers a `/generate` naming an unloaded adapter by loading it again from the path it
+remembers, with HTTP 200 (docs/SGLANG.md, "Hazards"); the fake server (`tests.support.sglang_fake`) does
+the same. These tests show the hazard on the fake, then that `SGLangEngine` never brings a retired version
+back (it refuses requests for it as for an unknown adapter), and that a version another client revives is
+noticed (`revived_adapters`) and retired again by `subscriber.retire_stale`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
+from lora_rl_core.engines.http import SGLangEngine
+from lora_rl_core.errors import EngineError
+from lora_rl_core.subscriber import retire_stale
+from tests.support.adapters import random_lora_factory
+from tests.support.servers import serve_app_in_thread
+from tests.support.sglang_fake import SGLangFakeServer
+
+pytestmark = pytest.mark.slow  # uvicorn in a thread
+
+RUN = "ret"
+V1, V2, V3 = (f"{RUN}-v{v:06d}" for v in (1, 2, 3))
+GREEDY = SamplingParams(max_new_tokens=3, temperature=0.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_harness():
+    """No Prefect server is needed here: overrides the package's session-wide harness for this module."""
+    yield
+
+
+@pytest.fixture
+def served(tiny_model_dir, tmp_path):
+    """(fake SGLang server, its URL, {adapter name: PEFT folder}) over an embedded engine on the tiny model."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    make = random_lora_factory(model, scale=1.0)
+    folders = {}
+    for version, name in enumerate((V1, V2, V3), start=1):
+        tensors, config = make(version)
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file(tensors, folder / "adapter_model.safetensors")
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        folders[name] = str(folder)
+    with EmbeddedEngine(model, AutoTokenizer.from_pretrained(tiny_model_dir), max_batch_size=8) as backend:
+        fake = SGLangFakeServer(backend, served_model_name="tiny")
+        with serve_app_in_thread(fake.app()) as url:
+            yield fake, url, folders
+
+
+def _generate(url: str, adapter: str) -> httpx.Response:
+    body = {"input_ids": [[5, 6, 7]], "sampling_params": {"max_new_tokens": 2}, "lora_path": [adapter]}
+    return httpx.post(f"{url}/generate", json=body, timeout=30)
+
+
+def test_the_fake_reloads_an_unloaded_adapter_as_sglang_does(served):
+    fake, url, folders = served
+    httpx.post(f"{url}/load_lora_adapter", json={"lora_name": V1, "lora_path": folders[V1]}, timeout=30)
+    httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": V1}, timeout=30)
+    assert _generate(url, V1).status_code == 200  # no error: the version came back
+    assert fake.reloaded == [V1]
+    assert _generate(url, "never-loaded-v000001").status_code == 400  # a name never loaded is still an error
+
+
+def test_sglang_engine_never_sends_a_retired_version(served):
+    fake, url, folders = served
+    with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as engine:
+        engine.load_adapter(V1, path=folders[V1])
+        engine.load_adapter(V2, path=folders[V2])
+        engine.unload_adapter(V1)
+        with pytest.raises(EngineError, match=f"LoRA adapter '{V1}' has never been loaded or was unloaded"):
+            engine.generate([GenerationRequest([5, 6], V2, GREEDY), GenerationRequest([5, 6, 7], V1, GREEDY)])
+        with pytest.raises(EngineError, match="this client retired it"):
+            engine.submit(GenerationRequest([5], V1, GREEDY)).result(timeout=30)
+        [fresh] = engine.generate([GenerationRequest([5, 6], V2, GREEDY)])
+        assert fresh.finish_reason in ("stop", "length") and fresh.adapter == V2
+        assert fake.reloaded == [] and V1 not in engine.list_adapters()
+
+
+def test_a_revived_version_is_noticed_and_retired_again(served):
+    fake, url, folders = served
+    with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as engine:
+        for name in (V1, V2, V3):
+            engine.load_adapter(name, path=folders[name])
+        assert retire_stale(engine, RUN, keep=2, protect={V3}) == [V1]
+        assert _generate(url, V1).status_code == 200  # another client names the retired version
+        assert fake.reloaded == [V1]
+        assert V1 in engine.list_adapters() and engine.metrics()["revived_adapters"] == 1
+        assert retire_stale(engine, RUN, keep=2, protect={V3}) == [V1]  # the next sync retires it again
+        assert V1 not in engine.list_adapters()
