@@ -115,7 +115,7 @@ class RetiredAdapters:
         Raises:
             EngineError: with SGLang's wording for an unknown adapter, as for a name never loaded.
         """
-        refused = sorted({r.adapter for r in requests if self.refuses(r.adapter)} - {None})
+        refused = sorted({r.adapter for r in requests if r.adapter is not None and self.refuses(r.adapter)})
         if refused:
             raise EngineError(
                 f"LoRA adapter {refused[0]!r} has never been loaded or was unloaded: this client retired it and "

@@ -24,7 +24,7 @@ def write_tiny_config(tmp_path: Path, model_dir: Path, name: str, **sections: di
         "store": {"uri": f"file://{tmp_path / 'store'}"},
     }
     for section, values in sections.items():
-        cfg[section].update(values)
+        cfg.setdefault(section, {}).update(values)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -106,3 +106,48 @@ def test_from_config_uses_model_lora_and_engine_sections():
     cfg = config_from_dict({"lora": {"exclude_modules": ["o_proj"]}})
     with pytest.raises(ConfigError, match="exclude_modules"):
         sglang_launch_command_from_config(cfg)
+
+
+def test_launch_flags_follow_the_launch_section():
+    from lora_rl_core.config import SGLangLaunchConfig
+    from lora_rl_core.engines.launch import launch_flags
+
+    flags = launch_flags(SGLangLaunchConfig())
+    assert flags[flags.index("--mem-fraction-static") + 1] == "0.5"
+    assert flags[flags.index("--cuda-graph-max-bs-decode") + 1] == "32"
+    assert flags[flags.index("--cuda-graph-backend-prefill") + 1] == "disabled"
+    assert {flags[flags.index(f) + 1] for f in ("--attention-backend", "--lora-backend")} == {"triton"}
+    eager = launch_flags(SGLangLaunchConfig(cuda_graph_max_bs=None, mem_fraction_static=None, extra_args=["--x", "1"]))
+    assert "--disable-cuda-graph" in eager and "--cuda-graph-max-bs-decode" not in eager
+    assert "--mem-fraction-static" not in eager and eager[-2:] == ["--x", "1"]
+
+
+def test_server_command_runs_the_launch_interpreter_on_the_local_folder():
+    from lora_rl_core.engines.launch import sglang_server_command
+
+    cfg = config_from_dict(
+        {
+            "engine": {
+                "type": "sglang",
+                "sync": "store",
+                "launch": {"enabled": True, "python": "/opt/py", "port": 31234},
+            },
+            "lora": {"rank": 8},
+        }
+    )
+    argv = sglang_server_command(cfg, "/models/smollm2")
+    assert argv[:3] == ["/opt/py", "-m", "sglang.launch_server"]
+    assert flag(argv, "--model-path") == ["/models/smollm2"] and flag(argv, "--port") == ["31234"]
+    assert flag(argv, "--max-lora-rank") == ["8"] and "--mem-fraction-static" in argv
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"type": "embedded", "launch": {"enabled": True}},
+        {"type": "sglang", "sync": "store", "urls": ["http://127.0.0.1:30000"], "launch": {"enabled": True}},
+    ],
+)
+def test_launch_needs_an_sglang_engine_without_urls(engine):
+    with pytest.raises(ConfigError, match="engine.launch.enabled needs engine.type: sglang and no engine.urls"):
+        config_from_dict({"engine": engine})
