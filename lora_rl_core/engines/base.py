@@ -23,12 +23,10 @@ its deadline passed; its adapter was unloaded before the request was admitted; t
 
 
 def unknown_adapter_message(name: str, loaded: list[str]) -> str:
-    """The error for a request naming an adapter that is not registered: SGLang's wording
-    (`sglang/srt/lora/lora_registry.py`, `LoRARegistry.acquire`; HTTP 400 on `/generate`)."""
-    return (
-        f"LoRA adapter {name!r} has never been loaded or was unloaded. "
-        f"The following requested LoRA adapters are not loaded: {name}. Loaded adapters: {sorted(loaded)}."
-    )
+    """The error for a request naming an adapter that is not registered, worded as SGLang 0.5.17 answered
+    `/generate` (HTTP 400) on the GPU host: `Got LoRA adapter that has never been loaded: NAME` and the
+    loaded names (benchmarks/results/sglang-real/contract_h100.json)."""
+    return f"Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: {sorted(loaded)}"
 
 
 @dataclass(frozen=True)

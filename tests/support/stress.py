@@ -246,7 +246,7 @@ def _send(target: _Target, shared: Shared, group: Group, prompt: list[int], para
 
 
 def _is_unknown_adapter(message: str) -> bool:
-    return "has never been loaded or was unloaded" in message
+    return "has never been loaded" in message  # SGLang's wording, ours and our client's for a retired name
 
 
 class _Aborter:
