@@ -1,0 +1,24 @@
+#!/bin/bash
+# The main job on the GPU host with a real SGLang serving the rollouts (issue: GPU + SGLang).
+# Usage, from the repo root on the GPU host, after the carry calls of docs/SGLANG.md ("GPU host") have staged
+# /tmp/sglsite (SGLang) and /tmp/models/smollm2-gguf (real SmolLM2-135M-Instruct weights from the GGUF):
+#   bash benchmarks/gpu/flow_sglang.sh CONFIG [overrides...]
+# Our own dependencies (Prefect and friends, cp312 wheels in .gpu-ours/) go to /tmp/ours; SGLang runs from
+# /tmp/sglsite in its own process (its transformers and fastapi differ from ours). Results go to $OUT.
+set -euo pipefail
+CONFIG=$1; shift
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -d .gpu-ours ] && [ ! -f /tmp/ours/.complete ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ours .gpu-ours/*.whl
+  touch /tmp/ours/.complete
+fi
+export PYTHONPATH=/tmp/ours:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PREFECT_HOME=/tmp/prefect-home PREFECT_SERVER_ANALYTICS_ENABLED=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -m cli.main train -c "$CONFIG" \
+  model.name_or_path=/tmp/models/smollm2-gguf engine.type=sglang engine.sync=store \
+  engine.launch.enabled=true "engine.launch.env={PYTHONPATH: /tmp/sglsite}" \
+  run.output_dir=/tmp/runs store.uri=file:///tmp/store "$@" 2>&1 | tee "$OUT/train.log"
+RUN_DIR=$(ls -td /tmp/runs/*/ | head -1)
+cp "$RUN_DIR/report.md" "$RUN_DIR/reward_curve.png" "$OUT/" 2>/dev/null || true
+tail -c 200000 "$RUN_DIR/sglang.log" > "$OUT/sglang.log" 2>/dev/null || true
