@@ -2,7 +2,7 @@
 
 Our server (`lora_rl_core.engines.server`) already speaks SGLang's wire format for the requests and the
 error bodies; where its answers carry more than SGLang's, this fake answers as SGLang does (sglang 0.5.23
-`srt/entrypoints/http_server.py`, 0.5.17 as seen on the GPU host, shared/sglang-offline/README.md):
+`srt/entrypoints/http_server.py`, 0.5.17 as seen on the GPU host, docs/SGLANG.md):
 
 * `/abort_request` answers an empty 200 (no count) and ignores any reason: SGLang passes only `rid` and
   `abort_all` to its tokenizer manager.
