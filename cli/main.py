@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cli import shutdown
 from cli.adapters import adapters_app
 from lora_rl_core import progress
-from lora_rl_core.config import SGLANG_DEFAULT_PORT, EngineConfig
+from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_DEFAULT_PORT
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.subscriber import ENGINE_KIND, KEEP_VERSIONS, POLL_INTERVAL_S
 
@@ -29,7 +29,7 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="LoRA RL fine-tuning of LLMs (GRPO) as a Prefect flow."
 )
 app.add_typer(adapters_app, name="adapters", help="List and pull adapter versions from a store.")
-API_KEY_ENV = EngineConfig.model_fields["api_key_env"].default  # the config's default, for commands without one
+API_KEY_ENV = ENGINE_DEFAULTS.api_key_env  # the config's default, for commands without one
 console = Console(soft_wrap=True)  # step lines stay whole when output is a file
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="YAML run config, e.g. configs/smollm2-arith-grpo.yaml")]

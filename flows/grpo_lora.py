@@ -73,7 +73,7 @@ def train(
             final_eval,
             ref.name,
             time.perf_counter() - start,
-            cfg.store.build().uri,
+            resumed.store_uri,
             resumed.runtime,
         )
         summary["report"] = t.write_report(run_id, history, summary)

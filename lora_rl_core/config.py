@@ -203,6 +203,10 @@ class EngineConfig(Section):
         return self
 
 
+ENGINE_DEFAULTS = EngineConfig()
+"""The engine section's defaults, for the engine classes' own keyword defaults (one source: this file)."""
+
+
 class StoreConfig(Section):
     """Adapter store (fsspec URI)."""
 

@@ -217,3 +217,5 @@ class ResumeInfo(Record):
     """Adapter version the engines serve after restoring; None before version 0 is published."""
     runtime: dict[str, Any]
     """Device, dtype and why, CPU threads (`lora_rl_core.run.components.runtime_info`)."""
+    store_uri: str
+    """The adapter store's root as an absolute URI, where the run's versions are published."""

@@ -57,7 +57,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lora_rl_core.adapters import STORE_URI_PREFIX, adapter_run, adapter_version, check_adapter_name
-from lora_rl_core.config import EngineConfig
+from lora_rl_core.config import ENGINE_DEFAULTS
 from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest
 from lora_rl_core.engines.peft_model import PeftAdapterModel, adapter_loader
 from lora_rl_core.engines.pool import AdapterPool
@@ -67,9 +67,6 @@ from lora_rl_core.errors import EngineError, StoreError
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.2  # how often an idle worker wakes to check for shutdown and free unloaded adapters
-
-
-_DEFAULTS = EngineConfig()  # the limits' defaults live once, in the config
 
 
 class EmbeddedEngine:
@@ -96,13 +93,13 @@ class EmbeddedEngine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        max_batch_size: int = _DEFAULTS.max_batch_size,
-        max_loras_per_batch: int = _DEFAULTS.max_loras_per_batch,
-        max_loaded_loras: int | None = _DEFAULTS.max_loaded_loras,
-        eviction_policy: str = _DEFAULTS.eviction_policy,
-        max_lora_rank: int | None = _DEFAULTS.max_lora_rank,
+        max_batch_size: int = ENGINE_DEFAULTS.max_batch_size,
+        max_loras_per_batch: int = ENGINE_DEFAULTS.max_loras_per_batch,
+        max_loaded_loras: int | None = ENGINE_DEFAULTS.max_loaded_loras,
+        eviction_policy: str = ENGINE_DEFAULTS.eviction_policy,
+        max_lora_rank: int | None = ENGINE_DEFAULTS.max_lora_rank,
         store: Any = None,
-        default_timeout_s: float = _DEFAULTS.timeout_s,
+        default_timeout_s: float = ENGINE_DEFAULTS.timeout_s,
     ) -> None:
         if min(max_batch_size, max_loras_per_batch) < 1:
             raise ValueError("max_batch_size and max_loras_per_batch must be >= 1")

@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 from lora_rl_core.adapters import safetensors_bytes
-from lora_rl_core.config import EngineConfig
+from lora_rl_core.config import ENGINE_DEFAULTS
 from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, SamplingParams
 from lora_rl_core.engines.http_tracking import InFlightRequests, RetiredAdapters
 from lora_rl_core.engines.http_wire import (
@@ -62,7 +62,6 @@ from lora_rl_core.engines.http_wire import (
 from lora_rl_core.errors import EngineError
 
 log = logging.getLogger(__name__)
-_DEFAULTS = EngineConfig()  # the generation deadline's default lives once, in the config
 
 
 class EngineUnavailable(EngineError):
@@ -95,7 +94,7 @@ class SGLangEngine:
         url: str,
         *,
         api_key: str | None = None,
-        timeout_s: float = _DEFAULTS.timeout_s,
+        timeout_s: float = ENGINE_DEFAULTS.timeout_s,
         control_timeout_s: float = 60.0,
         max_batch_requests: int = 256,
         max_concurrency: int = 4,
@@ -331,7 +330,7 @@ class SGLangEngine:
         """Adapters from `/v1/models` (cards with a `parent`): name -> {path, version, and any
         of sha256, in_flight, pinned, resident the server reports}."""
         adapters = adapters_from_models(json_or_empty(self._call("GET", "/v1/models")))
-        back = self._retired.revived_in(list(adapters)) if self.guards_retired else []
+        back = self._retired.revived_in(adapters) if self.guards_retired else []
         if back:
             log.warning("%s lists retired adapters again (reloaded by a request naming them): %s", self.url, back)
         return adapters

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from lora_rl_core.engines.base import Completion, GenerationRequest
@@ -102,7 +102,7 @@ class RetiredAdapters:
         with self._lock:
             return name is not None and name in self._names
 
-    def revived_in(self, listed: Iterator[str] | list[str]) -> list[str]:
+    def revived_in(self, listed: Iterable[str]) -> list[str]:
         """The retired names among `listed` (what the server lists now); each sighting is counted."""
         with self._lock:
             back = sorted(n for n in listed if n in self._names)

@@ -19,13 +19,12 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from lora_rl_core.adapters import check_adapter_name
-from lora_rl_core.config import EVICTION_POLICIES, SGLANG_DEFAULT_PORT, EngineConfig
+from lora_rl_core.config import ENGINE_DEFAULTS, EVICTION_POLICIES, SGLANG_DEFAULT_PORT
 from lora_rl_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from lora_rl_core.config import RunConfig, SGLangLaunchConfig
 
-_DEFAULTS = EngineConfig()  # pool defaults live once, in the config
 
 LoraPath = tuple[str, str, bool]  # (name, path, pinned)
 
@@ -35,9 +34,9 @@ def sglang_launch_command(
     *,
     max_lora_rank: int,
     target_modules: Sequence[str] | str,
-    max_loras_per_batch: int = _DEFAULTS.max_loras_per_batch,
-    max_loaded_loras: int | None = _DEFAULTS.max_loaded_loras,
-    eviction_policy: str = _DEFAULTS.eviction_policy,
+    max_loras_per_batch: int = ENGINE_DEFAULTS.max_loras_per_batch,
+    max_loaded_loras: int | None = ENGINE_DEFAULTS.max_loaded_loras,
+    eviction_policy: str = ENGINE_DEFAULTS.eviction_policy,
     lora_paths: Iterable[LoraPath] = (),
     host: str = "127.0.0.1",
     port: int = SGLANG_DEFAULT_PORT,
@@ -133,6 +132,7 @@ def sglang_launch_command_from_config(
     lora_paths: Iterable[LoraPath] = (),
     host: str = "127.0.0.1",
     port: int = SGLANG_DEFAULT_PORT,
+    python: str = "python",
     extra: Sequence[str] = (),
 ) -> list[str]:
     """`sglang_launch_command` for a run config: base model, dtype, LoRA rank and targets, and the
@@ -174,6 +174,7 @@ def sglang_launch_command_from_config(
         lora_paths=lora_paths,
         host=host,
         port=port,
+        python=python,
         extra=[*model_flags, *extra],
     )
 
@@ -205,10 +206,9 @@ def sglang_server_command(cfg: RunConfig, model_path: str) -> list[str]:
         ConfigError: as `sglang_launch_command`.
     """
     launch = cfg.engine.launch
-    argv = sglang_launch_command_from_config(
-        cfg, model_path=model_path, host=launch.host, port=launch.port, extra=launch_flags(launch)
+    return sglang_launch_command_from_config(
+        cfg, model_path=model_path, host=launch.host, port=launch.port, python=launch.python, extra=launch_flags(launch)
     )
-    return [launch.python, *argv[1:]]
 
 
 def render(argv: Sequence[str]) -> str:

@@ -59,7 +59,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lora_rl_core.adapters import STORE_URI_PREFIX, adapter_version
-from lora_rl_core.config import EngineConfig
+from lora_rl_core.config import ENGINE_DEFAULTS
 from lora_rl_core.engines.base import (
     PAUSE_MODES,
     Completion,
@@ -89,7 +89,6 @@ if TYPE_CHECKING:
     from lora_rl_core.config import RunConfig
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # as SGLANG_HEALTH_CHECK_TIMEOUT
-_DEFAULTS = EngineConfig()  # the generation deadline's default lives once, in the config
 
 
 class EngineServer:
@@ -118,7 +117,7 @@ class EngineServer:
         model_path: str | None = None,
         api_key: str | None = None,
         store: Any = None,
-        request_timeout_s: float = _DEFAULTS.timeout_s,
+        request_timeout_s: float = ENGINE_DEFAULTS.timeout_s,
         control_timeout_s: float = 300.0,
     ) -> None:
         self.engine = engine

@@ -8,6 +8,7 @@ Prefect: the flow's tasks keep the components of open runs in `tasks.registry`.
 from __future__ import annotations
 
 import random
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -140,14 +141,11 @@ class RunComponents:
     def close(self) -> None:
         """Stop the trainer's worker processes, the engine (its worker thread, or its HTTP clients) and the
         SGLang server the run launched (`engine.launch`)."""
-        try:
-            self.trainer.close()
-        finally:
-            try:
-                self.engine.close()
-            finally:
-                if self.server is not None:
-                    self.server.stop()
+        with ExitStack() as stack:  # closes in reverse order, each one even if an earlier one raised
+            if self.server is not None:
+                stack.callback(self.server.stop)
+            stack.callback(self.engine.close)
+            stack.callback(self.trainer.close)
 
 
 def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
@@ -174,21 +172,16 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
     workdir = Path(cfg.run.output_dir) / run_id
-    server = launch_sglang(cfg, workdir / "sglang.log") if cfg.engine.launch.enabled else None
-    try:
-        engine_cfg = cfg.engine if server is None else cfg.engine.model_copy(update={"urls": [server.url]})
+    with ExitStack() as built:  # on a failure, what was built so far is stopped again
+        server = launch_sglang(cfg, workdir / "sglang.log") if cfg.engine.launch.enabled else None
+        engine_cfg = cfg.engine
+        if server is not None:
+            built.callback(server.stop)
+            engine_cfg = cfg.engine.model_copy(update={"urls": [server.url]})
         engine = build_engine(engine_cfg, cfg.model, store, tokenizer=tokenizer)
-    except BaseException:
-        if server is not None:
-            server.stop()
-        raise
-    try:
+        built.callback(engine.close)
         trainer = build_trainer(cfg, tokenizer)
-    except BaseException:
-        engine.close()
-        if server is not None:
-            server.stop()
-        raise
+        built.pop_all()  # built: the components own them now
     return RunComponents(
         cfg=cfg,
         run_id=run_id,

@@ -55,5 +55,9 @@ def restore(run: RunComponents) -> ResumeInfo:
     if latest is not None:
         sync(run, latest)
     return ResumeInfo(
-        run_id=run.run_id, restored_step=step or 0, policy_version=run.policy.version, runtime=run.runtime
+        run_id=run.run_id,
+        restored_step=step or 0,
+        policy_version=run.policy.version,
+        runtime=run.runtime,
+        store_uri=run.store.uri,
     )

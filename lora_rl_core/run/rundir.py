@@ -14,7 +14,6 @@ refused. Any machine that can reach the store can read a phase back, so a retrie
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
 import fsspec
@@ -24,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from lora_rl_core.adapters import RUN_CONFIG_FILE, validate_run_id
 from lora_rl_core.errors import LoraRLError, StoreError
 from lora_rl_core.store.io import RetryPolicy, StoreIO
+from lora_rl_core.store.layout import json_bytes, json_load
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -112,11 +112,7 @@ class RunDir:
         Raises:
             StoreError: `config` is not JSON-serialisable, or the store failed.
         """
-        try:
-            data = json.dumps(config, sort_keys=True, indent=1, default=_json_default).encode()
-        except (TypeError, ValueError) as e:
-            raise StoreError(f"cannot write {RUN_CONFIG_FILE} of run {self.run_id}: {e}") from e
-        self._io.put(f"{self._root}/{RUN_CONFIG_FILE}", data)
+        self._io.put(f"{self._root}/{RUN_CONFIG_FILE}", json_bytes(config, f"{RUN_CONFIG_FILE} of run {self.run_id}"))
 
     def read_config(self) -> dict[str, Any] | None:
         """The run's config snapshot, or None if it has none.
@@ -128,10 +124,7 @@ class RunDir:
         data = self._io.get(path, MAX_CONFIG_BYTES)
         if data is None:
             return None
-        try:
-            config = json.loads(data)
-        except ValueError as e:
-            raise StoreError(f"{self._io.uri(path)} is not valid JSON: {e}") from e
+        config = json_load(data, self._io.uri(path))
         if not isinstance(config, dict):
             raise StoreError(f"{self._io.uri(path)} must hold a JSON object, got {type(config).__name__}")
         return config
@@ -143,9 +136,3 @@ class RunDir:
         Atomic across processes and machines (`StoreIO.create`), so exactly one caller wins.
         """
         return self._io.create(f"{self._root}/{name}", data)
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, set | frozenset | tuple):
-        return sorted(obj) if isinstance(obj, set | frozenset) else list(obj)
-    raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
