@@ -186,6 +186,12 @@ class EngineConfig(Section):
     """Reject adapters of a higher rank (SGLang `--max-lora-rank`)."""
     sync: Literal["tensor", "store"] = "tensor"
     """How a new adapter version reaches the engines: in-memory tensors, or read back from the store."""
+    tensor_transport: Literal["auto", "ipc", "inline", "disk"] = "auto"
+    """`sglang` with `sync: tensor`: how the tensors reach SGLang's `/load_lora_adapter_from_tensors`. `ipc`:
+    CUDA IPC handles (the server on this host, CUDA here); `inline`: the data in the request (any host);
+    `disk`: the published version's folder (`/load_lora_adapter`); `auto`: `ipc` for a server on a loopback
+    address when CUDA is available, else `disk`. A refused tensor load falls back to the folder
+    (docs/SGLANG.md, "Tensor path")."""
     launch: SGLangLaunchConfig = SGLangLaunchConfig()
     """Start a local SGLang server for this run (`engine.type: sglang`)."""
 
@@ -196,8 +202,6 @@ class EngineConfig(Section):
                 raise ValueError("engine.launch.enabled needs engine.type: sglang and no engine.urls")
         elif (self.type == "embedded") == bool(self.urls):
             raise ValueError("engine.urls must be set exactly when engine.type is server or sglang")
-        if self.type == "sglang" and self.sync == "tensor":
-            raise ValueError("a remote SGLang server cannot take tensors: use engine.sync: store")
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError("engine.max_loaded_loras must be >= engine.max_loras_per_batch")
         return self

@@ -142,8 +142,8 @@ def sync_version(
 def _load_verified(engine: Any, ref: AdapterRef, tensors: dict | None, config: dict | None) -> None:
     """Load `ref.name` unless listed already, then check the listing (and the sha256 where reported)."""
     if ref.name not in engine.list_adapters():
-        if tensors is not None:
-            engine.load_adapter(ref.name, tensors=tensors, config=config)
+        if tensors is not None:  # the published folder is the fallback of an engine that cannot take tensors
+            engine.load_adapter(ref.name, tensors=tensors, config=config, path=ref.uri)
         else:
             engine.load_adapter(ref.name, path=ref.uri)
     info = engine.list_adapters().get(ref.name)

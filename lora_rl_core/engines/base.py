@@ -157,13 +157,15 @@ class InferenceEngine(Protocol):
 
         Args:
             name: usually `<run>-v<NNNNNN>`; must not be loaded already (SGLang has no upsert).
-            path: a PEFT folder (local path or fsspec URI) or a store version folder; or else
-            tensors, config: a PEFT state dict and its config dict (in-process or same-host engines only).
+            path: a PEFT folder (local path or fsspec URI) or a store version folder.
+            tensors, config: a PEFT state dict and its config dict; preferred when given, with `path` (the
+                same version published) as the fallback of an engine that cannot take them (SGLang on
+                another host with `tensor_transport` auto or disk).
             pinned: never evict it.
 
         Raises:
             EngineError: bad or duplicate name, unreadable files, rank or target modules outside the pool,
-                or a source this engine cannot take (tensors into a real SGLang server).
+                or neither a path nor tensors with config.
         """
         ...
 

@@ -69,8 +69,8 @@ def build_embedded_engine(
 
 def build_remote_engine(engine_cfg: EngineConfig) -> InferenceEngine:
     """The HTTP client(s) for `engine_cfg.urls` (`server` or `sglang`; a `MultiEngine` for several URLs),
-    with the Bearer key read from the environment variable `engine_cfg.api_key_env` and the generation
-    deadline `engine_cfg.timeout_s`.
+    with the Bearer key read from the environment variable `engine_cfg.api_key_env`, the generation
+    deadline `engine_cfg.timeout_s` and, for SGLang, `engine_cfg.tensor_transport`.
 
     Raises:
         EngineError: `engine.type` is `embedded`, no URLs, or a malformed URL.
@@ -78,5 +78,9 @@ def build_remote_engine(engine_cfg: EngineConfig) -> InferenceEngine:
     from lora_rl_core.engines.multi import connect_engines
 
     return connect_engines(
-        engine_cfg.type, engine_cfg.urls, api_key=os.environ.get(engine_cfg.api_key_env), timeout_s=engine_cfg.timeout_s
+        engine_cfg.type,
+        engine_cfg.urls,
+        api_key=os.environ.get(engine_cfg.api_key_env),
+        timeout_s=engine_cfg.timeout_s,
+        tensor_transport=engine_cfg.tensor_transport,
     )

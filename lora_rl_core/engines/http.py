@@ -20,8 +20,9 @@ Choices made here:
   takes one seed per call.
 * Real SGLang reads adapters from local folders: `file://` URIs are turned into paths and a store
   version folder into the folder of its files (`peft_folder`); other URIs are refused (pull the
-  version first). Loading tensors into real SGLang is refused: its
-  tensor endpoint takes torch multiprocessing pickles, usable on the same host only.
+  version first). Tensors go to SGLang's `/load_lora_adapter_from_tensors` as torch multiprocessing
+  pickles (`sglang_tensors`): CUDA IPC handles to a server on this host; else, or when SGLang refuses
+  them, the published folder; the data inline when asked (`tensor_transport="inline"`) or no folder is given.
 * `pause`/`resume` state of a real SGLang server is known only from this client's own calls.
 * Abort reasons: the server's reason wins where it names one (ours does); for SGLang's prose this client
   keeps the reason it gave (`http_tracking.InFlightRequests`).
@@ -38,6 +39,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -78,6 +80,7 @@ class SGLangEngine:
         control_timeout_s: deadline of every other call, seconds.
         max_batch_requests: prompts per `/generate` call.
         max_concurrency: `/generate` calls in flight at once from this client.
+        tensor_transport: how adapters given as tensors are sent (`sglang_tensors.TENSOR_TRANSPORTS`).
 
     Raises:
         EngineError: `url` is not http(s).
@@ -98,6 +101,7 @@ class SGLangEngine:
         control_timeout_s: float = 60.0,
         max_batch_requests: int = 256,
         max_concurrency: int = 4,
+        tensor_transport: str = ENGINE_DEFAULTS.tensor_transport,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise EngineError(f"engine URL {url!r} must start with http:// or https://")
@@ -111,6 +115,9 @@ class SGLangEngine:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="engine-http")
         self._requests = InFlightRequests()
         self._retired = RetiredAdapters()
+        self.tensor_transport = tensor_transport
+        self._tensor_fallback: str | None = None
+        self._loads: Counter[str] = Counter()
         self._closed = False
         self._paused = False
 
@@ -284,23 +291,76 @@ class SGLangEngine:
         pinned: bool = False,
         timeout_s: float | None = None,
     ) -> None:
-        """Load a PEFT adapter folder under `name` (`/load_lora_adapter`).
+        """Load a PEFT adapter under `name`: from a folder (`/load_lora_adapter`), or from `tensors` + PEFT
+        `config` (`/load_lora_adapter_from_tensors`) by the transport `pick_transport` chooses from
+        `tensor_transport`: CUDA IPC handles (same host), the data inline, or `path` (the published folder).
+        If SGLang refuses the tensors and `path` is given, the folder is loaded instead, and this client
+        keeps to the folder from then on (`metrics()["tensor_fallback"]` says why).
 
         Raises:
-            EngineError: bad name, tensors given (see the module docstring), a path the server cannot
-                read, or the server's refusal (already loaded, rank or target modules outside the pool).
+            EngineError: bad name, a path the server cannot read, tensors without config, transport `disk`
+                without `path`, or the server's refusal (already loaded, rank or target modules outside the
+                pool).
         """
         check_name(name)
-        if tensors is not None:
-            raise EngineError(
-                f"{self.url}: loading tensors into a real SGLang server is not supported: its "
-                "/load_lora_adapter_from_tensors takes torch multiprocessing pickles (same host only). "
-                "Publish the version to the store and load it by path (the store path) instead"
-            )
-        if path is None:
-            raise EngineError(f"load_adapter({name!r}) needs path=")
+        if tensors is None:
+            if path is None:
+                raise EngineError(f"load_adapter({name!r}) needs path=, or tensors= and config=")
+            self._load_path(name, path, pinned, timeout_s, source="disk")
+            return
+        if config is None:
+            raise EngineError(f"load_adapter({name!r}, tensors=...) needs config= (the PEFT config dict)")
+        from lora_rl_core.engines.sglang_tensors import pick_transport  # lazy: torch only for tensor loads
+
+        transport = (
+            "disk"
+            if self._tensor_fallback
+            else pick_transport(self.tensor_transport, url=self.url, has_path=path is not None)
+        )
+        if transport == "disk":
+            if path is None:
+                raise EngineError(
+                    f"load_adapter({name!r}): engine.tensor_transport is 'disk' (or fell back to it) but no "
+                    "published folder was given (path=)"
+                )
+            self._load_path(name, path, pinned, timeout_s, source="disk")
+            return
+        try:
+            self._load_tensors(name, tensors, config, pinned, timeout_s, transport)
+        except EngineUnavailable:
+            raise  # the server may still be loading it: a second load under the name would be refused
+        except EngineError as exc:
+            if path is None:
+                raise
+            self._tensor_fallback = f"{transport}: {' '.join(str(exc).split())}"
+            log.warning("%s refused the adapter tensors (%s); loading published folders from now on", self.url, exc)
+            self._load_path(name, path, pinned, timeout_s, source="disk")
+
+    def _load_path(self, name: str, path: str, pinned: bool, timeout_s: float | None, *, source: str) -> None:
         body = {"lora_name": name, "lora_path": self._server_path(path), "pinned": pinned}
         self._update("/load_lora_adapter", body, timeout_s)
+        self._loads[source] += 1
+
+    def _load_tensors(
+        self, name: str, tensors: dict, config: dict, pinned: bool, timeout_s: float | None, transport: str
+    ) -> None:
+        """`/load_lora_adapter_from_tensors` with one payload (tensor parallelism 1); the CUDA tensors an
+        `ipc` payload refers to live until the server has answered (SGLang copies them to its CPU pool)."""
+        from lora_rl_core.engines.sglang_tensors import inline_payload, ipc_payload, release_ipc
+
+        shared: dict | None = None
+        if transport == "ipc":
+            payload, shared = ipc_payload(tensors)
+        else:
+            payload = inline_payload(tensors)
+        body = {"lora_name": name, "config_dict": json_safe(config), "serialized_named_tensors": [payload]}
+        try:
+            self._update("/load_lora_adapter_from_tensors", {**body, "pinned": pinned}, timeout_s)
+        finally:
+            if shared is not None:
+                del shared
+                release_ipc()
+        self._loads[transport] += 1
 
     def _server_path(self, path: str) -> str:
         """A PEFT folder SGLang can read (`local_peft_folder`)."""
@@ -365,12 +425,15 @@ class SGLangEngine:
         return {"ok": response.status_code == 200, "paused": self._paused, "url": self.url}
 
     def metrics(self) -> dict[str, Any]:
-        """This client's counters: `{"adapters": {name: {"requests", "tokens"}}, "in_flight", "paused"}`."""
+        """This client's counters: `{"adapters": {name: {"requests", "tokens"}}, "in_flight", "paused",
+        "revived_adapters", "adapter_loads": {transport: count}, "tensor_fallback": why or None}`."""
         return {
             "adapters": self._requests.counts(),
             "in_flight": len(self._requests),
             "paused": self._paused,
             "revived_adapters": self._retired.revived,
+            "adapter_loads": dict(self._loads),
+            "tensor_fallback": self._tensor_fallback,
         }
 
 

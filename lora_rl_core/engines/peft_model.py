@@ -237,19 +237,19 @@ def adapter_loader(
 ) -> tuple[Callable[[], TensorsAndConfig], str]:
     """A function that (re)reads an adapter's weights and config, and a description of its source.
 
-    Sources: `store://SPEC` (from `store`), a PEFT folder or store version folder (`path`), or `tensors`
-    with `config` (kept as given: the caller must not modify them). The loader raises `EngineError`.
+    Sources: `tensors` with `config` (kept as given: the caller must not modify them), else `store://SPEC`
+    (from `store`), a PEFT folder or store version folder (`path`). The loader raises `EngineError`.
 
     Raises:
         EngineError: neither `path` nor both `tensors` and `config`.
     """
+    if tensors is not None and config is not None:
+        return (lambda: (tensors, config)), "tensors"
     if path is not None and path.startswith(STORE_URI_PREFIX):
         return functools.partial(_read, name, functools.partial(read_store_uri, store, path)), path
     if path is not None:
         return functools.partial(_read, name, functools.partial(read_adapter_folder, path)), path
-    if tensors is None or config is None:
-        raise EngineError(f"load_adapter({name!r}) needs path=, or tensors= and config=")
-    return (lambda: (tensors, config)), "tensors"
+    raise EngineError(f"load_adapter({name!r}) needs path=, or tensors= and config=")
 
 
 def _read(name: str, read: Callable[[], TensorsAndConfig]) -> TensorsAndConfig:

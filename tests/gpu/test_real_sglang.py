@@ -6,8 +6,9 @@ optionally `LORA_RL_SGLANG_REPORT` (a JSON file that receives what was observed,
 The server is started once for the module by `launch_sglang`, with the flags `engine.launch` renders.
 
 What is checked: per-row adapters and the versions completions record; an unknown adapter is an error;
-loading from a store version's folder; SGLang's silent reload of an unloaded adapter (the hazard), that our
-client never sends a retired name, and that a revived version is noticed and retired again; abort and pause.
+loading from a store version's folder and from tensors (CUDA IPC and inline, equal outputs); SGLang's
+silent reload of an unloaded adapter (the hazard), that our client never sends a retired name, and that a
+revived version is noticed and retired again; that a tensor-loaded version cannot be revived; abort, pause.
 """
 
 from __future__ import annotations
@@ -105,6 +106,34 @@ def test_rows_name_their_adapters_and_completions_record_versions(url, store):
         with pytest.raises(EngineError) as unknown:
             engine.generate([GenerationRequest([1, 2], "ghost-v000001", GREEDY)])
         OBSERVED["unknown_adapter_error"] = str(unknown.value)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "inline"])
+def test_tensor_loads_generate_what_the_folder_generates(url, store, transport):
+    """Version 2 sent as tensors (CUDA IPC handles, or the data inline) equals version 2 read from its folder;
+    a tensor-loaded version that was unloaded cannot be reloaded by a request naming it."""
+    tensors, config = store.load_tensors(RUN, 2)
+    name = f"{transport}-v000002"
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [9, 9, 2, 4, 1]]
+    with SGLangEngine(url, timeout_s=120, tensor_transport=transport) as engine:
+        start = time.perf_counter()
+        engine.load_adapter(name, tensors=tensors, config=config)
+        seconds = time.perf_counter() - start
+        listed = engine.list_adapters()
+        out = engine.generate([GenerationRequest(p, a, GREEDY) for p in prompts for a in (name, _name(2))])
+        assert engine.metrics()["adapter_loads"] == {transport: 1}
+        engine.unload_adapter(name)
+    pairs = [(out[i].completion_ids, out[i + 1].completion_ids) for i in range(0, len(out), 2)]
+    body = {"input_ids": [[1, 2, 3]], "sampling_params": {"max_new_tokens": 4}, "lora_path": [name]}
+    raw = httpx.post(f"{url}/generate", json=body, timeout=120)  # another client names the unloaded version
+    OBSERVED[f"tensor_{transport}"] = {
+        "load_seconds": round(seconds, 3),
+        "root": listed[name].get("path"),
+        "equal_to_folder": [a == b for a, b in pairs],
+        "raw_generate_after_unload": {"status": raw.status_code, "body": raw.text[:400]},
+    }
+    assert all(a == b for a, b in pairs) and listed[name]["path"] == "__tensor__"
+    assert raw.status_code == 400 and f"Failed to implicitly load LoRA adapter {name}" in raw.text
 
 
 def test_an_unloaded_adapter_is_reloaded_by_sglang_but_never_by_our_client(url, store):

@@ -14,13 +14,21 @@ error bodies; where its answers carry more than SGLang's, this fake answers as S
 * `/health` answers an empty 200.
 * A `/generate` that names an adapter unloaded earlier loads it again from the path it was first loaded
   from, and answers 200 (0.5.17 on the GPU host: `TokenizerManager.lora_ref_cache`, log line
-  "Reloading evicted adapter"); `SGLangFakeServer.reloaded` lists the names brought back so.
+  "Reloading evicted adapter"); `SGLangFakeServer.reloaded` lists the names brought back so. An adapter
+  that came from tensors has the path `__tensor__`, which cannot be read again: that `/generate` is a 400
+  "Failed to implicitly load LoRA adapter NAME: ..." (`TokenizerManager._resolve_lora_path`).
+* `/load_lora_adapter_from_tensors` takes SGLang's own payload: base64 of a pickled `{peft_key: tensor}`
+  (`MultiprocessingSerializer`), unpickled with an allow-list as SGLang's `SafeUnpickler` does. Only
+  pickles with the data in them work here (no GPU: CUDA IPC handles cannot be opened).
 
 So a client that works against this fake relies on nothing only our server provides.
 """
 
 from __future__ import annotations
 
+import base64
+import io
+import pickle
 from typing import Any
 
 from fastapi import FastAPI
@@ -28,8 +36,17 @@ from fastapi.responses import JSONResponse, Response
 
 from lora_rl_core.engines.base import Completion, InferenceEngine
 from lora_rl_core.engines.server import EngineServer
-from lora_rl_core.engines.server_adapters import AdapterRoutes
-from lora_rl_core.engines.server_api import AbortIn, GenerateIn, LoadIn, SamplingIn, run_blocking
+from lora_rl_core.engines.server_adapters import TENSOR_ROOT, AdapterRoutes
+from lora_rl_core.engines.server_api import (
+    AbortIn,
+    GenerateIn,
+    HTTPError,
+    LoadIn,
+    LoadTensorsIn,
+    SamplingIn,
+    run_blocking,
+)
+from lora_rl_core.errors import EngineError
 
 SGLANG_ABORT_MESSAGE = "Aborted by AbortReq."  # sglang/srt/managers/scheduler.py, abort_request
 _CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len")
@@ -49,6 +66,40 @@ class _RememberingRoutes(AdapterRoutes):
             self.ref_cache[body.lora_name] = self.loaded[body.lora_name]["path"]
         return answer
 
+    async def load_lora_adapter_from_tensors(self, body: LoadTensorsIn) -> JSONResponse:
+        """SGLang's pickle payload (`load_format` None); `safetensors` as our server."""
+        if body.load_format is not None:
+            return await super().load_lora_adapter_from_tensors(body)
+        try:
+            await run_blocking(self.control_timeout_s, self._load_pickled, body)
+        except (EngineError, HTTPError) as exc:
+            return await self._update_failed(exc)
+        self.loaded[body.lora_name] = {"path": TENSOR_ROOT, "sha256": None}
+        self.ref_cache[body.lora_name] = TENSOR_ROOT
+        return await self._update_ok()
+
+    def _load_pickled(self, body: LoadTensorsIn) -> None:
+        payloads = body.serialized_named_tensors or []
+        if len(payloads) != 1:
+            raise EngineError(f"expected one payload per TP rank (1), got {len(payloads)}")
+        try:
+            tensors = _SafeUnpickler(io.BytesIO(base64.b64decode(payloads[0], validate=True))).load()
+        except Exception as exc:  # SGLang answers any deserialisation failure as success=false
+            raise EngineError(f"cannot deserialize serialized_named_tensors[0]: {exc}") from None
+        self.engine.load_adapter(body.lora_name, tensors=tensors, config=body.config_dict, pinned=body.pinned)
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """SGLang's `SafeUnpickler` allow-list, the prefixes a tensor dict needs (`sglang/srt/utils/common.py`)."""
+
+    _ALLOWED = ("builtins.", "collections.", "copyreg.", "torch.", "multiprocessing.reduction.")
+    _DENIED = {("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not (module + ".").startswith(self._ALLOWED) or (module, name) in self._DENIED:
+            raise RuntimeError(f"Blocked unsafe class loading ({module}.{name})")
+        return super().find_class(module, name)
+
 
 class SGLangFakeServer(EngineServer):
     """`EngineServer` with SGLang's answers where ours differ (see the module docstring)."""
@@ -65,6 +116,9 @@ class SGLangFakeServer(EngineServer):
         listed = await run_blocking(self.control_timeout_s, self.engine.list_adapters)
         for name in sorted(names - set(listed)):
             path = self.adapters.ref_cache.get(name)
+            if path == TENSOR_ROOT:
+                message = f"Failed to implicitly load LoRA adapter {name}: cannot read {TENSOR_ROOT!r}"
+                raise HTTPError(400, message)
             if path is not None:
                 await run_blocking(self.control_timeout_s, self.engine.load_adapter, name, path=path)
                 self.adapters.loaded[name] = {"path": path, "sha256": None}
