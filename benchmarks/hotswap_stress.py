@@ -9,16 +9,26 @@ this process on 127.0.0.1. The model is a tiny random Qwen2-shaped one by defaul
 correctness, not speed); `--model-config` gives a real shape, `--layers` truncates it. Exits 1 when an
 invariant is breached.
 
+Real SGLang (`sglang-group`, `sglang-n`; GPU host): one server is launched by `launch_sglang` on
+`--model-dir` and the targets run on it in the order given; adapters are random rank-`--rank` LoRA on
+q_proj/v_proj, loaded from tensors (`engine.tensor_transport` auto: CUDA IPC). `sglang-group` sends each
+group as `n` requests (the rollout path); `sglang-n` as one `/generate` with `sampling_params.n`, after
+which SGLang's unload hangs (sglang#36894): run it last, with a short `--deadline`.
+
 Usage::
 
     PYTHONPATH=. python benchmarks/hotswap_stress.py [--swaps 200 --clients 32 --n 4] [--targets in-process,http-n]
+    PYTHONPATH=/tmp/ours:. python3 benchmarks/hotswap_stress.py --targets sglang-group,sglang-n \
+        --model-dir /tmp/models/smollm2-random --sglang-pythonpath /tmp/sglsite --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import _common
 from _common import RESULTS, machine_info, model_config, print_table, random_model, stub_tokenizer, write_json
@@ -28,10 +38,10 @@ from tests.support.adapters import random_lora_factory
 from tests.support.servers import serve_in_thread
 from tests.support.stress import StressReport, run_hotswap_stress
 
-TARGETS = ("in-process", "http-n", "http-group")
+TARGETS = ("in-process", "http-n", "http-group", "sglang-group", "sglang-n")
 ROWS = (
     "wall_s", "swaps", "retired", "pauses", "groups", "requests", "completed", "aborted",
-    "rejected", "abort_calls", "aborts_acknowledged", "latency_mean_s", "latency_p99_s", "latency_max_s",
+    "rejected", "abort_calls", "aborts_acknowledged", "latency_mean_s", "latency_p50_s", "latency_p99_s", "latency_max_s",
     *StressReport.VIOLATIONS,
 )  # fmt: skip
 
@@ -51,6 +61,51 @@ def run_target(target: str, args: argparse.Namespace, cfg: dict) -> StressReport
             return run_hotswap_stress(engine, make_adapter, **options)
         with serve_in_thread(engine, request_timeout_s=args.request_timeout, control_timeout_s=30.0) as url:
             return run_hotswap_stress(url, make_adapter, **options, samples=target.removeprefix("http-"))
+
+
+def run_sglang_targets(targets: list[str], args: argparse.Namespace) -> dict[str, StressReport]:
+    """The `sglang-*` targets, in order, on one SGLang server launched on `--model-dir` (stopped after)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lora_rl_core.config import config_from_dict
+    from lora_rl_core.engines.http import SGLangEngine
+    from lora_rl_core.engines.sglang_server import launch_sglang
+
+    if args.model_dir is None:
+        raise SystemExit("the sglang-* targets need --model-dir (an HF model folder with its tokenizer)")
+    shapes = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    make_adapter = random_lora_factory(shapes, rank=args.rank)
+    launch: dict[str, Any] = {"enabled": True, "port": 30000, "python": args.sglang_python}
+    launch["cuda_graph_max_bs"] = None  # eager: no capture time; the protocol, not speed, is measured
+    if args.sglang_pythonpath:
+        launch["env"] = {"PYTHONPATH": args.sglang_pythonpath}
+    cfg = config_from_dict(
+        {
+            "model": {"name_or_path": str(args.model_dir), "dtype": "bfloat16"},
+            "lora": {"rank": args.rank, "target_modules": ["q_proj", "v_proj"]},
+            "engine": {"type": "sglang", "max_loras_per_batch": 4, "launch": launch},
+        }
+    )
+    vocab = AutoConfig.from_pretrained(args.model_dir).vocab_size
+    server = launch_sglang(cfg, Path(tempfile.mkdtemp(prefix="stress-sglang-")) / "server.log")
+    reports = {}
+    try:
+        for target in targets:
+            options = {
+                "swaps": args.swaps, "clients": args.clients, "n": args.n, "deadline_s": args.deadline,
+                "abort_prob": args.abort_prob, "pause_prob": args.pause_prob, "seed": args.seed,
+                "vocab_size": vocab, "run_id": target.replace("-", ""), "samples": target.removeprefix("sglang-"),
+                "request_timeout_s": args.request_timeout,
+            }  # fmt: skip
+            engine = SGLangEngine(server.url, timeout_s=args.request_timeout, control_timeout_s=30.0)
+            with engine:
+                reports[target] = run_hotswap_stress(engine, make_adapter, **options)
+            print(f"{target}: ok={reports[target].ok}", flush=True)
+    finally:
+        print("server log tail:\n" + server.log_tail(30), flush=True)
+        server.stop()
+    return reports
 
 
 def show(reports: dict[str, StressReport], title: str) -> None:
@@ -89,6 +144,9 @@ def main() -> int:
     parser.add_argument("--model-config", type=Path, default=None, help="default: a tiny Qwen2-shaped model")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model-dir", type=Path, default=None, help="sglang-* targets: the server's model")
+    parser.add_argument("--sglang-python", default="python3", help="sglang-* targets: the server's interpreter")
+    parser.add_argument("--sglang-pythonpath", default=None, help="sglang-* targets: the server's PYTHONPATH")
     parser.add_argument("--out", type=Path, default=RESULTS / "hotswap_stress.json")
     args = parser.parse_args()
     args.device = _common.resolve_device(args.device)
@@ -98,8 +156,14 @@ def main() -> int:
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         parser.error(f"unknown targets {unknown}; choose from {TARGETS}")
-    reports = {target: run_target(target, args, cfg) for target in targets}
+    ours = [t for t in targets if not t.startswith("sglang-")]
+    reports = {target: run_target(target, args, cfg) for target in ours}
+    real = [t for t in targets if t.startswith("sglang-")]
+    if real:
+        reports.update(run_sglang_targets(real, args))
     model_name = args.model_config.stem if args.model_config else "tiny-qwen2"
+    if real:
+        model_name = f"{model_name} (ours), {args.model_dir.name} (SGLang)" if ours else args.model_dir.name
     show(reports, f"hot-swap stress: {args.swaps} swaps, {args.clients} clients, n={args.n}, {model_name}")
     write_json(
         {

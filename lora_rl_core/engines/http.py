@@ -387,12 +387,16 @@ class SGLangEngine:
         self._update("/unload_lora_adapter", {"lora_name": name}, timeout_s)
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
-        """Adapters from `/v1/models` (cards with a `parent`): name -> {path, version, and any
-        of sha256, in_flight, pinned, resident the server reports}."""
+        """Adapters from `/v1/models` (cards with a `parent`): name -> {path, version, in_flight, and any of
+        sha256, pinned, resident the server reports}. Where the server reports no `in_flight` (SGLang), it is
+        this client's own requests in flight naming the adapter, so `retire_stale` keeps those versions."""
         adapters = adapters_from_models(json_or_empty(self._call("GET", "/v1/models")))
         back = self._retired.revived_in(adapters) if self.guards_retired else []
         if back:
             log.warning("%s lists retired adapters again (reloaded by a request naming them): %s", self.url, back)
+        held = self._requests.held()
+        for name, info in adapters.items():  # SGLang reports no in-flight counts: this client's own ones
+            info.setdefault("in_flight", held.get(name, 0))
         return adapters
 
     # ------------------------------------------------------------- control

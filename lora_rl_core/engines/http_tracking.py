@@ -25,6 +25,7 @@ class InFlightRequests:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ids: set[str] = set()
+        self._held: Counter[str] = Counter()  # adapter -> requests in flight naming it
         self._reasons: dict[str, str] = {}  # request id -> first reason given to `abort`
         self._counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
 
@@ -38,15 +39,24 @@ class InFlightRequests:
         """Mark `requests` in flight for the duration of their call. Yields a dict that, on exit, holds the
         reasons kept for them meanwhile (request id -> reason); they are forgotten here then."""
         ids = {r.request_id for r in requests}
+        held = Counter(r.adapter for r in requests if r.adapter is not None)
         reasons: dict[str, str] = {}
         with self._lock:
             self._ids |= ids
+            self._held.update(held)
         try:
             yield reasons
         finally:
             with self._lock:
                 self._ids -= ids
+                self._held.subtract(held)
+                self._held = +self._held  # drop the zeros
                 reasons.update((i, self._reasons.pop(i)) for i in ids if i in self._reasons)
+
+    def held(self) -> dict[str, int]:
+        """Adapter name -> how many of this client's requests in flight name it."""
+        with self._lock:
+            return dict(self._held)
 
     def keep_reason(self, request_id: str | None, reason: str) -> set[str]:
         """Keep `reason` for request `request_id`, or for every request in flight when None, unless one

@@ -10,6 +10,7 @@ noticed (`revived_adapters`) and retired again by `subscriber.retire_stale`.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -97,3 +98,23 @@ def test_a_revived_version_is_noticed_and_retired_again(served):
         assert V1 in engine.list_adapters() and engine.metrics()["revived_adapters"] == 1
         assert retire_stale(engine, RUN, keep=2, protect={V3}) == [V1]  # the next sync retires it again
         assert V1 not in engine.list_adapters()
+
+
+def test_a_version_this_client_holds_is_not_retired(served):
+    """SGLang lists no in-flight counts; the client's own requests in flight stand in, so `retire_stale`
+    keeps a version while one of them still runs (SGLang's unload would wait for it)."""
+    _, url, folders = served
+    with SGLangEngine(url, timeout_s=60, control_timeout_s=30) as engine:
+        for name in (V1, V2):
+            engine.load_adapter(name, path=folders[name])
+        httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}, timeout=30)  # another client pauses
+        running = engine.submit(GenerationRequest([5, 6, 7], V1, GREEDY))
+        deadline = time.monotonic() + 30
+        while engine.list_adapters()[V1]["in_flight"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.list_adapters()[V1]["in_flight"] == 1 and engine.list_adapters()[V2]["in_flight"] == 0
+        assert retire_stale(engine, RUN, keep=1, protect={V2}) == []  # V1 is held
+        httpx.post(f"{url}/continue_generation", json={}, timeout=30)
+        assert running.result(timeout=60).finish_reason in ("length", "stop")
+        assert engine.list_adapters()[V1]["in_flight"] == 0
+        assert retire_stale(engine, RUN, keep=1, protect={V2}) == [V1]

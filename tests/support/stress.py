@@ -41,12 +41,15 @@ the version the server admitted the sample with; or `samples="group"`, `n` reque
 `ServerEngine.generate` (the rollout path), whose completions derive the version from the adapter name, so
 the version check is weaker there.
 
-Left out: real SGLang (its unload hangs, sglang#36894, are what the protocol avoids), several engines,
-store-path loads (`benchmarks/sync_latency.py` times those).
+A real SGLang server (an `SGLangEngine`) is a third kind of target (`_SGLang`; what it can and cannot check
+is in its docstring): `benchmarks/hotswap_stress.py --targets sglang-group,sglang-n` on the GPU host.
+
+Left out: several engines, store-path loads (`benchmarks/sync_latency.py` times those).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import random
@@ -73,9 +76,11 @@ __all__ = ["StressReport", "StressSettings", "run_hotswap_stress"]
 
 
 class _Target:
-    """The engine calls the stress run makes; `_InProcess` and `_Http` fill in how."""
+    """The engine calls the stress run makes; `_InProcess`, `_Http` and `_SGLang` fill in how."""
 
     samples = "group"
+    exact_abort_counts = True
+    """Whether `abort` returns how many requests the engine really aborted (checked against the samples)."""
 
     def __init__(self, engine: Any, settings: StressSettings) -> None:
         self.engine = engine
@@ -107,6 +112,10 @@ class _Target:
     def in_flight(self) -> int:
         """Requests holding an adapter now (sum over adapters)."""
         return sum(int(info.get("in_flight") or 0) for info in self.engine.list_adapters().values())
+
+    def revived(self) -> int:
+        """Retired versions the engine was seen serving again (only a real SGLang server revives them)."""
+        return 0
 
     def close(self) -> None:
         """Release what the target opened."""
@@ -149,6 +158,45 @@ class _Http(_Target):
         self._http.close()
 
 
+class _SGLang(_Http):
+    """A real SGLang server through `SGLangEngine` (docs/SGLANG.md). SGLang reports neither the adapter nor
+    its version per sample (`weight_version` is the base weights'), so a sample's version is the one its
+    request named, and abort counts are this client's estimates (an abort may reach the server after the
+    request finished): the version and abort-count checks cannot fail here. What can: lost samples, errors,
+    hangs (an unload after n>1 traffic, sglang#36894), unloads while paused, and a retired version coming
+    back (`revived_adapters`). `samples="group"` (the default here): `n` requests through `generate`, the
+    rollout path; `samples="n"`: one raw `/generate` with `sampling_params.n` and no rid (SGLang's n>1 rid
+    mapping is not ours to guess), so those groups get no aborts by id."""
+
+    exact_abort_counts = False
+
+    def __init__(self, engine: SGLangEngine, settings: StressSettings) -> None:
+        super().__init__(engine, settings)
+        self.samples = settings.samples or "group"
+
+    def send(self, group: Group, prompt: list[int], params: SamplingParams) -> list[Sample]:
+        if self.samples == "group":
+            return _Target.send(self, group, prompt, params)
+        sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "n": group.n}
+        body = {"input_ids": prompt, "sampling_params": sampling, "lora_path": group.name}
+        response = self._http.post("/generate", json=body)
+        if response.status_code >= 400:
+            raise EngineError(f"HTTP {response.status_code}: {response.text[:300]}")
+        outs = response.json()
+        samples = [_http_sample(o) for o in (outs if isinstance(outs, list) else [outs])]
+        return [dataclasses.replace(x, adapter=group.name, version=adapter_version(group.name)) for x in samples]
+
+    def abort_ids(self, group: Group, which: int | None) -> list[str]:
+        return [] if self.samples == "n" else _Target.abort_ids(self, group, which)
+
+    def in_flight(self) -> int:
+        """This client's requests in flight (SGLang reports none)."""
+        return int(self.engine.metrics()["in_flight"])
+
+    def revived(self) -> int:
+        return int(self.engine.metrics()["revived_adapters"])
+
+
 def _http_sample(out: dict[str, Any]) -> Sample:
     meta = out.get("meta_info") or {}
     finish = meta.get("finish_reason") or {}
@@ -164,7 +212,9 @@ def _target(engine: Any, settings: StressSettings) -> tuple[_Target, bool]:
         engine = ServerEngine(
             engine, timeout_s=settings.request_timeout_s, control_timeout_s=settings.control_timeout_s
         )
-    if isinstance(engine, SGLangEngine):  # `ServerEngine` included: an HTTP client of our engine server
+    if type(engine) is SGLangEngine:  # a real SGLang server
+        return _SGLang(engine, settings), owned
+    if isinstance(engine, ServerEngine):
         return _Http(engine, settings), owned
     if settings.samples == "n":
         raise EngineError("samples='n' (SGLang's n) needs an HTTP target; in-process groups are n requests")
@@ -340,7 +390,8 @@ def run_hotswap_stress(
     pauses; then check the invariants (see the module docstring).
 
     Args:
-        engine: an `EmbeddedEngine` (in-process), a `ServerEngine`, or our engine server's URL.
+        engine: an `EmbeddedEngine` (in-process), a `ServerEngine` or our engine server's URL, or an
+            `SGLangEngine` of a real SGLang server.
         make_adapter: version -> (PEFT-keyed LoRA tensors, PEFT config) for that version's weights;
             `random_lora_factory(model)` makes small random ones.
         swaps, clients, n: versions loaded, client threads, samples per group.
@@ -385,6 +436,10 @@ def _run(target: _Target, settings: StressSettings, make_adapter: AdapterFactory
     report.examples += [f"thread alive at the deadline: {name}" for name in hung][:5]
     report.leaked_in_flight = 0 if hung else _settled_in_flight(target)
     report.final_probe_failed = 0 if hung else int(not _probe(target, shared))
+    report.revived_adapters = target.revived()
+    if not target.exact_abort_counts:
+        report.unaccounted_aborts = 0
+        report.examples.append("abort counts are this client's estimates here: unaccounted_aborts not checked")
     return report
 
 

@@ -67,6 +67,7 @@ class StressReport:
     aborts_acknowledged: int = 0
     abort_failures: int = 0
     latency_mean_s: float = 0.0
+    latency_p50_s: float = 0.0
     latency_p99_s: float = 0.0
     latency_max_s: float = 0.0
     lost: int = 0
@@ -82,6 +83,7 @@ class StressReport:
     hangs: int = 0
     leaked_in_flight: int = 0
     final_probe_failed: int = 0
+    revived_adapters: int = 0
     examples: list[str] = field(default_factory=list)
 
     VIOLATIONS = (
@@ -99,6 +101,7 @@ class StressReport:
         "hangs",
         "leaked_in_flight",
         "final_probe_failed",
+        "revived_adapters",
     )
 
     def violations(self) -> dict[str, int]:
@@ -267,6 +270,7 @@ def _check_groups(report: StressReport, shared: Shared) -> None:
     if latencies:
         report.latency_mean_s = statistics.fmean(latencies)
         report.latency_max_s = max(latencies)
+        report.latency_p50_s = statistics.median(latencies)
         report.latency_p99_s = sorted(latencies)[min(len(latencies) - 1, int(0.99 * len(latencies)))]
 
 
