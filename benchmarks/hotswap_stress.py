@@ -41,7 +41,8 @@ from tests.support.stress import StressReport, run_hotswap_stress
 TARGETS = ("in-process", "http-n", "http-group", "sglang-group", "sglang-n")
 ROWS = (
     "wall_s", "swaps", "retired", "pauses", "groups", "requests", "completed", "aborted",
-    "rejected", "abort_calls", "aborts_acknowledged", "latency_mean_s", "latency_p50_s", "latency_p99_s", "latency_max_s",
+    "rejected", "abort_calls", "aborts_acknowledged",
+    "latency_mean_s", "latency_p50_s", "latency_p99_s", "latency_max_s",
     *StressReport.VIOLATIONS,
 )  # fmt: skip
 
