@@ -77,7 +77,8 @@ def run_sglang_targets(targets: list[str], args: argparse.Namespace) -> dict[str
         raise SystemExit("the sglang-* targets need --model-dir (an HF model folder with its tokenizer)")
     shapes = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     make_adapter = random_lora_factory(shapes, rank=args.rank)
-    launch: dict[str, Any] = {"enabled": True, "port": 30000, "python": args.sglang_python}
+    launch: dict[str, Any] = {"enabled": True, "port": 30001, "python": args.sglang_python}
+    launch["mem_fraction_static"] = 0.15  # a small model; leaves the GPU to work beside it
     launch["cuda_graph_max_bs"] = None  # eager: no capture time; the protocol, not speed, is measured
     if args.sglang_pythonpath:
         launch["env"] = {"PYTHONPATH": args.sglang_pythonpath}

@@ -16,9 +16,11 @@ export PYTHONPATH=/tmp/ours:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMER
 export PREFECT_HOME=/tmp/prefect-home PREFECT_SERVER_ANALYTICS_ENABLED=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m cli.main train -c "$CONFIG" \
-  model.name_or_path=/tmp/models/smollm2-gguf engine.type=sglang engine.sync=store \
+  model.name_or_path=/tmp/models/smollm2-gguf engine.type=sglang \
   engine.launch.enabled=true "engine.launch.env={PYTHONPATH: /tmp/sglsite}" \
   run.output_dir=/tmp/runs store.uri=file:///tmp/store "$@" 2>&1 | tee "$OUT/train.log"
 RUN_DIR=$(ls -td /tmp/runs/*/ | head -1)
+RUN_ID=$(basename "$RUN_DIR")
+python3 -m cli.main adapters pull "$RUN_ID@latest" --store file:///tmp/store --out "$OUT/adapter" || true
 cp "$RUN_DIR/report.md" "$RUN_DIR/reward_curve.png" "$OUT/" 2>/dev/null || true
 tail -c 200000 "$RUN_DIR/sglang.log" > "$OUT/sglang.log" 2>/dev/null || true

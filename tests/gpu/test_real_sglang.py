@@ -66,6 +66,7 @@ def store(tmp_path_factory) -> AdapterStore:
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     launch = {"enabled": True, "port": 30000, "cuda_graph_max_bs": None, "startup_timeout_s": 540}
+    launch["mem_fraction_static"] = 0.15  # leaves the GPU to a run beside it; a 135M model needs little KV cache
     if os.environ.get("LORA_RL_SGLANG_PYTHONPATH"):
         launch["env"] = {"PYTHONPATH": os.environ["LORA_RL_SGLANG_PYTHONPATH"]}
     cfg = config_from_dict(
