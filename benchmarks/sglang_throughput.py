@@ -151,6 +151,7 @@ def main() -> None:
         folders = adapter_folders(shapes, max(counts), args.rank, Path(tmp))
         del shapes
         record: dict[str, Any] = {"sglang": sglang_results(args, folders, counts, prompts)}
+        print(json.dumps({"sglang": {k: v["mixed"] for k, v in record["sglang"]["cases"].items()}}), flush=True)
         if args.compare_embedded:
             record["embedded"] = embedded_results(args, folders, counts, prompts)
     device = _common.resolve_device(args.device)

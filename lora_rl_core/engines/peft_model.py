@@ -63,8 +63,10 @@ class PeftAdapterModel:
         max_lora_rank: int | None = None,
     ) -> None:
         self._model: PreTrainedModel | PeftModel = model
-        self._pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids(model, tokenizer)
+        # padding is masked out, so any id does; a tokenizer without a pad token pads with EOS, as HF generate
+        pad_id = tokenizer.pad_token_id
+        self._pad_id: int = pad_id if pad_id is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self._rules = AdapterRules.for_model(model, max_rank=max_lora_rank)  # DoRA: no mixed-adapter batches
         self._pool = pool
         self._lock = threading.Lock()

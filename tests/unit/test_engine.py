@@ -513,3 +513,18 @@ def test_concurrent_requests_aborts_and_loads_end_cleanly(make_engine, tiny_mode
         assert c.adapter == asked[c.request_id] and c.adapter_version == adapter_version(c.adapter)
     assert wait_until(lambda: all(i["in_flight"] == 0 for i in engine.list_adapters().values()))
     assert engine.health()["queue_depth"] == 0 and engine.metrics()["resident"] <= 3
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(tiny_model_dir):
+    """A tokenizer with no pad token (SmolLM2's own files) must not break batches of unequal prompts; the
+    padding is masked, so the outputs equal the same engine's with a pad token."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    bare = _tokenizer(tiny_model_dir)
+    bare.pad_token = None
+    assert bare.pad_token_id is None
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    rows = prompts(tiny_model_dir, 3)
+    with EmbeddedEngine(model, bare) as no_pad, EmbeddedEngine(model, _tokenizer(tiny_model_dir)) as padded:
+        got = [c.completion_ids for c in no_pad.generate([GenerationRequest(p, None, greedy) for p in rows])]
+        want = [c.completion_ids for c in padded.generate([GenerationRequest(p, None, greedy) for p in rows])]
+    assert got == want and all(got)
