@@ -11,7 +11,7 @@ invariant is breached.
 
 Real SGLang (`sglang-group`, `sglang-n`; GPU host): one server is launched by `launch_sglang` on
 `--model-dir` and the targets run on it in the order given; adapters are random rank-`--rank` LoRA on
-q_proj/v_proj, loaded from tensors (`engine.tensor_transport` auto: CUDA IPC). `sglang-group` sends each
+q_proj/v_proj, loaded from tensors (`--tensor-transport`, default auto: CUDA IPC). `sglang-group` sends each
 group as `n` requests (the rollout path); `sglang-n` as one `/generate` with `sampling_params.n`, after
 which SGLang's unload hangs (sglang#36894): run it last, with a short `--deadline`.
 
@@ -77,7 +77,7 @@ def run_sglang_targets(targets: list[str], args: argparse.Namespace) -> dict[str
         raise SystemExit("the sglang-* targets need --model-dir (an HF model folder with its tokenizer)")
     shapes = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     make_adapter = random_lora_factory(shapes, rank=args.rank)
-    launch: dict[str, Any] = {"enabled": True, "port": 30001, "python": args.sglang_python}
+    launch: dict[str, Any] = {"enabled": True, "port": args.sglang_port, "python": args.sglang_python}
     launch["mem_fraction_static"] = 0.15  # a small model; leaves the GPU to work beside it
     launch["cuda_graph_max_bs"] = None  # eager: no capture time; the protocol, not speed, is measured
     if args.sglang_pythonpath:
@@ -100,12 +100,14 @@ def run_sglang_targets(targets: list[str], args: argparse.Namespace) -> dict[str
                 "vocab_size": vocab, "run_id": target.replace("-", ""), "samples": target.removeprefix("sglang-"),
                 "request_timeout_s": args.request_timeout,
             }  # fmt: skip
-            engine = SGLangEngine(server.url, timeout_s=args.request_timeout, control_timeout_s=30.0)
+            engine = SGLangEngine(
+                server.url, timeout_s=args.request_timeout, control_timeout_s=30.0, tensor_transport=args.tensor_transport
+            )
             with engine:
                 reports[target] = run_hotswap_stress(engine, make_adapter, **options)
             print(f"{target}: ok={reports[target].ok}", flush=True)
     finally:
-        print("server log tail:\n" + server.log_tail(30), flush=True)
+        print("server log tail:\n" + server.log_tail(80), flush=True)
         server.stop()
     return reports
 
@@ -149,6 +151,8 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=None, help="sglang-* targets: the server's model")
     parser.add_argument("--sglang-python", default="python3", help="sglang-* targets: the server's interpreter")
     parser.add_argument("--sglang-pythonpath", default=None, help="sglang-* targets: the server's PYTHONPATH")
+    parser.add_argument("--sglang-port", type=int, default=30001, help="sglang-* targets: the server's port")
+    parser.add_argument("--tensor-transport", default="auto", help="sglang-* targets: ipc | inline | auto")
     parser.add_argument("--out", type=Path, default=RESULTS / "hotswap_stress.json")
     args = parser.parse_args()
     args.device = _common.resolve_device(args.device)
