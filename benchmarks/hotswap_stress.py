@@ -100,9 +100,8 @@ def run_sglang_targets(targets: list[str], args: argparse.Namespace) -> dict[str
                 "vocab_size": vocab, "run_id": target.replace("-", ""), "samples": target.removeprefix("sglang-"),
                 "request_timeout_s": args.request_timeout,
             }  # fmt: skip
-            engine = SGLangEngine(
-                server.url, timeout_s=args.request_timeout, control_timeout_s=30.0, tensor_transport=args.tensor_transport
-            )
+            timeouts = {"timeout_s": args.request_timeout, "control_timeout_s": 30.0}
+            engine = SGLangEngine(server.url, **timeouts, tensor_transport=args.tensor_transport)
             with engine:
                 reports[target] = run_hotswap_stress(engine, make_adapter, **options)
             print(f"{target}: ok={reports[target].ok}", flush=True)
