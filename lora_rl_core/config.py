@@ -192,6 +192,11 @@ class EngineConfig(Section):
     `disk`: the published version's folder (`/load_lora_adapter`); `auto`: `ipc` for a server on a loopback
     address when CUDA is available, else `disk`. A refused tensor load falls back to the folder
     (docs/SGLANG.md, "Tensor path")."""
+    sglang_retire: Literal["unload", "keep"] = "unload"
+    """`sglang`: how a stale version is retired. `unload`: `/unload_lora_adapter` (frees SGLang's memory; on
+    0.5.17 it can hang when requests are in flight or were aborted, so only while nothing else uses the
+    server, as in the training flow); `keep`: retired in our client only (refused from then on), the weights
+    stay in SGLang's CPU pool, one adapter's size per version (docs/HOTSWAP.md, "Against a real SGLang")."""
     launch: SGLangLaunchConfig = SGLangLaunchConfig()
     """Start a local SGLang server for this run (`engine.type: sglang`)."""
 

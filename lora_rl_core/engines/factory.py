@@ -77,10 +77,12 @@ def build_remote_engine(engine_cfg: EngineConfig) -> InferenceEngine:
     """
     from lora_rl_core.engines.multi import connect_engines
 
+    sglang_only = {"retire": engine_cfg.sglang_retire} if engine_cfg.type == "sglang" else {}
     return connect_engines(
         engine_cfg.type,
         engine_cfg.urls,
         api_key=os.environ.get(engine_cfg.api_key_env),
         timeout_s=engine_cfg.timeout_s,
         tensor_transport=engine_cfg.tensor_transport,
+        **sglang_only,
     )

@@ -81,6 +81,8 @@ class SGLangEngine:
         max_batch_requests: prompts per `/generate` call.
         max_concurrency: `/generate` calls in flight at once from this client.
         tensor_transport: how adapters given as tensors are sent (`sglang_tensors.TENSOR_TRANSPORTS`).
+        retire: `unload` (`unload_adapter` calls `/unload_lora_adapter`) or `keep` (it only retires the name
+            in this client and leaves the weights resident on the server; `engine.sglang_retire`).
 
     Raises:
         EngineError: `url` is not http(s).
@@ -102,6 +104,7 @@ class SGLangEngine:
         max_batch_requests: int = 256,
         max_concurrency: int = 4,
         tensor_transport: str = ENGINE_DEFAULTS.tensor_transport,
+        retire: str = ENGINE_DEFAULTS.sglang_retire,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise EngineError(f"engine URL {url!r} must start with http:// or https://")
@@ -117,6 +120,10 @@ class SGLangEngine:
         self._retired = RetiredAdapters()
         self.tensor_transport = tensor_transport
         self._tensor_fallback: str | None = None
+        if retire not in ("unload", "keep"):
+            raise EngineError(f"retire must be 'unload' or 'keep', got {retire!r}")
+        self.retire = retire
+        self._kept: set[str] = set()  # retired here, left resident on the server (retire="keep")
         self._loads: Counter[str] = Counter()
         self._closed = False
         self._paused = False
@@ -384,13 +391,22 @@ class SGLangEngine:
         """
         if self.guards_retired:
             self._retired.retire(name)
+        if self.retire == "keep":  # SGLang 0.5.17's unload can hang under traffic (docs/HOTSWAP.md)
+            if name not in self._listed_raw():
+                raise EngineError(f"{self.url}: LoRA adapter {name!r} is not loaded")
+            self._kept.add(name)
+            return
         self._update("/unload_lora_adapter", {"lora_name": name}, timeout_s)
+
+    def _listed_raw(self) -> dict[str, dict[str, Any]]:
+        return adapters_from_models(json_or_empty(self._call("GET", "/v1/models")))
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
         """Adapters from `/v1/models` (cards with a `parent`): name -> {path, version, in_flight, and any of
         sha256, pinned, resident the server reports}. Where the server reports no `in_flight` (SGLang), it is
-        this client's own requests in flight naming the adapter, so `retire_stale` keeps those versions."""
-        adapters = adapters_from_models(json_or_empty(self._call("GET", "/v1/models")))
+        this client's own requests in flight naming the adapter, so `retire_stale` keeps those versions.
+        With `retire="keep"`, versions retired in this client are left out though the server keeps them."""
+        adapters = {n: a for n, a in self._listed_raw().items() if n not in self._kept}
         back = self._retired.revived_in(adapters) if self.guards_retired else []
         if back:
             log.warning("%s lists retired adapters again (reloaded by a request naming them): %s", self.url, back)
@@ -430,7 +446,8 @@ class SGLangEngine:
 
     def metrics(self) -> dict[str, Any]:
         """This client's counters: `{"adapters": {name: {"requests", "tokens"}}, "in_flight", "paused",
-        "revived_adapters", "adapter_loads": {transport: count}, "tensor_fallback": why or None}`."""
+        "revived_adapters", "adapter_loads": {transport: count}, "tensor_fallback": why or None,
+        "retired_resident": versions retired here but left on the server (`retire="keep"`)}`."""
         return {
             "adapters": self._requests.counts(),
             "in_flight": len(self._requests),
@@ -438,6 +455,7 @@ class SGLangEngine:
             "revived_adapters": self._retired.revived,
             "adapter_loads": dict(self._loads),
             "tensor_fallback": self._tensor_fallback,
+            "retired_resident": len(self._kept),
         }
 
 

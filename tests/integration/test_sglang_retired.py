@@ -118,3 +118,23 @@ def test_a_version_this_client_holds_is_not_retired(served):
         assert running.result(timeout=60).finish_reason in ("length", "stop")
         assert engine.list_adapters()[V1]["in_flight"] == 0
         assert retire_stale(engine, RUN, keep=1, protect={V2}) == [V1]
+
+
+def test_retire_keep_leaves_the_weights_but_never_serves_the_version_again(served):
+    """`retire="keep"` (engine.sglang_retire): no `/unload_lora_adapter` (SGLang 0.5.17's can hang under
+    traffic); the version is retired in the client alone and is not listed to the protocol any more."""
+    fake, url, folders = served
+    with SGLangEngine(url, timeout_s=30, control_timeout_s=30, retire="keep") as engine:
+        for name in (V1, V2, V3):
+            engine.load_adapter(name, path=folders[name])
+        assert retire_stale(engine, RUN, keep=2, protect={V3}) == [V1]
+        assert retire_stale(engine, RUN, keep=2, protect={V3}) == []  # once only
+        assert sorted(engine.list_adapters()) == [V2, V3] and engine.metrics()["retired_resident"] == 1
+        with pytest.raises(EngineError, match="this client retired it"):
+            engine.generate([GenerationRequest([5, 6], V1, GREEDY)])
+        with pytest.raises(EngineError, match="is not loaded"):
+            engine.unload_adapter("ret-v000009")
+        assert engine.metrics()["revived_adapters"] == 0
+    cards = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    assert V1 in {c["id"] for c in cards}  # still resident on the server
+    assert fake.reloaded == []
