@@ -32,7 +32,6 @@ Usage, on the GPU host (docs/SGLANG.md, "GPU host")::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -42,8 +41,8 @@ from typing import Any
 import _common
 import torch
 from _common import ALL_LINEAR, MODEL_CONFIGS, RESULTS, machine_info, print_table, write_json
+from sync_latency import PARTS, summarize
 
-from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.config import config_from_dict
 from lora_rl_core.engines import GenerationRequest, SamplingParams
 from lora_rl_core.engines.http import SGLangEngine
@@ -52,7 +51,6 @@ from lora_rl_core.store import AdapterStore
 from tests.support.adapters import random_lora_factory
 
 PATHS = ("disk", "ipc", "inline")
-PARTS = ("publish_s", "load_s", "first_s", "total_s")
 
 
 def write_model(cfg: dict[str, Any], tokenizer_dir: Path, out: Path) -> torch.nn.Module:
@@ -112,12 +110,7 @@ def bench_rank(ctx: dict[str, Any], rank: int, repeats: int) -> dict[str, Any]:
     for version in range(1, repeats + 1):
         for path in ctx["paths"]:
             runs[path].append(measure(ctx, path, rank, version))
-    tensors, _ = ctx["trainer"][rank]
-    out: dict[str, Any] = {"mb": len(safetensors_bytes(tensors)) / 1e6, "paths": {}}
-    for path, samples in runs.items():
-        medians = {part: statistics.median(s[part] for s in samples) for part in PARTS}
-        out["paths"][path] = {**medians, "total_s_all": [s["total_s"] for s in samples]}
-    return out
+    return summarize(runs, ctx["trainer"][rank][0])
 
 
 def main() -> None:

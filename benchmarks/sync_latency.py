@@ -99,7 +99,11 @@ def bench_rank(engine: EmbeddedEngine, ctx: dict[str, Any], rank: int, repeats: 
     for version in range(1, repeats + 1):
         for path in ctx["paths"]:
             runs[path].append(measure(engine, path, ctx, rank, version))
-    tensors, _ = ctx["trainer"][rank]
+    return summarize(runs, ctx["trainer"][rank][0])
+
+
+def summarize(runs: dict[str, list[dict[str, float]]], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`{"mb": adapter file size (10**6 bytes), "paths": {path: medians of each part, total_s_all}}`."""
     out: dict[str, Any] = {"mb": len(safetensors_bytes(tensors)) / 1e6, "paths": {}}
     for path, samples in runs.items():
         medians = {part: statistics.median(s[part] for s in samples) for part in PARTS}
