@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,s3]"
+	$(PY) -m pip install -q -e ".[dev,s3,ray]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -172,6 +172,10 @@ class EngineConfig(Section):
     """Environment variable holding the engines' Bearer key (never stored in the config snapshot)."""
     timeout_s: float = Field(600.0, gt=0)
     """Deadline of one generate call, seconds."""
+    ray_replicas: int = Field(0, ge=0)
+    """`embedded` only: 0 runs the engine in this process; N >= 1 runs N engine replicas as Ray actors (one
+    CPU each), joining the cluster of `RAY_ADDRESS` or starting a local one; the samples of a prompt stay on
+    one replica, adapter versions load into every replica (`lora_rl_core/engines/ray_replicas.py`)."""
     max_batch_size: int = Field(64, ge=1)
     """Embedded engine: sequences per forward batch."""
     max_loras_per_batch: int = Field(8, ge=1)
@@ -207,6 +211,8 @@ class EngineConfig(Section):
                 raise ValueError("engine.launch.enabled needs engine.type: sglang and no engine.urls")
         elif (self.type == "embedded") == bool(self.urls):
             raise ValueError("engine.urls must be set exactly when engine.type is server or sglang")
+        if self.ray_replicas and self.type != "embedded":
+            raise ValueError("engine.ray_replicas needs engine.type: embedded (Ray runs embedded engine replicas)")
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError("engine.max_loaded_loras must be >= engine.max_loras_per_batch")
         return self

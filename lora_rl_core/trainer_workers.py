@@ -9,12 +9,10 @@ process, starts from the same adapter), shards it with FSDP2
 commands over one `Pipe` per rank: every rank gets the same command, rank 0's
 answer is returned (metrics are already global; gathered tensors live on rank 0).
 
-Why torch.multiprocessing and not Ray: Ray is not installed in the project
-environment (nor on the GPU machines) and the DESIGN keeps one dependency-free
-path; spawned processes give the same isolation Ray actors would on one host,
-and the process-group code (`distributed.init_process_group`,
-`build_sharded_trainer`) is the same under torchrun, so a multi-node launcher
-can reuse it. Ray would add value only beyond one machine.
+Why torch.multiprocessing and not Ray (yet): Ray 2.60 is on PyPI and now a dependency (engine replicas
+run as Ray actors, `lora_rl_core/engines/ray_replicas.py`), but FSDP2 ranks as Ray actors are not written
+yet; until they are, these spawned processes give the same isolation on one host, and the process-group
+code (`distributed.init_process_group`, `build_sharded_trainer`) is what Ray actors will run.
 
 Wire format: commands and results are small picklable objects (`TrainBatch` of
 int/float lists, metric dicts); tensors (adapter, checkpoint) travel as

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 def build_engine(
     engine_cfg: EngineConfig, model_cfg: ModelConfig, store: AdapterStore | None, *, tokenizer: Any = None
 ) -> InferenceEngine:
-    """The engine of `engine_cfg`: embedded (`build_embedded_engine`) or remote (`build_remote_engine`).
+    """The engine of `engine_cfg`: embedded (`build_embedded_engine`), embedded replicas as Ray actors
+    (`engine.ray_replicas`, `ray_replicas.start_ray_replicas`), or remote (`build_remote_engine`).
 
     Args:
         engine_cfg: the `engine` section.
@@ -35,6 +36,12 @@ def build_engine(
         ModelError: the embedded engine's model cannot be loaded.
         EngineError: a malformed engine URL.
     """
+    if engine_cfg.type == "embedded" and engine_cfg.ray_replicas:
+        from lora_rl_core.engines.ray_replicas import start_ray_replicas
+
+        return start_ray_replicas(
+            engine_cfg, model_cfg, replicas=engine_cfg.ray_replicas, store_uri=store.uri if store else None
+        )
     if engine_cfg.type == "embedded":
         return build_embedded_engine(engine_cfg, model_cfg, store, tokenizer=tokenizer)
     return build_remote_engine(engine_cfg)

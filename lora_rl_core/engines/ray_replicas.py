@@ -1,0 +1,220 @@
+"""Engine replicas as Ray actors: N embedded engines, each in its own Ray actor, behind one `InferenceEngine`.
+
+`start_ray_replicas(engine_cfg, model_cfg, replicas=N)` joins the Ray cluster named by `RAY_ADDRESS` (or
+starts a local one, `ray.init()`), starts N `EngineReplica` actors (each loads the model and runs an
+`EmbeddedEngine`, `num_cpus` CPUs each), and returns a `MultiEngine` over one `RayEngine` handle per actor:
+the samples of one prompt stay on one replica, adapter loads and unloads go to every replica
+(`lora_rl_core.engines.multi`). Tensors for a load travel through Ray's object store (shared memory on one
+node); a path (store version) is read by each replica itself.
+
+Choices made here:
+
+* Every call waits with a deadline (`ray.get(..., timeout=)`). A replica whose actor died raises
+  `EngineUnavailable` naming it (the step fails cleanly and the run can be resumed); a call past its
+  deadline raises `EngineUnavailable` too. Nothing is retried on another replica (as `MultiEngine`).
+* Actors are not restarted by Ray (`max_restarts=0`): a restarted replica would come back without the
+  adapters the protocol loaded, and serve stale state silently.
+* `close()` kills the actors; `shutdown_ray()` stops a local cluster this process started.
+
+Left out: SGLang replicas (one SGLang server per actor on a GPU) and the trainer on Ray.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from lora_rl_core.config import EngineConfig, ModelConfig
+from lora_rl_core.engines.base import Completion, GenerationRequest
+from lora_rl_core.engines.http import EngineUnavailable
+from lora_rl_core.engines.multi import MultiEngine
+from lora_rl_core.errors import EngineError
+
+
+class EngineReplica:
+    """The body of one replica actor: an `EmbeddedEngine` built as `build_embedded_engine` builds it, with
+    `torch` limited to `num_threads` threads. Its methods are the engine's own."""
+
+    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, store_uri: str | None, num_threads: int):
+        import torch
+
+        from lora_rl_core.engines.factory import build_embedded_engine
+        from lora_rl_core.store import AdapterStore
+
+        torch.set_num_threads(max(1, num_threads))
+        store = AdapterStore(store_uri) if store_uri else None
+        self.engine = build_embedded_engine(engine_cfg, model_cfg, store)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`engine.<method>(*args, **kwargs)`."""
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    def pid(self) -> int:
+        """The actor's process id."""
+        return os.getpid()
+
+
+class RayEngine:
+    """`InferenceEngine` over one `EngineReplica` actor.
+
+    Args:
+        actor: the actor handle.
+        label: how errors and `repr` name the replica.
+        timeout_s: deadline of a generate call, seconds; control calls get `control_timeout_s`.
+    """
+
+    def __init__(self, actor: Any, label: str, *, timeout_s: float, control_timeout_s: float = 300.0) -> None:
+        self.actor = actor
+        self.label = label
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ray-{label}")
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RayEngine({self.label})"
+
+    def _call(self, method: str, *args: Any, wait_s: float | None = None, **kwargs: Any) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        if self._closed:
+            raise EngineError(f"{self!r} is closed")
+        timeout = wait_s if wait_s is not None else self.control_timeout_s
+        try:
+            return ray.get(self.actor.call.remote(method, *args, **kwargs), timeout=timeout)
+        except RayActorError as exc:
+            raise EngineUnavailable(
+                f"engine replica {self.label} died ({type(exc).__name__}): the step fails; resume the run to "
+                "start fresh replicas"
+            ) from None
+        except GetTimeoutError:
+            raise EngineUnavailable(
+                f"engine replica {self.label}: {method} did not answer within {timeout:g} s"
+            ) from None
+
+    def generate(
+        self, requests: list[GenerationRequest], *, timeout_s: float | None = None, inline: bool = False
+    ) -> list[Completion]:
+        """The replica's `generate` (order preserved). Raises EngineUnavailable when the actor died."""
+        deadline = timeout_s if timeout_s is not None else self.timeout_s
+        # the engine ends its requests at `deadline` itself; the extra 30 s only catch a replica that hangs
+        return list(self._call("generate", requests, wait_s=deadline + 30.0, timeout_s=deadline))
+
+    def submit(self, request: GenerationRequest) -> Future[Completion]:
+        """One request in the background; the future raises as `generate` does."""
+        if self._closed:
+            raise EngineError(f"{self!r} is closed")
+        return self._pool.submit(lambda: self.generate([request])[0])
+
+    def abort(self, request_id: str | None = None, *, reason: str = "aborted") -> int:
+        return int(self._call("abort", request_id, reason=reason))
+
+    def load_adapter(self, name: str, **kwargs: Any) -> None:
+        self._call("load_adapter", name, **kwargs)
+
+    def unload_adapter(self, name: str, **kwargs: Any) -> None:
+        self._call("unload_adapter", name, **kwargs)
+
+    def list_adapters(self) -> dict[str, dict[str, Any]]:
+        return dict(self._call("list_adapters"))
+
+    def pause(self, mode: str = "in_place") -> None:
+        self._call("pause", mode)
+
+    def resume(self) -> None:
+        self._call("resume")
+
+    def flush_cache(self) -> bool:
+        return bool(self._call("flush_cache"))
+
+    def health(self) -> dict[str, Any]:
+        """The replica's health, or `{"ok": False, "error"}` when its actor cannot answer (never raises)."""
+        try:
+            return {**self._call("health", wait_s=20.0), "replica": self.label}
+        except EngineError as exc:
+            return {"ok": False, "paused": True, "replica": self.label, "error": str(exc)}
+
+    def metrics(self) -> dict[str, Any]:
+        return dict(self._call("metrics"))
+
+    def members(self) -> list[RayEngine]:
+        return [self]
+
+    def close(self) -> None:
+        """Close the engine and kill the actor (idempotent)."""
+        if self._closed:
+            return
+        import ray
+
+        try:
+            self._call("close", wait_s=30.0)
+        except EngineError:
+            pass  # a dead replica has nothing left to close
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        ray.kill(self.actor, no_restart=True)
+
+
+def start_ray_replicas(
+    engine_cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    *,
+    replicas: int,
+    store_uri: str | None = None,
+    num_cpus: float = 1.0,
+) -> RayReplicas:
+    """Start `replicas` `EngineReplica` actors and return a `RayReplicas` (`MultiEngine`) over them.
+
+    Joins `RAY_ADDRESS` when set, else starts a local Ray (`ray.init()`) unless one is running in this
+    process already. Each actor reserves `num_cpus` CPUs; it loads the model itself (as the in-process
+    engine would) and reads store versions from `store_uri`.
+
+    Raises:
+        EngineError: `replicas` < 1, or an actor failed to start (the ones started are killed).
+    """
+    import ray
+
+    if replicas < 1:
+        raise EngineError(f"engine replicas must be >= 1, got {replicas}")
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+    actor_cls = ray.remote(EngineReplica).options(num_cpus=num_cpus, max_restarts=0)
+    threads = max(1, int(num_cpus))
+    actors = [actor_cls.remote(engine_cfg, model_cfg, store_uri, threads) for _ in range(replicas)]
+    engines = [RayEngine(a, f"replica-{i}", timeout_s=engine_cfg.timeout_s) for i, a in enumerate(actors)]
+    try:
+        ray.get([a.pid.remote() for a in actors], timeout=600)  # constructed: the model is loaded
+    except Exception as exc:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        if owns_ray:
+            ray.shutdown()
+        raise EngineError(f"engine replicas did not start: {type(exc).__name__}: {exc}") from None
+    return RayReplicas(engines, owns_ray=owns_ray)
+
+
+class RayReplicas(MultiEngine):
+    """`MultiEngine` over `RayEngine` replicas; `close()` also disconnects from Ray (and so stops a local
+    cluster) when `start_ray_replicas` connected this process."""
+
+    def __init__(self, engines: list[RayEngine], *, owns_ray: bool) -> None:
+        super().__init__(engines)
+        self.owns_ray = owns_ray
+
+    def close(self) -> None:
+        """Kill the replicas, then `shutdown_ray()` if this group started Ray (idempotent)."""
+        super().close()
+        if self.owns_ray:
+            shutdown_ray()
+            self.owns_ray = False
+
+
+def shutdown_ray() -> None:
+    """`ray.shutdown()` (stops a local cluster this process started; leaves a joined cluster running)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,102 @@
+"""Engine replicas as Ray actors (`lora_rl_core.engines.ray_replicas`) on a local Ray with 2 CPUs.
+
+Checked: 2 replicas give the same greedy completions as 1 and as the in-process engine, with an adapter
+loaded from tensors into every replica; a replica whose actor was killed makes the call fail with
+`EngineUnavailable` naming it (health says so too); the session's leak check (tests/support/processes.py)
+fails the module if a Ray process outlives `ray.shutdown()`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lora_rl_core.config import EngineConfig, ModelConfig
+from lora_rl_core.engines import GenerationRequest, SamplingParams
+from lora_rl_core.engines.factory import build_embedded_engine
+from lora_rl_core.engines.http import EngineUnavailable
+from tests.support.adapters import random_lora_factory
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # a local Ray cluster and model loads in actors
+
+GREEDY = SamplingParams(max_new_tokens=5, temperature=0.0)
+NAME = "ray-v000001"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def setup(tiny_model_dir):
+    model_cfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32", device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tensors, config = random_lora_factory(model, scale=1.0)(1)
+    prompts = [[5, 6, 7], [9, 4], [3, 3, 8, 1], [7, 7], [2, 9, 9]]
+    requests = [GenerationRequest(p, a, GREEDY) for p in prompts for a in (None, NAME) for _ in range(2)]
+    return model_cfg, tensors, config, requests
+
+
+def _run(engine, tensors, config, requests) -> list[list[int]]:
+    engine.load_adapter(NAME, tensors=tensors, config=config)
+    out = engine.generate(requests)
+    assert [c.adapter for c in out] == [r.adapter for r in requests]
+    return [c.completion_ids for c in out]
+
+
+def test_two_replicas_generate_what_one_and_the_in_process_engine_generate(local_ray, setup):
+    from lora_rl_core.engines.ray_replicas import start_ray_replicas
+
+    model_cfg, tensors, config, requests = setup
+    with build_embedded_engine(EngineConfig(), model_cfg, None) as local:
+        want = _run(local, tensors, config, requests)
+    one = start_ray_replicas(EngineConfig(), model_cfg, replicas=1)
+    try:
+        assert _run(one, tensors, config, requests) == want
+    finally:
+        one.close()
+    two = start_ray_replicas(EngineConfig(), model_cfg, replicas=2)
+    try:
+        assert _run(two, tensors, config, requests) == want
+        assert all(NAME in m.list_adapters() for m in two.members())  # the load reached every replica
+        served = [m.metrics()["adapters"].get(NAME, {}).get("requests", 0) for m in two.members()]
+        assert all(n > 0 for n in served)  # both replicas took prompts
+    finally:
+        two.close()
+
+
+def test_a_killed_replica_fails_the_call_naming_it(local_ray, setup):
+    from lora_rl_core.engines.ray_replicas import start_ray_replicas
+
+    model_cfg, tensors, config, requests = setup
+    engines = start_ray_replicas(EngineConfig(), model_cfg, replicas=2)
+    try:
+        engines.load_adapter(NAME, tensors=tensors, config=config)
+        victim = engines.members()[1]
+        ray.kill(victim.actor, no_restart=True)
+        with pytest.raises(EngineUnavailable, match="replica-1 died"):
+            engines.generate(requests)
+        health = engines.health()
+        assert health["ok"] is False and health["engines"][0]["ok"] is True
+        assert "replica-1 died" in health["engines"][1]["error"]
+    finally:
+        engines.close()
+
+
+def test_flow_with_two_engine_replicas_on_ray(local_ray, tiny_model_dir, tmp_path):
+    """engine.ray_replicas=2: the training flow's rollouts fan out over two replica actors, every version
+    reaches both (tensor path), and the run ends with both serving the last version."""
+    from flows.grpo_lora import train
+    from tests.integration.tiny_run import write_tiny_config
+
+    path = write_tiny_config(tmp_path, tiny_model_dir, "ray-flow")
+    overrides = ["engine.ray_replicas=2", "trainer.steps=2", f"store.uri=file://{tmp_path / 'store'}"]
+    summary = train(config_path=str(path), run_id="it-ray", overrides=overrides)
+    assert summary["final_adapter"] == "it-ray-v000002"
+    assert ray.is_initialized()  # the test's cluster: the run neither started nor stopped it
+    assert not ray.util.list_named_actors()  # nothing left behind
