@@ -181,9 +181,9 @@ def start_ray_replicas(
     owns_ray = not ray.is_initialized()
     if owns_ray:
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
-    actor_cls = ray.remote(EngineReplica).options(num_cpus=num_cpus, max_restarts=0)
+    actor_cls: Any = ray.remote(EngineReplica).options(num_cpus=num_cpus, max_restarts=0)  # Ray's stubs: untyped
     threads = max(1, int(num_cpus))
-    actors = [actor_cls.remote(engine_cfg, model_cfg, store_uri, threads) for _ in range(replicas)]
+    actors: list[Any] = [actor_cls.remote(engine_cfg, model_cfg, store_uri, threads) for _ in range(replicas)]
     engines = [RayEngine(a, f"replica-{i}", timeout_s=engine_cfg.timeout_s) for i, a in enumerate(actors)]
     try:
         ray.get([a.pid.remote() for a in actors], timeout=600)  # constructed: the model is loaded
