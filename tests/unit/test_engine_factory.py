@@ -19,7 +19,7 @@ from cli.main import app as cli
 from lora_rl_core.config import load_config
 from lora_rl_core.engines import EmbeddedEngine, MultiEngine, ServerEngine, SGLangEngine
 from lora_rl_core.engines.factory import build_engine
-from lora_rl_core.errors import EngineError
+from lora_rl_core.errors import ConfigError, EngineError
 from tests.integration.tiny_run import write_tiny_config
 from tests.support.adapters import random_lora_factory
 
@@ -70,6 +70,26 @@ def test_remote_engines_are_http_clients_with_the_key_from_the_env(kind, cls, mo
         assert [e.url for e in engines.members()] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     finally:
         engines.close()
+
+
+def test_sglang_clients_get_the_tensor_transport_and_retire_policy():
+    urls = "engine.urls=[http://127.0.0.1:1]"
+    cfg = load_config(None, ["engine.type=sglang", urls, "engine.tensor_transport=inline", "engine.sglang_retire=keep"])
+    engine = build_engine(cfg.engine, cfg.model, None)
+    try:
+        assert engine.tensor_transport == "inline" and engine.retire == "keep"
+    finally:
+        engine.close()
+    server = build_engine(load_config(None, ["engine.type=server", urls]).engine, cfg.model, None)
+    try:
+        assert server.retire == "unload"  # our server unloads without hanging: the SGLang-only policy is not applied
+    finally:
+        server.close()
+
+
+def test_ray_replicas_need_the_embedded_engine():
+    with pytest.raises(ConfigError, match="engine.ray_replicas needs engine.type: embedded"):
+        load_config(None, ["engine.type=server", "engine.urls=[http://127.0.0.1:1]", "engine.ray_replicas=2"])
 
 
 def test_eval_cli_uses_the_engine_config_and_a_stored_version(tiny_model_dir, lora, tmp_path):
