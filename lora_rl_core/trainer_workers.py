@@ -9,10 +9,9 @@ process, starts from the same adapter), shards it with FSDP2
 commands over one `Pipe` per rank: every rank gets the same command, rank 0's
 answer is returned (metrics are already global; gathered tensors live on rank 0).
 
-Why torch.multiprocessing and not Ray (yet): Ray 2.60 is on PyPI and now a dependency (engine replicas
-run as Ray actors, `lora_rl_core/engines/ray_replicas.py`), but FSDP2 ranks as Ray actors are not written
-yet; until they are, these spawned processes give the same isolation on one host, and the process-group
-code (`distributed.init_process_group`, `build_sharded_trainer`) is what Ray actors will run.
+The same ranks run as Ray actors with `trainer.backend: ray` (`lora_rl_core/trainer_ray.py`, same
+`COMMANDS`). These spawned processes stay the default for `world_size` >= 1 on one machine: no Ray runtime
+to start (seconds on 2 cores), and nothing beyond torch is needed.
 
 Wire format: commands and results are small picklable objects (`TrainBatch` of
 int/float lists, metric dicts); tensors (adapter, checkpoint) travel as
@@ -303,7 +302,7 @@ def _serve(trainer: PolicyTrainer, conn: Connection) -> None:
         if cmd == "close":
             return
         try:
-            result = _COMMANDS[cmd](trainer, *args)
+            result = COMMANDS[cmd](trainer, *args)
         except BaseException:  # noqa: BLE001 - reported to the parent, which shuts the workers down
             _reply(conn, "error", traceback.format_exc())
             continue
@@ -329,7 +328,7 @@ def _load_state_dict(trainer: PolicyTrainer, blob: bytes, meta: dict[str, Any]) 
     trainer.load_state_dict({"tensors": load_tensors(blob), "meta": meta})
 
 
-_COMMANDS: dict[str, Callable[..., Any]] = {
+COMMANDS: dict[str, Callable[..., Any]] = {  # what a rank runs, here and on Ray (`trainer_ray`)
     "train_step": PolicyTrainer.train_step,
     "adapter_state": _adapter_state,
     "state_dict": _state_dict,

@@ -80,8 +80,13 @@ def runtime_info(cfg: RunConfig) -> dict[str, Any]:
 
 
 def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer:
-    """The in-process trainer (`trainer.world_size: 0`, its own copy of the base model with a fresh LoRA) or
-    `trainer.world_size` persistent FSDP2 worker processes."""
+    """The in-process trainer (`trainer.world_size: 0`, its own copy of the base model with a fresh LoRA), or
+    `trainer.world_size` persistent FSDP2 ranks: spawned processes (`trainer.backend: local`) or Ray actors
+    (`ray`)."""
+    if cfg.trainer.world_size >= 1 and cfg.trainer.backend == "ray":
+        from lora_rl_core.trainer_ray import RayTrainer  # lazy: Ray only when asked for
+
+        return RayTrainer(cfg, world_size=cfg.trainer.world_size, device=cfg.trainer.device)
     if cfg.trainer.world_size >= 1:
         return TrainerWorkers(cfg, world_size=cfg.trainer.world_size, device=cfg.trainer.device)
     model, _ = load_model(cfg.model)

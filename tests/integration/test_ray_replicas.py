@@ -1,12 +1,16 @@
-"""Engine replicas as Ray actors (`lora_rl_core.engines.ray_replicas`) on a local Ray with 2 CPUs.
+"""Engine replicas and trainer ranks as Ray actors (`lora_rl_core.engines.ray_replicas`,
+`lora_rl_core.trainer_ray`) on a local Ray with 2 CPUs.
 
 Checked: 2 replicas give the same greedy completions as 1 and as the in-process engine, with an adapter
 loaded from tensors into every replica; a replica whose actor was killed makes the call fail with
-`EngineUnavailable` naming it (health says so too); the session's leak check (tests/support/processes.py)
-fails the module if a Ray process outlives `ray.shutdown()`.
+`EngineUnavailable` naming it (health says so too); the flow runs with 2 replicas; the flow with 2 FSDP2
+ranks on Ray ends with the in-process run's adapter (within 1e-5); the session's leak check
+(tests/support/processes.py) fails the module if a Ray process outlives `ray.shutdown()`.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -100,3 +104,26 @@ def test_flow_with_two_engine_replicas_on_ray(local_ray, tiny_model_dir, tmp_pat
     assert summary["final_adapter"] == "it-ray-v000002"
     assert ray.is_initialized()  # the test's cluster: the run neither started nor stopped it
     assert not ray.util.list_named_actors()  # nothing left behind
+
+
+def test_flow_with_two_trainer_ranks_on_ray_matches_in_process(local_ray, tiny_model_dir, tmp_path):
+    """trainer.world_size=2, trainer.backend=ray: two gloo FSDP2 ranks as Ray actors end with the adapter of
+    the in-process run (within 1e-5); their actors and placement group are gone afterwards."""
+    from flows.grpo_lora import train
+    from lora_rl_core.store import AdapterStore
+    from tests.integration.tiny_run import write_tiny_config
+
+    path = write_tiny_config(tmp_path, tiny_model_dir, "ray-trainer")
+    train(config_path=str(path), run_id="it-solo")
+    train(config_path=str(path), run_id="it-ray-fsdp", overrides=["trainer.world_size=2", "trainer.backend=ray"])
+    store = AdapterStore(f"file://{tmp_path / 'store'}")
+    solo, _ = store.load_tensors("it-solo", 2)
+    ranks, _ = store.load_tensors("it-ray-fsdp", 2)
+    for key in solo:
+        torch.testing.assert_close(ranks[key], solo[key], atol=1e-5, rtol=1e-4)
+    assert ray.is_initialized()  # the test's cluster: the run neither started nor stopped it
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == 2.0  # every rank's CPU is back: the actors are gone

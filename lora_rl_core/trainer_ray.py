@@ -1,0 +1,198 @@
+"""The FSDP2 trainer on Ray (`trainer.backend: ray`): one Ray actor per rank, in a placement group.
+
+Same ranks as `trainer_workers.TrainerWorkers` (the spawned-process backend), other transport: each actor
+joins the process group by `env://` (rank 0's node address and a free port there, so the ranks may sit on
+several nodes of a Ray cluster), builds its shard with `build_sharded_trainer`, and runs the same commands
+(`trainer_workers.COMMANDS`). A call goes to every rank at once (the collectives need them all); rank 0's
+answer is returned. Ranks are gloo CPU actors (`trainer.device: cpu`, one CPU each) or one GPU each
+(`cuda`, nccl).
+
+Choices made here:
+
+* Every call has a deadline; a rank that dies, raises or times out ends all ranks and raises
+  `TrainerWorkerError` with the cause (as the process backend does). Actors are never restarted: a
+  restarted rank would rejoin without its shard's optimizer state.
+* Ray is joined through `RAY_ADDRESS`, or a local Ray is started and stopped by `close()`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, NoReturn
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from lora_rl_core import distributed
+from lora_rl_core.config import RunConfig
+from lora_rl_core.records import TrainBatch
+from lora_rl_core.runtime import cpu_threads
+from lora_rl_core.trainer_workers import COMMANDS, TrainerWorkerError, build_sharded_trainer
+
+
+class TrainerRank:
+    """The body of one rank's actor."""
+
+    def __init__(self, rank: int, world_size: int, config: dict[str, Any], device: str, timeout_s: float) -> None:
+        self.rank, self.world_size, self.device_kind, self.timeout_s = rank, world_size, device, timeout_s
+        self.config = config
+        self.trainer: Any = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port on it (asked of rank 0: the rendezvous)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), distributed.free_port()
+
+    def setup(self, master_addr: str, master_port: int, mixed_precision: bool) -> dict[str, Any]:
+        """Join the process group and build this rank's shard; `{"rank", "pid", "trainable_params"}`."""
+        os.environ.update(
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank), WORLD_SIZE=str(self.world_size)
+        )
+        if self.device_kind == "cuda":
+            device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(max(1, cpu_threads() // self.world_size))
+            device = torch.device("cpu")
+        distributed.init_process_group(device, timeout_s=self.timeout_s)
+        cfg = RunConfig.model_validate(self.config)
+        self.trainer = build_sharded_trainer(cfg, device=device, mixed_precision=mixed_precision)
+        return {"rank": self.rank, "pid": os.getpid(), "trainable_params": sum(p.numel() for p in self.trainer.params)}
+
+    def call(self, cmd: str, *args: Any) -> Any:
+        """Run one command (`trainer_workers.COMMANDS`) on this rank."""
+        return COMMANDS[cmd](self.trainer, *args)
+
+    def close(self) -> None:
+        """Leave the process group."""
+        distributed.destroy_process_group()
+
+
+class RayTrainer:
+    """`world_size` FSDP2 ranks as Ray actors; the `Trainer` protocol, as `TrainerWorkers`.
+
+    Args:
+        cfg: the run config.
+        world_size: ranks (actors), >= 1.
+        device: `cpu` (gloo, one CPU per actor) or `cuda` (nccl, one GPU per actor).
+        mixed_precision: bf16 compute / fp32 reduction where CUDA supports bf16 (ignored on CPU).
+        timeout_s: deadline of each call and of each collective inside the ranks, seconds.
+        start_timeout_s: deadline of the start (placement, model load, sharding), seconds.
+
+    Raises:
+        TrainerWorkerError: the ranks could not be placed or started (the cause is in the message).
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        world_size: int,
+        device: Literal["cpu", "cuda"] = "cpu",
+        mixed_precision: bool = True,
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 900.0,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self._closed = False
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+        bundle = {"GPU": 1.0, "CPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+        self._group = placement_group([bundle] * world_size, strategy="PACK")
+        self._actors: list[Any] = []
+        try:
+            ray.get(self._group.ready(), timeout=start_timeout_s)
+            config = cfg.model_dump(mode="json")
+            for rank in range(world_size):
+                strategy = PlacementGroupSchedulingStrategy(
+                    placement_group=self._group, placement_group_bundle_index=rank
+                )
+                actor_cls: Any = ray.remote(TrainerRank).options(  # Ray's stubs: untyped
+                    num_cpus=1, num_gpus=1 if device == "cuda" else 0, max_restarts=0, scheduling_strategy=strategy
+                )
+                self._actors.append(actor_cls.remote(rank, world_size, config, device, timeout_s))
+            addr, port = ray.get(self._actors[0].address.remote(), timeout=start_timeout_s)
+            infos = self._gather(
+                [a.setup.remote(addr, port, mixed_precision) for a in self._actors], "start", start_timeout_s
+            )
+        except TrainerWorkerError:
+            raise
+        except Exception as exc:  # placement timed out, Ray refused the actors
+            self._fail(f"trainer ranks on Ray did not start: {type(exc).__name__}: {exc}")
+        self.info: dict[str, Any] = infos[0]
+
+    # ------------------------------------------------------------------ the Trainer protocol
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One `PolicyTrainer.train_step` over the whole batch, rows shared across ranks; global metrics."""
+        return self._call("train_step", batch)[0]
+
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The full adapter (PEFT keys, float32 CPU tensors) and its JSON-safe PEFT config."""
+        blob, config = self._call("adapter_state")[0]
+        return load_tensors(blob), config
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer checkpoint (`PolicyTrainer.state_dict` format, loadable at any world size)."""
+        blob, meta = self._call("state_dict")[0]
+        return {"tensors": load_tensors(blob), "meta": meta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint from `state_dict()` (of any world size, or an in-process `PolicyTrainer`)."""
+        self._call("load_state_dict", save_tensors(state["tensors"]), state["meta"])
+
+    def close(self) -> None:
+        """Leave the process group, kill the actors, free the placement group; stop Ray if it was started
+        here (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            ray.get([a.close.remote() for a in self._actors], timeout=30.0)
+        except Exception:  # noqa: BLE001 - dead or stuck ranks are killed below
+            pass
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self._group)
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> RayTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, cmd: str, *args: Any) -> list[Any]:
+        if self._closed:
+            raise TrainerWorkerError(f"cannot run {cmd!r}: the trainer ranks are closed")
+        return self._gather([a.call.remote(cmd, *args) for a in self._actors], cmd, self.timeout_s)
+
+    def _gather(self, refs: list[Any], what: str, timeout_s: float) -> list[Any]:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return list(ray.get(refs, timeout=timeout_s))
+        except GetTimeoutError:
+            self._fail(f"trainer ranks on Ray timed out after {timeout_s:.0f} s in {what!r}")
+        except RayActorError as exc:
+            self._fail(f"a trainer rank on Ray died during {what!r}: {type(exc).__name__}")
+        except RayTaskError as exc:
+            self._fail(f"a trainer rank on Ray failed in {what!r}:\n{exc}")
+
+    def _fail(self, message: str) -> NoReturn:
+        self.close()
+        raise TrainerWorkerError(f"{message}; all trainer ranks were shut down")
