@@ -21,14 +21,11 @@ import os
 from typing import Any, Literal, NoReturn
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
 from lora_rl_core import distributed
 from lora_rl_core.config import RunConfig
-from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import cpu_threads
-from lora_rl_core.trainer_workers import COMMANDS, TrainerWorkerError, build_sharded_trainer
+from lora_rl_core.trainer_workers import COMMANDS, RankCommands, TrainerWorkerError, build_sharded_trainer
 
 
 class TrainerRank:
@@ -70,8 +67,8 @@ class TrainerRank:
         distributed.destroy_process_group()
 
 
-class RayTrainer:
-    """`world_size` FSDP2 ranks as Ray actors; the `Trainer` protocol, as `TrainerWorkers`.
+class RayTrainer(RankCommands):
+    """`world_size` FSDP2 ranks as Ray actors; the `Trainer` protocol (`RankCommands`), as `TrainerWorkers`.
 
     Args:
         cfg: the run config.
@@ -129,25 +126,6 @@ class RayTrainer:
         except Exception as exc:  # placement timed out, Ray refused the actors
             self._fail(f"trainer ranks on Ray did not start: {type(exc).__name__}: {exc}")
         self.info: dict[str, Any] = infos[0]
-
-    # ------------------------------------------------------------------ the Trainer protocol
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One `PolicyTrainer.train_step` over the whole batch, rows shared across ranks; global metrics."""
-        return self._call("train_step", batch)[0]
-
-    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The full adapter (PEFT keys, float32 CPU tensors) and its JSON-safe PEFT config."""
-        blob, config = self._call("adapter_state")[0]
-        return load_tensors(blob), config
-
-    def state_dict(self) -> dict[str, Any]:
-        """The trainer checkpoint (`PolicyTrainer.state_dict` format, loadable at any world size)."""
-        blob, meta = self._call("state_dict")[0]
-        return {"tensors": load_tensors(blob), "meta": meta}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint from `state_dict()` (of any world size, or an in-process `PolicyTrainer`)."""
-        self._call("load_state_dict", save_tensors(state["tensors"]), state["meta"])
 
     def close(self) -> None:
         """Leave the process group, kill the actors, free the placement group; stop Ray if it was started

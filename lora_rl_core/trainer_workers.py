@@ -81,7 +81,33 @@ def build_sharded_trainer(cfg: RunConfig, *, device: torch.device, mixed_precisi
     )
 
 
-class TrainerWorkers:
+class RankCommands:
+    """The `Trainer` protocol over ranks that run `COMMANDS`: a subclass sends one command to every rank
+    (`_call`, the answers by rank) and rank 0's answer is used. Tensors cross as safetensors bytes."""
+
+    def _call(self, cmd: str, *args: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One `PolicyTrainer.train_step` over the whole batch, rows shared across ranks; global metrics."""
+        return self._call("train_step", batch)[0]
+
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The full adapter (PEFT keys, float32 CPU tensors) and its JSON-safe PEFT config, as `lora.adapter_state`."""
+        blob, config = self._call("adapter_state")[0]
+        return load_tensors(blob), config
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer checkpoint (`PolicyTrainer.state_dict` format: full tensors + JSON meta, any world size)."""
+        blob, meta = self._call("state_dict")[0]
+        return {"tensors": load_tensors(blob), "meta": meta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint from `state_dict()` (of any world size, or an in-process `PolicyTrainer`)."""
+        self._call("load_state_dict", save_tensors(state["tensors"]), state["meta"])
+
+
+class TrainerWorkers(RankCommands):
     """`world_size` persistent processes training one FSDP2-sharded LoRA policy.
 
     Args:
@@ -132,24 +158,6 @@ class TrainerWorkers:
         self.info: dict[str, Any] = self._collect("start", start_timeout_s)[0]
 
     # ------------------------------------------------------------------ commands
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One `PolicyTrainer.train_step` over the whole batch, rows shared across ranks; global metrics."""
-        return self._call("train_step", batch)[0]
-
-    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The full adapter (PEFT keys, float32 CPU tensors) and its JSON-safe PEFT config, as `lora.adapter_state`."""
-        blob, config = self._call("adapter_state")[0]
-        return load_tensors(blob), config
-
-    def state_dict(self) -> dict[str, Any]:
-        """The trainer checkpoint (`PolicyTrainer.state_dict` format: full tensors + JSON meta, any world size)."""
-        blob, meta = self._call("state_dict")[0]
-        return {"tensors": load_tensors(blob), "meta": meta}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint from `state_dict()` (of any world size, or an in-process `PolicyTrainer`)."""
-        self._call("load_state_dict", save_tensors(state["tensors"]), state["meta"])
-
     @property
     def pids(self) -> list[int]:
         """Process ids of the workers, by rank."""
