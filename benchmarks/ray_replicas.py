@@ -27,7 +27,7 @@ from _common import RESULTS, machine_info, print_table, write_json
 from lora_rl_core.config import EngineConfig, ModelConfig
 from lora_rl_core.engines import GenerationRequest, InferenceEngine, SamplingParams
 from lora_rl_core.engines.factory import build_embedded_engine
-from lora_rl_core.engines.ray_replicas import shutdown_ray, start_ray_replicas
+from lora_rl_core.engines.ray_replicas import start_ray_replicas
 from lora_rl_core.models import load_tokenizer
 
 
@@ -66,16 +66,13 @@ def main() -> None:
     results: dict[str, Any] = {}
     with build_embedded_engine(engine_cfg, model_cfg, None) as local:
         results["in-process"] = {"replicas": 0, "cpus_each": cores, **rollout(local, requests, args.repeats)}
-    try:
-        for replicas in (1, 2):
-            group = start_ray_replicas(engine_cfg, model_cfg, replicas=replicas, num_cpus=cores / replicas)
-            try:
-                case = rollout(group, requests, args.repeats)
-            finally:
-                group.close()
-            results[f"ray x{replicas}"] = {"replicas": replicas, "cpus_each": cores / replicas, **case}
-    finally:
-        shutdown_ray()
+    for replicas in (1, 2):  # each group starts a local Ray and stops it when closed (`ray_cluster`)
+        group = start_ray_replicas(engine_cfg, model_cfg, replicas=replicas, num_cpus=cores / replicas)
+        try:
+            case = rollout(group, requests, args.repeats)
+        finally:
+            group.close()
+        results[f"ray x{replicas}"] = {"replicas": replicas, "cpus_each": cores / replicas, **case}
     device = _common.resolve_device(args.device)
     write_json(
         {

@@ -23,6 +23,10 @@ from lora_rl_core.errors import ConfigError
 
 EvictionPolicy = Literal["lru", "fifo"]
 EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
+TensorTransport = Literal["auto", "ipc", "inline", "disk"]
+TENSOR_TRANSPORTS: tuple[str, ...] = get_args(TensorTransport)
+SGLangRetire = Literal["unload", "keep"]
+SGLANG_RETIRE_POLICIES: tuple[str, ...] = get_args(SGLangRetire)
 """Which resident adapter is evicted when the pool is full (SGLang `--lora-eviction-policy`)."""
 SGLANG_DEFAULT_PORT = 30000
 """The port SGLang and `lora-rl serve` listen on unless told otherwise (SGLang's `--port` default)."""
@@ -190,13 +194,13 @@ class EngineConfig(Section):
     """Reject adapters of a higher rank (SGLang `--max-lora-rank`)."""
     sync: Literal["tensor", "store"] = "tensor"
     """How a new adapter version reaches the engines: in-memory tensors, or read back from the store."""
-    tensor_transport: Literal["auto", "ipc", "inline", "disk"] = "auto"
+    tensor_transport: TensorTransport = "auto"
     """`sglang` with `sync: tensor`: how the tensors reach SGLang's `/load_lora_adapter_from_tensors`. `ipc`:
     CUDA IPC handles (the server on this host, CUDA here); `inline`: the data in the request (any host);
     `disk`: the published version's folder (`/load_lora_adapter`); `auto`: `ipc` for a server on a loopback
     address when CUDA is available, else `disk`. A refused tensor load falls back to the folder
     (docs/SGLANG.md, "Tensor path")."""
-    sglang_retire: Literal["unload", "keep"] = "unload"
+    sglang_retire: SGLangRetire = "unload"
     """`sglang`: how a stale version is retired. `unload`: `/unload_lora_adapter` (frees SGLang's memory; on
     0.5.17 it can hang when requests are in flight or were aborted, so only while nothing else uses the
     server, as in the training flow); `keep`: retired in our client only (refused from then on), the weights

@@ -12,7 +12,8 @@ Choices made here:
 * Every call has a deadline; a rank that dies, raises or times out ends all ranks and raises
   `TrainerWorkerError` with the cause (as the process backend does). Actors are never restarted: a
   restarted rank would rejoin without its shard's optimizer state.
-* Ray is joined through `RAY_ADDRESS`, or a local Ray is started and stopped by `close()`.
+* Ray: one use of this process's connection (`lora_rl_core.ray_cluster`: `RAY_ADDRESS`, else a local
+  Ray), given back by `close()`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch
 
 from lora_rl_core import distributed
 from lora_rl_core.config import RunConfig
+from lora_rl_core.ray_cluster import acquire_ray, release_ray
 from lora_rl_core.runtime import cpu_threads
-from lora_rl_core.trainer_workers import COMMANDS, RankCommands, TrainerWorkerError, build_sharded_trainer
+from lora_rl_core.trainer_workers import COMMANDS, RankCommands, TrainerWorkerError, build_sharded_trainer, rank_info
 
 
 class TrainerRank:
@@ -56,7 +58,7 @@ class TrainerRank:
         distributed.init_process_group(device, timeout_s=self.timeout_s)
         cfg = RunConfig.model_validate(self.config)
         self.trainer = build_sharded_trainer(cfg, device=device, mixed_precision=mixed_precision)
-        return {"rank": self.rank, "pid": os.getpid(), "trainable_params": sum(p.numel() for p in self.trainer.params)}
+        return rank_info(self.rank, self.trainer)
 
     def call(self, cmd: str, *args: Any) -> Any:
         """Run one command (`trainer_workers.COMMANDS`) on this rank."""
@@ -100,23 +102,21 @@ class RayTrainer(RankCommands):
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout_s = world_size, timeout_s
         self._closed = False
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+        acquire_ray()
         bundle = {"GPU": 1.0, "CPU": 1.0} if device == "cuda" else {"CPU": 1.0}
         self._group = placement_group([bundle] * world_size, strategy="PACK")
         self._actors: list[Any] = []
         try:
             ray.get(self._group.ready(), timeout=start_timeout_s)
             config = cfg.model_dump(mode="json")
+            rank_cls: Any = ray.remote(TrainerRank)  # Ray's stubs: untyped
             for rank in range(world_size):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self._group, placement_group_bundle_index=rank
                 )
-                actor_cls: Any = ray.remote(TrainerRank).options(  # Ray's stubs: untyped
-                    num_cpus=1, num_gpus=1 if device == "cuda" else 0, max_restarts=0, scheduling_strategy=strategy
-                )
-                self._actors.append(actor_cls.remote(rank, world_size, config, device, timeout_s))
+                options = {"num_cpus": 1, "num_gpus": 1 if device == "cuda" else 0, "max_restarts": 0}
+                actor = rank_cls.options(**options, scheduling_strategy=strategy)
+                self._actors.append(actor.remote(rank, world_size, config, device, timeout_s))
             addr, port = ray.get(self._actors[0].address.remote(), timeout=start_timeout_s)
             infos = self._gather(
                 [a.setup.remote(addr, port, mixed_precision) for a in self._actors], "start", start_timeout_s
@@ -128,8 +128,8 @@ class RayTrainer(RankCommands):
         self.info: dict[str, Any] = infos[0]
 
     def close(self) -> None:
-        """Leave the process group, kill the actors, free the placement group; stop Ray if it was started
-        here (idempotent)."""
+        """Leave the process group, kill the actors, free the placement group, give back the use of Ray
+        (idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -143,14 +143,7 @@ class RayTrainer(RankCommands):
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         remove_placement_group(self._group)
-        if self._owns_ray:
-            ray.shutdown()
-
-    def __enter__(self) -> RayTrainer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        release_ray()
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, cmd: str, *args: Any) -> list[Any]:

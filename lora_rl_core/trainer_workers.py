@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, Self
 
 import torch
 import torch.multiprocessing as mp
@@ -87,6 +87,15 @@ class RankCommands:
 
     def _call(self, cmd: str, *args: Any) -> list[Any]:
         raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One `PolicyTrainer.train_step` over the whole batch, rows shared across ranks; global metrics."""
@@ -188,12 +197,6 @@ class TrainerWorkers(RankCommands):
         for conn in self._conns:
             conn.close()
 
-    def __enter__(self) -> TrainerWorkers:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ------------------------------------------------------------------ plumbing
     def _call(self, cmd: str, *args: Any) -> list[Any]:
         """Send one command to every rank; the answers by rank."""
@@ -272,12 +275,17 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn: Connection) -> None:
     except BaseException:  # noqa: BLE001 - the parent shows the traceback
         _reply(conn, "error", traceback.format_exc())
         _exit(1)
-    _reply(conn, "ok", {"rank": rank, "pid": os.getpid(), "trainable_params": sum(p.numel() for p in trainer.params)})
+    _reply(conn, "ok", rank_info(rank, trainer))
     try:
         _serve(trainer, conn)
     finally:
         distributed.destroy_process_group()
         _exit(0)
+
+
+def rank_info(rank: int, trainer: PolicyTrainer) -> dict[str, Any]:
+    """What a rank reports once started: `{"rank", "pid", "trainable_params"}` (parameter count)."""
+    return {"rank": rank, "pid": os.getpid(), "trainable_params": sum(p.numel() for p in trainer.params)}
 
 
 def _exit(code: int) -> NoReturn:

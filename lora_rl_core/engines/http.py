@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 
 from lora_rl_core.adapters import safetensors_bytes
-from lora_rl_core.config import ENGINE_DEFAULTS
+from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_RETIRE_POLICIES, TENSOR_TRANSPORTS
 from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, SamplingParams
 from lora_rl_core.engines.http_tracking import InFlightRequests, RetiredAdapters
 from lora_rl_core.engines.http_wire import (
@@ -80,12 +80,12 @@ class SGLangEngine:
         control_timeout_s: deadline of every other call, seconds.
         max_batch_requests: prompts per `/generate` call.
         max_concurrency: `/generate` calls in flight at once from this client.
-        tensor_transport: how adapters given as tensors are sent (`sglang_tensors.TENSOR_TRANSPORTS`).
+        tensor_transport: how adapters given as tensors are sent (`config.TENSOR_TRANSPORTS`).
         retire: `unload` (`unload_adapter` calls `/unload_lora_adapter`) or `keep` (it only retires the name
             in this client and leaves the weights resident on the server; `engine.sglang_retire`).
 
     Raises:
-        EngineError: `url` is not http(s).
+        EngineError: `url` is not http(s), or an unknown `tensor_transport` or `retire`.
     """
 
     reports_adapter_version = False
@@ -118,10 +118,12 @@ class SGLangEngine:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="engine-http")
         self._requests = InFlightRequests()
         self._retired = RetiredAdapters()
+        if tensor_transport not in TENSOR_TRANSPORTS:
+            raise EngineError(f"tensor_transport must be one of {TENSOR_TRANSPORTS}, got {tensor_transport!r}")
+        if retire not in SGLANG_RETIRE_POLICIES:
+            raise EngineError(f"retire must be one of {SGLANG_RETIRE_POLICIES}, got {retire!r}")
         self.tensor_transport = tensor_transport
         self._tensor_fallback: str | None = None
-        if retire not in ("unload", "keep"):
-            raise EngineError(f"retire must be 'unload' or 'keep', got {retire!r}")
         self.retire = retire
         self._kept: set[str] = set()  # retired here, left resident on the server (retire="keep")
         self._loads: Counter[str] = Counter()
@@ -313,7 +315,7 @@ class SGLangEngine:
         if tensors is None:
             if path is None:
                 raise EngineError(f"load_adapter({name!r}) needs path=, or tensors= and config=")
-            self._load_path(name, path, pinned, timeout_s, source="disk")
+            self._load_path(name, path, pinned, timeout_s)
             return
         if config is None:
             raise EngineError(f"load_adapter({name!r}, tensors=...) needs config= (the PEFT config dict)")
@@ -330,7 +332,7 @@ class SGLangEngine:
                     f"load_adapter({name!r}): engine.tensor_transport is 'disk' (or fell back to it) but no "
                     "published folder was given (path=)"
                 )
-            self._load_path(name, path, pinned, timeout_s, source="disk")
+            self._load_path(name, path, pinned, timeout_s)
             return
         try:
             self._load_tensors(name, tensors, config, pinned, timeout_s, transport)
@@ -341,12 +343,12 @@ class SGLangEngine:
                 raise
             self._tensor_fallback = f"{transport}: {' '.join(str(exc).split())}"
             log.warning("%s refused the adapter tensors (%s); loading published folders from now on", self.url, exc)
-            self._load_path(name, path, pinned, timeout_s, source="disk")
+            self._load_path(name, path, pinned, timeout_s)
 
-    def _load_path(self, name: str, path: str, pinned: bool, timeout_s: float | None, *, source: str) -> None:
+    def _load_path(self, name: str, path: str, pinned: bool, timeout_s: float | None) -> None:
         body = {"lora_name": name, "lora_path": self._server_path(path), "pinned": pinned}
         self._update("/load_lora_adapter", body, timeout_s)
-        self._loads[source] += 1
+        self._loads["disk"] += 1
 
     def _load_tensors(
         self, name: str, tensors: dict, config: dict, pinned: bool, timeout_s: float | None, transport: str
@@ -365,7 +367,7 @@ class SGLangEngine:
             self._update("/load_lora_adapter_from_tensors", {**body, "pinned": pinned}, timeout_s)
         finally:
             if shared is not None:
-                del shared
+                del shared  # the last reference: ipc_collect can free the blocks SGLang has released
                 release_ipc()
         self._loads[transport] += 1
 

@@ -14,7 +14,7 @@ Choices made here:
   deadline raises `EngineUnavailable` too. Nothing is retried on another replica (as `MultiEngine`).
 * Actors are not restarted by Ray (`max_restarts=0`): a restarted replica would come back without the
   adapters the protocol loaded, and serve stale state silently.
-* `close()` kills the actors; `shutdown_ray()` stops a local cluster this process started.
+* `close()` kills the actors and gives back the run's use of Ray (`lora_rl_core.ray_cluster`).
 
 Left out: SGLang replicas (one SGLang server per actor on a GPU) and the trainer on Ray.
 """
@@ -30,13 +30,16 @@ from lora_rl_core.engines.base import Completion, GenerationRequest
 from lora_rl_core.engines.http import EngineUnavailable
 from lora_rl_core.engines.multi import MultiEngine
 from lora_rl_core.errors import EngineError
+from lora_rl_core.ray_cluster import acquire_ray, release_ray
 
 
 class EngineReplica:
     """The body of one replica actor: an `EmbeddedEngine` built as `build_embedded_engine` builds it, with
     `torch` limited to `num_threads` threads. Its methods are the engine's own."""
 
-    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, store_uri: str | None, num_threads: int):
+    def __init__(
+        self, engine_cfg: EngineConfig, model_cfg: ModelConfig, store_uri: str | None, num_threads: int
+    ) -> None:
         import torch
 
         from lora_rl_core.engines.factory import build_embedded_engine
@@ -56,7 +59,8 @@ class EngineReplica:
 
 
 class RayEngine:
-    """`InferenceEngine` over one `EngineReplica` actor.
+    """`InferenceEngine` over one `EngineReplica` actor. Every method raises `EngineUnavailable` when the
+    actor died or did not answer within its deadline, and the engine's own `EngineError`s otherwise.
 
     Args:
         actor: the actor handle.
@@ -109,24 +113,31 @@ class RayEngine:
         return self._pool.submit(lambda: self.generate([request])[0])
 
     def abort(self, request_id: str | None = None, *, reason: str = "aborted") -> int:
+        """`InferenceEngine.abort` on the replica: how many requests it aborted."""
         return int(self._call("abort", request_id, reason=reason))
 
     def load_adapter(self, name: str, **kwargs: Any) -> None:
+        """`InferenceEngine.load_adapter` on the replica (tensors travel through Ray's object store)."""
         self._call("load_adapter", name, **kwargs)
 
     def unload_adapter(self, name: str, **kwargs: Any) -> None:
+        """`InferenceEngine.unload_adapter` on the replica."""
         self._call("unload_adapter", name, **kwargs)
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
+        """`InferenceEngine.list_adapters` of the replica: name -> info."""
         return dict(self._call("list_adapters"))
 
     def pause(self, mode: str = "in_place") -> None:
+        """Pause the replica's generation (`abort`, `retract` or `in_place`)."""
         self._call("pause", mode)
 
     def resume(self) -> None:
+        """Resume the replica's generation."""
         self._call("resume")
 
     def flush_cache(self) -> bool:
+        """Flush the replica's cache; True when flushed."""
         return bool(self._call("flush_cache"))
 
     def health(self) -> dict[str, Any]:
@@ -137,9 +148,11 @@ class RayEngine:
             return {"ok": False, "paused": True, "replica": self.label, "error": str(exc)}
 
     def metrics(self) -> dict[str, Any]:
+        """The replica's `metrics()`."""
         return dict(self._call("metrics"))
 
     def members(self) -> list[RayEngine]:
+        """`[self]`: one engine."""
         return [self]
 
     def close(self) -> None:
@@ -167,8 +180,8 @@ def start_ray_replicas(
 ) -> RayReplicas:
     """Start `replicas` `EngineReplica` actors and return a `RayReplicas` (`MultiEngine`) over them.
 
-    Joins `RAY_ADDRESS` when set, else starts a local Ray (`ray.init()`) unless one is running in this
-    process already. Each actor reserves `num_cpus` CPUs; it loads the model itself (as the in-process
+    Takes one use of Ray (`ray_cluster.acquire_ray`: `RAY_ADDRESS`, else a local Ray), given back by
+    `close()`. Each actor reserves `num_cpus` CPUs; it loads the model itself (as the in-process
     engine would) and reads store versions from `store_uri`.
 
     Raises:
@@ -178,9 +191,7 @@ def start_ray_replicas(
 
     if replicas < 1:
         raise EngineError(f"engine replicas must be >= 1, got {replicas}")
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+    acquire_ray()
     actor_cls: Any = ray.remote(EngineReplica).options(num_cpus=num_cpus, max_restarts=0)  # Ray's stubs: untyped
     threads = max(1, int(num_cpus))
     actors: list[Any] = [actor_cls.remote(engine_cfg, model_cfg, store_uri, threads) for _ in range(replicas)]
@@ -190,31 +201,17 @@ def start_ray_replicas(
     except Exception as exc:
         for a in actors:
             ray.kill(a, no_restart=True)
-        if owns_ray:
-            ray.shutdown()
+        release_ray()
         raise EngineError(f"engine replicas did not start: {type(exc).__name__}: {exc}") from None
-    return RayReplicas(engines, owns_ray=owns_ray)
+    return RayReplicas(engines)
 
 
 class RayReplicas(MultiEngine):
-    """`MultiEngine` over `RayEngine` replicas; `close()` also disconnects from Ray (and so stops a local
-    cluster) when `start_ray_replicas` connected this process."""
-
-    def __init__(self, engines: list[RayEngine], *, owns_ray: bool) -> None:
-        super().__init__(engines)
-        self.owns_ray = owns_ray
+    """`MultiEngine` over `RayEngine` replicas; `close()` also gives back its use of Ray (`release_ray`)."""
 
     def close(self) -> None:
-        """Kill the replicas, then `shutdown_ray()` if this group started Ray (idempotent)."""
+        """Kill the replicas, then `release_ray()` (once: idempotent)."""
+        if self._closed:
+            return
         super().close()
-        if self.owns_ray:
-            shutdown_ray()
-            self.owns_ray = False
-
-
-def shutdown_ray() -> None:
-    """`ray.shutdown()` (stops a local cluster this process started; leaves a joined cluster running)."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+        release_ray()

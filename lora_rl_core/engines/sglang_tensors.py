@@ -28,19 +28,15 @@ import base64
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's ForkingPickler reductions (CUDA IPC handles)
 from torch.multiprocessing import reductions
 
+from lora_rl_core.config import TENSOR_TRANSPORTS
 from lora_rl_core.errors import EngineError
-
-TensorTransport = Literal["auto", "ipc", "inline", "disk"]
-TENSOR_TRANSPORTS: tuple[str, ...] = ("auto", "ipc", "inline", "disk")
-"""How `SGLangEngine` sends an adapter given as tensors: `ipc` (CUDA IPC handles, same host), `inline`
-(the data in the request), `disk` (the published version's folder), or `auto` (see `pick_transport`)."""
 
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 _DEVICE_ARG = 6  # index of the device in `reduce_tensor`'s CUDA rebuild args (SGLang's _REDUCE_TENSOR_ARG_DEVICE_INDEX)

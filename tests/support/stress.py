@@ -139,9 +139,13 @@ class _Http(_Target):
         """One `/generate` with `sampling_params.n` (or the group path); versions from `weight_version`."""
         if self.samples == "group":
             return super().send(group, prompt, params)
+        return self._generate_n(group, prompt, params, rid=group.rid)
+
+    def _generate_n(self, group: Group, prompt: list[int], params: SamplingParams, *, rid: str | None) -> list[Sample]:
+        """One raw `/generate` of the group's `n` samples (`rid` None: the server names them)."""
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "n": group.n}
-        body = {"input_ids": prompt, "sampling_params": sampling, "lora_path": group.name, "rid": group.rid}
-        response = self._http.post("/generate", json=body)
+        body = {"input_ids": prompt, "sampling_params": sampling, "lora_path": group.name}
+        response = self._http.post("/generate", json=body if rid is None else {**body, "rid": rid})
         if response.status_code >= 400:
             raise EngineError(f"HTTP {response.status_code}: {response.text[:300]}")
         outs = response.json()
@@ -177,13 +181,7 @@ class _SGLang(_Http):
     def send(self, group: Group, prompt: list[int], params: SamplingParams) -> list[Sample]:
         if self.samples == "group":
             return _Target.send(self, group, prompt, params)
-        sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "n": group.n}
-        body = {"input_ids": prompt, "sampling_params": sampling, "lora_path": group.name}
-        response = self._http.post("/generate", json=body)
-        if response.status_code >= 400:
-            raise EngineError(f"HTTP {response.status_code}: {response.text[:300]}")
-        outs = response.json()
-        samples = [_http_sample(o) for o in (outs if isinstance(outs, list) else [outs])]
+        samples = self._generate_n(group, prompt, params, rid=None)
         return [dataclasses.replace(x, adapter=group.name, version=adapter_version(group.name)) for x in samples]
 
     def abort_ids(self, group: Group, which: int | None) -> list[str]:

@@ -53,3 +53,11 @@ def test_inline_payload_round_trips_and_sends_only_the_viewed_data():
 def test_ipc_payload_needs_cuda():
     with pytest.raises(EngineError, match="needs CUDA"):
         ipc_payload({"w": torch.zeros(2)})
+
+
+@pytest.mark.parametrize(("option", "value"), [("tensor_transport", "shm"), ("retire", "forget")])
+def test_sglang_engine_refuses_unknown_policies_at_construction(option, value):
+    from lora_rl_core.engines.http import SGLangEngine
+
+    with pytest.raises(EngineError, match=f"{option} must be one of .*got '{value}'"):
+        SGLangEngine("http://127.0.0.1:1", **{option: value})
