@@ -27,6 +27,11 @@ TensorTransport = Literal["auto", "ipc", "inline", "disk"]
 TENSOR_TRANSPORTS: tuple[str, ...] = get_args(TensorTransport)
 SGLangRetire = Literal["unload", "keep"]
 SGLANG_RETIRE_POLICIES: tuple[str, ...] = get_args(SGLangRetire)
+OffPolicyCorrection = Literal[
+    "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask", "geometric-mask"
+]
+OFF_POLICY_CORRECTIONS: tuple[str, ...] = get_args(OffPolicyCorrection)
+RolloutMode = Literal["sync", "async"]
 """Which resident adapter is evicted when the pool is full (SGLang `--lora-eviction-policy`)."""
 SGLANG_DEFAULT_PORT = 30000
 """The port SGLang and `lora-rl serve` listen on unless told otherwise (SGLang's `--port` default)."""
@@ -95,14 +100,56 @@ class AlgorithmConfig(Section):
     """PPO clip range above 1 (DAPO's clip-higher)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the k3 KL penalty to the reference (the base model, adapter disabled). 0 = off."""
-    tis_cap: float | None = Field(None, gt=0)
-    """Truncated importance-sampling cap for trainer/inference mismatch; None = off."""
+    off_policy_correction: OffPolicyCorrection = "auto"
+    """Importance weights on the policy-gradient term for rollouts sampled by another policy than the trainer's
+    (an older version in `rollout.mode: async`, and always the engine's numerics); the ratio is trainer over
+    engine log-probs (`lora_rl_core.algorithm.losses.off_policy_weights`). `token-truncate`: min(r_t, is_cap)
+    (TIS, Yao et al. 2025); `token-mask`: r_t, 0 outside [is_floor, is_cap] (IcePop; TRL `token_mask`);
+    `sequence-truncate` / `sequence-mask`: the product of a sequence's ratios, truncated or masked the same
+    way (TRL `sequence_truncate` / `sequence_mask`); `geometric-mask`: weight 1, and 0 for a sequence whose
+    geometric-mean ratio is outside [geo_mask_low, geo_mask_high] (SkyRL's geometric sequence mask).
+    `auto`: `token-truncate` in async mode, `none` in sync mode."""
+    is_cap: float = Field(2.0, gt=0)
+    """Upper bound of the importance weight: the truncation C of the `*-truncate` modes, the largest kept
+    ratio of `token-mask` and `sequence-mask` (TRL's `vllm_importance_sampling_cap`)."""
+    is_floor: float = Field(0.0, ge=0)
+    """Smallest kept ratio of `token-mask` and `sequence-mask`; 0 = no lower bound."""
+    geo_mask_low: float = Field(0.99, gt=0)
+    """`geometric-mask`: sequences whose geometric-mean ratio is below this are masked (SkyRL's fully async
+    example uses 0.99)."""
+    geo_mask_high: float = Field(1.01, gt=0)
+    """`geometric-mask`: sequences whose geometric-mean ratio is above this are masked (SkyRL example: 1.01)."""
     skip_uniform_groups: bool = True
     """Train only on groups whose rewards differ (others have zero advantage)."""
     num_minibatches: int = Field(1, ge=1)
     """Optimizer steps per training step; 1 keeps training on-policy."""
     max_staleness: int = Field(1, ge=0)
-    """Policy versions a rollout may lag behind; older data is rejected."""
+    """Policy versions a rollout may lag behind the trainer; older completions are dropped. Also how many
+    versions stay loaded (`max_staleness + 1`), and in `rollout.mode: async` how many steps ahead rollouts
+    run (verl `staleness_threshold`, SkyRL `max_staleness_steps`, TRL `max_staleness`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "tis_cap" in data:
+            raise ValueError(
+                "algorithm.tis_cap was replaced: set algorithm.off_policy_correction=token-truncate and "
+                f"algorithm.is_cap={data['tis_cap']}"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _geo_range(self) -> AlgorithmConfig:
+        if self.geo_mask_low >= self.geo_mask_high or self.is_floor >= self.is_cap:
+            raise ValueError("need geo_mask_low < geo_mask_high and is_floor < is_cap")
+        return self
+
+    def correction(self, mode: RolloutMode) -> str:
+        """The off-policy correction in effect for a rollout mode (`auto` resolved): one of
+        `OFF_POLICY_CORRECTIONS` except `auto`."""
+        if self.off_policy_correction != "auto":
+            return self.off_policy_correction
+        return "token-truncate" if mode == "async" else "none"
 
 
 class RolloutConfig(Section):
@@ -129,6 +176,11 @@ class RolloutConfig(Section):
     """System message; None keeps the chat template's default."""
     instruction: str = "Give the final answer after ####."
     """Appended to each question in the user message."""
+    mode: RolloutMode = "sync"
+    """`sync`: each step samples with the version the previous step published, then trains. `async`: the
+    rollouts of the next `algorithm.max_staleness` steps are generated (as Prefect task futures) while a step
+    trains, each with the version current when it starts; the trainer drops completions more than
+    `max_staleness` versions old and corrects the rest (`algorithm.off_policy_correction`)."""
 
 
 class SGLangLaunchConfig(Section):
@@ -365,6 +417,21 @@ class RunConfig(Section):
     """The reward terms."""
     run: RunSection = RunSection()
     """Run identity, seed, local outputs and evaluation."""
+
+    @model_validator(mode="after")
+    def _async_needs_staleness(self) -> RunConfig:
+        if self.rollout.mode == "async" and self.algorithm.max_staleness < 1:
+            raise ValueError(
+                "rollout.mode=async needs algorithm.max_staleness >= 1 (how many steps rollouts may run ahead); "
+                "with 0 use rollout.mode=sync"
+            )
+        if self.rollout.mode == "async" and self.algorithm.correction("async") == "none":
+            warnings.warn(
+                "rollout.mode=async with algorithm.off_policy_correction=none trains on stale completions "
+                "without importance weights",
+                stacklevel=2,
+            )
+        return self
 
     @model_validator(mode="after")
     def _warn_off_recipe(self) -> RunConfig:

@@ -40,6 +40,7 @@ def format_step(m: dict[str, Any]) -> str:
         f"clip {m.get('clip_fraction', 0):.3f} kl {m.get('kl', 0):.4f} ent {m.get('entropy', 0):.2f} "
         f"gnorm {m.get('grad_norm', 0):.3f} len {m.get('completion_length', 0):.1f} "
         f"{m.get('completions_per_second', 0):.1f} compl/s {m.get('step_seconds', 0):.1f}s"
+        + (f" lag {' '.join(f'{k}:{v}' for k, v in lag.items())}" if (lag := m.get("version_lag")) else "")
     )
 
 

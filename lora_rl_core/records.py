@@ -16,7 +16,8 @@ result; `metrics()` flattens it into the per-step metrics line of the run log an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -95,6 +96,8 @@ class TrainBatch:
         inference_logprobs: the engine's per-token logprobs of each completion, nats.
         stale_rejected: scored rows left out because their policy version was too old (`from_scored`).
         uniform_skipped: scored rows left out because their group had no reward signal (`from_scored`).
+        version_lag: histogram of the scored rows' version lag (`step - 1 - adapter_version`), rejected rows
+            included: `{lag: rows}`.
     """
 
     prompt_ids: list[list[int]]
@@ -103,6 +106,7 @@ class TrainBatch:
     inference_logprobs: list[list[float]]
     stale_rejected: int = 0
     uniform_skipped: int = 0
+    version_lag: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -128,6 +132,7 @@ class TrainBatch:
         """
         fresh = [r for r in rows if r.adapter_version is not None and step - 1 - r.adapter_version <= max_staleness]
         used = [r for r in fresh if r.has_signal or not skip_uniform]
+        lags = Counter(step - 1 - r.adapter_version for r in rows if r.adapter_version is not None)
         return cls(
             [r.prompt_ids for r in used],
             [r.completion_ids for r in used],
@@ -135,6 +140,7 @@ class TrainBatch:
             [r.logprobs for r in used],
             stale_rejected=len(rows) - len(fresh),
             uniform_skipped=len(fresh) - len(used),
+            version_lag=dict(sorted(lags.items())),
         )
 
 
@@ -183,6 +189,9 @@ class TrainStats(Stats):
     uniform_skipped: int
     checkpointed: bool
     """True when this step saved a checkpoint (`trainer.checkpoint_every`)."""
+    version_lag: dict[int, int] = {}
+    """Histogram of the step's completions by version lag, `{lag: completions}`: 0 = sampled by the version
+    the trainer held (on-policy), 1 = one version older, ... (stale ones, dropped, included)."""
 
     def metrics(self) -> dict[str, Any]:
         """The trainer's metrics at the top level, with the selection counts."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,11 @@ _TABLE_COLUMNS = (
     "completion_length",
     "rollout_seconds",
     "train_seconds",
+    "sync_seconds",
     "step_seconds",
+    "version_lag",
+    "is_weight_mean",
+    "is_masked_fraction",
 )
 
 
@@ -64,7 +69,16 @@ def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:
 
 def step_table(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """History rows reduced to the report's columns, floats rounded to 4 places."""
-    return [{k: round(h[k], 4) if isinstance(h.get(k), float) else h.get(k) for k in _TABLE_COLUMNS} for h in history]
+    return [{k: _cell(h.get(k)) for k in _TABLE_COLUMNS} for h in history]
+
+
+def _cell(value: Any) -> Any:
+    """A table cell: floats rounded to 4 places, a histogram `{lag: n}` as `0:12 1:4`."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return " ".join(f"{k}:{v}" for k, v in value.items())
+    return value
 
 
 def _markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -144,13 +158,15 @@ def run_summary(
 def write_report(
     workdir: Path, run_id: str, cfg: RunConfig, history: list[dict[str, Any]], summary: dict[str, Any]
 ) -> Path:
-    """Write `<workdir>/report.md` (summary, metric table, sample completions) and `reward_curve.png`.
+    """Write `<workdir>/report.md` (summary, metric table, sample completions), `reward_curve.png`, and
+    `history.json` (every step's metrics, one object per step).
 
     Returns:
         the path of report.md.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     plot_reward_curve(history, workdir / "reward_curve.png")
+    (workdir / "history.json").write_text(json.dumps(history, indent=1))
     samples = (summary.get("final_eval") or {}).get("samples", [])
     sample_md = "".join(
         f"- **Q:** {s['question']}  \n  **A:** `{s['completion']!r}` (gold {s['gold']})\n" for s in samples

@@ -104,6 +104,7 @@ def sync_version(
     config: dict | None = None,
     store: AdapterStore | None = None,
     keep: int,
+    protect: Collection[str] = (),
 ) -> SyncResult:
     """Load `ref` on every engine, verify it, and retire stale versions of its run.
 
@@ -113,6 +114,8 @@ def sync_version(
         tensors, config: the tensor path (PEFT state dict + config); None = the store path.
         store: on the store path, the version is sha256-verified here before engines read it.
         keep: versions of the run kept loaded (`max_staleness + 1`), >= 1.
+        protect: adapter names never retired by this sync (e.g. versions that queued rollouts hold), besides
+            `ref` itself and what engines report in flight.
 
     Returns:
         A `SyncResult`; `ok` is False (with `error`) instead of raising for adapter problems.
@@ -134,7 +137,7 @@ def sync_version(
             _discard(engines, ref.name)
     else:
         result.ok = True
-        result.retired = retire_stale(engines, ref.run_id, keep=keep, protect={ref.name})
+        result.retired = retire_stale(engines, ref.run_id, keep=keep, protect={ref.name, *protect})
     result.seconds = time.perf_counter() - start
     return result
 

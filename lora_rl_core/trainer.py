@@ -43,11 +43,11 @@ from peft import PeftModel
 from lora_rl_core import distributed
 from lora_rl_core.algorithm import (
     entropy_from_logits,
+    off_policy_weights,
     ppo_clip_loss,
     selective_log_softmax,
-    truncated_importance_weights,
 )
-from lora_rl_core.config import AlgorithmConfig, RunConfig, TrainerConfig
+from lora_rl_core.config import AlgorithmConfig, RolloutMode, RunConfig, TrainerConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import peft_config_dict
 from lora_rl_core.records import TrainBatch
@@ -128,6 +128,7 @@ def pack(batch: TrainBatch, pad_id: int, device: torch.device) -> PackedBatch:
 
 
 _LOSS_KEYS = frozenset({"loss", "pg_loss"})
+_MAX_KEYS = frozenset({"ratio_max", "is_weight_max"})  # combined over micro-batches and ranks by max
 STATE_FORMAT = "lora-rl/policy-trainer-state/v1"
 
 
@@ -141,14 +142,23 @@ class PolicyTrainer:
         algorithm / trainer: config sections.
         temperature: rollout sampling temperature; logits are divided by it so trainer
             logprobs match the sampling distribution.
+        rollout_mode: `sync` or `async`; resolves `algorithm.off_policy_correction: auto`.
     """
 
     def __init__(
-        self, model: PeftModel, *, pad_id: int, algorithm: AlgorithmConfig, trainer: TrainerConfig, temperature: float
+        self,
+        model: PeftModel,
+        *,
+        pad_id: int,
+        algorithm: AlgorithmConfig,
+        trainer: TrainerConfig,
+        temperature: float,
+        rollout_mode: RolloutMode = "sync",
     ) -> None:
         self.model = model
         self.pad_id = pad_id
         self.algo = algorithm
+        self.correction = algorithm.correction(rollout_mode)
         self.cfg = trainer
         self.temperature = temperature
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -168,7 +178,12 @@ class PolicyTrainer:
     def from_config(cls, model: PeftModel, cfg: RunConfig, *, pad_id: int) -> PolicyTrainer:
         """A trainer for `model` with the run's algorithm, trainer and rollout-temperature settings."""
         return cls(
-            model, pad_id=pad_id, algorithm=cfg.algorithm, trainer=cfg.trainer, temperature=cfg.rollout.temperature
+            model,
+            pad_id=pad_id,
+            algorithm=cfg.algorithm,
+            trainer=cfg.trainer,
+            temperature=cfg.rollout.temperature,
+            rollout_mode=cfg.rollout.mode,
         )
 
     @property
@@ -182,7 +197,8 @@ class PolicyTrainer:
 
         Returns:
             metrics (global over ranks): loss, pg_loss, clip_fraction, kl, entropy (nats/token), grad_norm
-            (pre-clip), ratio_mean/ratio_max, logprob_mismatch (mean |trainer - inference| logprob), lr,
+            (pre-clip), ratio_mean/ratio_max, logprob_mismatch (mean |trainer - inference| logprob), with an
+            off-policy correction is_weight_mean/is_weight_max/is_masked_fraction (`off_policy_weights`), lr,
             train_sequences, train_tokens, train_seconds. An empty batch skips the update.
         """
         start = time.perf_counter()
@@ -199,7 +215,7 @@ class PolicyTrainer:
         sums: dict[str, float] = {}
         for rows, plan in zip(chunks, plans, strict=True):
             for k, v in self._minibatch_update(batch, rows, plan, old_logprobs).items():
-                sums[k] = max(sums.get(k, v), v) if k == "ratio_max" else sums.get(k, 0.0) + v / len(chunks)
+                sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
         self.scheduler.step()
         tokens = sum(len(c) for c in batch.completion_ids)
         return {
@@ -241,10 +257,18 @@ class PolicyTrainer:
         logprobs_BT = selective_log_softmax(logits, packed.targets_BT)
         old_BT = logprobs_BT.detach() if old is None else _frame(old, packed.mask_BT)
         ref_BT = self._ref_logprobs(packed) if self.algo.kl_coef > 0 else None
-        weights_BT = None
-        if self.algo.tis_cap is not None:
-            weights_BT = truncated_importance_weights(
-                old_BT, packed.inference_logprobs_BT, packed.mask_BT, cap=self.algo.tis_cap
+        weights_BT, is_metrics = None, dict[str, float]()
+        if self.correction != "none":
+            a = self.algo
+            weights_BT, is_metrics = off_policy_weights(
+                old_BT,
+                packed.inference_logprobs_BT,
+                packed.mask_BT,
+                mode=self.correction,
+                cap=a.is_cap,
+                floor=a.is_floor,
+                geo_low=a.geo_mask_low,
+                geo_high=a.geo_mask_high,
             )
         loss, m = ppo_clip_loss(
             logprobs_BT,
@@ -264,6 +288,7 @@ class PolicyTrainer:
             m["entropy"] = float((entropy_from_logits(logits.detach()) * packed.mask_BT).sum() / n)
             diff = (logprobs_BT.detach() - packed.inference_logprobs_BT).abs() * packed.mask_BT
             m["logprob_mismatch"] = float(diff.sum() / n)
+            m.update(is_metrics)
             m["loss"] = float(loss)
         return m
 
@@ -443,16 +468,16 @@ def _dummy_batch(pad_id: int) -> TrainBatch:
 def _accumulate(metrics: dict[str, float], m: dict[str, float], weight: float, token_share: float) -> None:
     """Add one micro-batch's metrics: losses combine like the backward pass; per-token metrics are token-weighted."""
     for k, v in m.items():
-        if k == "ratio_max":
+        if k in _MAX_KEYS:
             metrics[k] = max(metrics.get(k, v), v)
         else:
             metrics[k] = metrics.get(k, 0.0) + v * (weight if k in _LOSS_KEYS else token_share)
 
 
 def _all_reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Global metrics from each rank's share: shares were weighted by global counts, so they sum; ratio_max maxes."""
-    maxed = {k: v for k, v in metrics.items() if k == "ratio_max"}
-    summed = {k: v for k, v in metrics.items() if k != "ratio_max"}
+    """Global metrics from each rank's share: shares were weighted by global counts, so they sum; maxima max."""
+    maxed = {k: v for k, v in metrics.items() if k in _MAX_KEYS}
+    summed = {k: v for k, v in metrics.items() if k not in _MAX_KEYS}
     return {**distributed.all_reduce_sum(summed), **distributed.all_reduce_max(maxed)}
 
 

@@ -82,3 +82,18 @@ def test_run_id_from_config():
 def test_run_id_defaults_to_name_and_timestamp():
     run_id = load_config(None, ["run.name=exp"]).resolved_run_id()
     assert re.fullmatch(r"exp-\d{8}-\d{6}", run_id), run_id
+
+
+def test_async_rollouts_need_a_staleness_window():
+    with pytest.raises(ConfigError, match=r"rollout.mode=async needs algorithm.max_staleness >= 1"):
+        load_config(None, ["rollout.mode=async", "algorithm.max_staleness=0"])
+    cfg = load_config(None, ["rollout.mode=async"])
+    assert cfg.algorithm.correction(cfg.rollout.mode) == "token-truncate"  # `auto` in async mode
+    assert load_config(None, []).algorithm.correction("sync") == "none"
+    chosen = load_config(None, ["rollout.mode=async", "algorithm.off_policy_correction=sequence-mask"])
+    assert chosen.algorithm.correction("async") == "sequence-mask"
+
+
+def test_the_old_tis_cap_names_its_replacement():
+    with pytest.raises(ConfigError, match=r"off_policy_correction=token-truncate and algorithm.is_cap=2.0"):
+        load_config(None, ["algorithm.tis_cap=2.0"])

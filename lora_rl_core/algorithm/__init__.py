@@ -13,9 +13,11 @@ from lora_rl_core.algorithm.advantages import (
 )
 from lora_rl_core.algorithm.losses import (
     LOSS_AGGREGATIONS,
+    OFF_POLICY_MODES,
     aggregate,
     entropy_from_logits,
     kl_k3,
+    off_policy_weights,
     ppo_clip_loss,
     selective_log_softmax,
     truncated_importance_weights,
@@ -24,12 +26,14 @@ from lora_rl_core.algorithm.losses import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "OFF_POLICY_MODES",
     "aggregate",
     "drgrpo_advantages",
     "entropy_from_logits",
     "group_has_signal",
     "grpo_advantages",
     "kl_k3",
+    "off_policy_weights",
     "ppo_clip_loss",
     "rloo_advantages",
     "selective_log_softmax",

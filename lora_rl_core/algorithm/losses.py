@@ -214,11 +214,100 @@ def truncated_importance_weights(
     """
     if cap <= 0:
         raise ValueError(f"cap must be > 0, got {cap}")
+    return off_policy_weights(old_logprobs_BT, inference_logprobs_BT, mask_BT, mode="token-truncate", cap=cap)[0]
+
+
+OFF_POLICY_MODES: tuple[str, ...] = (
+    "token-truncate",
+    "token-mask",
+    "sequence-truncate",
+    "sequence-mask",
+    "geometric-mask",
+)
+"""Modes of ``off_policy_weights`` (``algorithm.off_policy_correction`` adds ``none`` and ``auto``)."""
+
+
+def off_policy_weights(
+    old_logprobs_BT: Tensor,
+    inference_logprobs_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    mode: str,
+    cap: float = 2.0,
+    floor: float = 0.0,
+    geo_low: float = 0.99,
+    geo_high: float = 1.01,
+) -> tuple[Tensor, dict[str, float]]:
+    """Importance weights for completions sampled by another policy than the trainer's, and diagnostics.
+
+    With ``log r_t = old_logprobs_t - inference_logprobs_t`` (trainer over sampler; the sampler is an older
+    adapter version in asynchronous training, and the engine's numerics always):
+
+    * ``token-truncate``: ``w_t = min(r_t, cap)``; Yao et al. 2025 (TIS), TRL ``token_truncate``.
+    * ``token-mask``: ``w_t = r_t``, 0 where ``r_t`` is outside ``[floor, cap]``; IcePop (Ling Team 2025,
+      "Every Step Evolves"), TRL ``token_mask``.
+    * ``sequence-truncate``: ``w = min(prod_t r_t, cap)`` for every token of the sequence; TRL
+      ``sequence_truncate``.
+    * ``sequence-mask``: ``w = prod_t r_t``, 0 for the whole sequence when outside ``[floor, cap]``; TRL
+      ``sequence_mask`` (its default mode, cap 3).
+    * ``geometric-mask``: ``w = 1``, 0 for the whole sequence when the geometric mean
+      ``exp(mean_t log r_t)`` is outside ``[geo_low, geo_high]``: rejection without reweighting; SkyRL
+      ``off_policy_correction.sequence_mask_metric: geometric`` (its fully-async examples: 0.99 / 1.01),
+      verl's geometric rejection sampling (Liu, Li et al. 2025, "When Speed Kills Stability").
+
+    Sequence products are taken in log space and clamped to [-20, 20] before ``exp``.
+
+    Args:
+        old_logprobs_BT: ``[B, T]`` trainer log-probs of the sampled tokens (the policy being updated, before
+            the update), float32 nats.
+        inference_logprobs_BT: ``[B, T]`` log-probs the engine reported when sampling them.
+        mask_BT: ``[B, T]`` 1.0 on real completion tokens, 0.0 on padding.
+        mode: one of ``OFF_POLICY_MODES``.
+        cap / floor: the truncation or kept range of the token and sequence modes.
+        geo_low / geo_high: the kept range of the geometric mean (``geometric-mask``).
+
+    Returns:
+        ``(weights_BT, metrics)``: ``[B, T]`` float32 detached weights, 0 on padding; python floats
+        ``is_weight_mean`` / ``is_weight_max`` (over real tokens, after truncation and masking) and
+        ``is_masked_fraction`` (real tokens whose weight a mask set to 0).
+
+    Raises:
+        ValueError: an unknown mode, bad bounds or mismatched shapes.
+    """
+    if mode not in OFF_POLICY_MODES:
+        raise ValueError(f"unknown off-policy correction {mode!r}; valid: {', '.join(OFF_POLICY_MODES)}")
+    if not (0.0 <= floor < cap and 0.0 < geo_low < geo_high):
+        raise ValueError(f"need 0 <= floor < cap and 0 < geo_low < geo_high, got {floor}, {cap}, {geo_low}, {geo_high}")
     _check_same_shape(mask_BT, old_logprobs_BT=old_logprobs_BT, inference_logprobs_BT=inference_logprobs_BT)
     with torch.no_grad():
         real_BT = mask_BT > 0
-        log_w_BT = torch.where(real_BT, old_logprobs_BT.float() - inference_logprobs_BT.float(), 0.0)
-        return torch.where(real_BT, torch.exp(log_w_BT).clamp(max=cap), 0.0)
+        log_r_BT = torch.where(real_BT, old_logprobs_BT.float() - inference_logprobs_BT.float(), 0.0)
+        keep_BT = real_BT
+        if mode.startswith("token-"):
+            ratio_BT = torch.exp(log_r_BT)
+        else:
+            log_seq_B1 = log_r_BT.sum(dim=-1, keepdim=True)
+            if mode == "geometric-mask":
+                log_seq_B1 = log_seq_B1 / real_BT.sum(dim=-1, keepdim=True).clamp(min=1)
+            ratio_BT = torch.exp(log_seq_B1.clamp(-_KL_LOG_RATIO_CLAMP, _KL_LOG_RATIO_CLAMP)).expand_as(log_r_BT)
+        if mode.endswith("-truncate"):
+            weights_BT = ratio_BT.clamp(max=cap)
+        elif mode == "geometric-mask":
+            keep_BT = real_BT & (ratio_BT >= geo_low) & (ratio_BT <= geo_high)
+            weights_BT = torch.ones_like(ratio_BT)
+        else:
+            keep_BT = real_BT & (ratio_BT >= floor) & (ratio_BT <= cap)
+            weights_BT = ratio_BT
+        weights_BT = torch.where(keep_BT, weights_BT, 0.0)
+        n = real_BT.sum().clamp(min=1)
+        stats = torch.stack(
+            [
+                weights_BT.sum() / n,
+                weights_BT.amax() if weights_BT.numel() else weights_BT.new_zeros(()),
+                (real_BT & ~keep_BT).sum() / n,
+            ]
+        ).tolist()
+    return weights_BT, dict(zip(("is_weight_mean", "is_weight_max", "is_masked_fraction"), stats, strict=True))
 
 
 def _check_ppo_inputs(

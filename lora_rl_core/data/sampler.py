@@ -66,6 +66,21 @@ class PromptSampler:
             self.index += 1
         return batch
 
+    def batch_at(self, position: int, n: int) -> tuple[list[Problem], dict]:
+        """The ``n`` problems from absolute ``position`` of the endless shuffled stream (epoch
+        ``position // len(problems)``), and the cursor after them; this sampler's own cursor does not move,
+        so rollouts of several steps may draw at once from several threads.
+
+        Raises:
+            DataError: ``position < 0`` or ``n < 1``.
+        """
+        if not _is_int(position) or position < 0:
+            raise DataError(f"position must be a non-negative integer, got {position!r}")
+        epoch, index = divmod(position, len(self.problems))
+        cursor = PromptSampler(self.problems, self.seed)
+        cursor.load_state_dict({"epoch": epoch, "index": index, "seed": self.seed})
+        return cursor.next_batch(n), cursor.state_dict()
+
     def state_dict(self) -> dict:
         """Return the cursor as JSON-serialisable ``{"epoch": int, "index": int, "seed": int}``."""
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed}

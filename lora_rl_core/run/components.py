@@ -8,7 +8,10 @@ Prefect: the flow's tasks keep the components of open runs in `tasks.registry`.
 from __future__ import annotations
 
 import random
-from contextlib import ExitStack
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +25,7 @@ from lora_rl_core.data import Problem, PromptSampler, arithmetic_split, load_dat
 from lora_rl_core.engines import InferenceEngine
 from lora_rl_core.engines.factory import build_engine
 from lora_rl_core.engines.sglang_server import SGLangServer, launch_sglang
+from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
 from lora_rl_core.rewards import RewardFn, load_reward
@@ -95,7 +99,8 @@ def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer
 
 @dataclass
 class PolicyState:
-    """Which adapter version the engines serve for rollouts, and the tensors of the last publish.
+    """Which adapter version the engines serve for rollouts, which versions rollouts still hold, and the
+    tensors of the last publish. Thread-safe: in `rollout.mode: async` rollouts run beside the step's sync.
 
     Attributes:
         version: the policy version rollouts use; None until version 0 is synced.
@@ -105,6 +110,39 @@ class PolicyState:
 
     version: int | None = None
     pending: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+    _holds: Counter[int] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextmanager
+    def hold(self) -> Iterator[int]:
+        """The current version, held until the block ends: `held()` reports it, and the sync protocol does
+        not retire a held version (docs/HOTSWAP.md, "Asynchronous rollouts").
+
+        Raises:
+            LoraRLError: no version has been synced yet.
+        """
+        with self._lock:
+            if self.version is None:
+                raise LoraRLError("no adapter version has been synced to the engine yet (publish and sync version 0)")
+            version = self.version
+            self._holds[version] += 1
+        try:
+            yield version
+        finally:
+            with self._lock:
+                self._holds[version] -= 1
+                if not self._holds[version]:
+                    del self._holds[version]
+
+    def held(self) -> set[int]:
+        """Versions that rollouts hold now."""
+        with self._lock:
+            return set(self._holds)
+
+    def switch(self, version: int) -> None:
+        """Make `version` the one later rollouts use (rollouts holding an older one keep it)."""
+        with self._lock:
+            self.version = version
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lora_rl_core.adapters import adapter_name
 from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal
 from lora_rl_core.data import render_prompt, stable_seed
 from lora_rl_core.engines import GenerationRequest, SamplingParams
@@ -35,12 +36,12 @@ from lora_rl_core.records import (
 from lora_rl_core.rewards import score_completions
 from lora_rl_core.run.components import RunComponents
 from lora_rl_core.run.resume import save_checkpoint
-from lora_rl_core.run.versions import policy_adapter
 
 
 def rollout(run: RunComponents, step: int) -> RolloutStats:
     """Sample `group_size` completions for each of `prompts_per_step` prompts with the current policy adapter;
-    writes `rollouts/step-N.json`.
+    writes `rollouts/step-N.json`. Safe to run for several steps at once (`rollout.mode: async`): the prompts
+    are a function of the step, and the version used is held against retirement until the completions return.
 
     Raises:
         EngineError: a request was aborted (a group with missing samples would skew its advantages, so the
@@ -50,9 +51,7 @@ def rollout(run: RunComponents, step: int) -> RolloutStats:
     start = time.perf_counter()
     r = run.cfg.rollout
     # The batch is a function of the step (cursor = (step - 1) * prompts), so a resumed run draws the same prompts.
-    epoch, index = divmod((step - 1) * r.prompts_per_step, len(run.train_problems))
-    run.sampler.load_state_dict({"epoch": epoch, "index": index, "seed": run.sampler.seed})
-    problems = run.sampler.next_batch(r.prompts_per_step)
+    problems, cursor = run.sampler.batch_at((step - 1) * r.prompts_per_step, r.prompts_per_step)
     params = SamplingParams(
         max_new_tokens=r.max_new_tokens,
         temperature=r.temperature,
@@ -60,12 +59,15 @@ def rollout(run: RunComponents, step: int) -> RolloutStats:
         top_k=r.top_k,
         seed=stable_seed(run.cfg.run.seed, "rollout", step),
     )
-    adapter = policy_adapter(run)
     prompts = [
         render_prompt(run.tokenizer, p, system_prompt=r.system_prompt, instruction=r.instruction) for p in problems
     ]
-    requests = [GenerationRequest(ids, adapter, params) for ids in prompts for _ in range(r.group_size)]
-    completions = run.engine.generate(requests, inline=True)  # an embedded engine computes on this thread
+    # The version current now (async mode: maybe older than the trainer's by the time it trains), held until
+    # the completions are back so that a sync meanwhile does not retire it.
+    with run.policy.hold() as version:
+        adapter = adapter_name(run.run_id, version)
+        requests = [GenerationRequest(ids, adapter, params) for ids in prompts for _ in range(r.group_size)]
+        completions = run.engine.generate(requests, inline=True)  # an embedded engine computes on this thread
     aborted = [c for c in completions if c.finish_reason == "abort"]
     if aborted:
         raise EngineError(f"{len(aborted)} of {len(completions)} rollout requests aborted ({aborted[0].abort_reason})")
@@ -83,7 +85,7 @@ def rollout(run: RunComponents, step: int) -> RolloutStats:
         )
         for i, c in enumerate(completions)
     ]
-    run.run_dir.write_phase("rollouts", step, RolloutBatch(step=step, sampler=run.sampler.state_dict(), rows=rows))
+    run.run_dir.write_phase("rollouts", step, RolloutBatch(step=step, sampler=cursor, rows=rows))
     seconds = time.perf_counter() - start
     tokens = sum(len(row.completion_ids) for row in rows)
     return RolloutStats(
@@ -147,6 +149,7 @@ def train(run: RunComponents, step: int) -> TrainStats:
         stale_rejected=batch.stale_rejected,
         uniform_skipped=batch.uniform_skipped,
         checkpointed=checkpointed,
+        version_lag=batch.version_lag,
     )
 
 

@@ -63,6 +63,10 @@ def sync(run: RunComponents, ref: AdapterRef) -> SyncStats:
     if run.policy.version is not None and ref.version < run.policy.version:
         return SyncStats(adapter=policy_adapter(run), skipped_older=True)
     pending = run.policy.pending if run.cfg.engine.sync == "tensor" else None
+    # Rollouts hold only the version current when they start; a version held now stays protected, and one
+    # taken during this sync is the serving one, always inside the `keep` window (max_staleness + 1 >= 2 in
+    # async mode), so the protocol never retires a version that queued rollouts still use.
+    held = {adapter_name(run.run_id, v) for v in run.policy.held()}
     result = sync_version(
         run.engine,
         ref,
@@ -70,11 +74,12 @@ def sync(run: RunComponents, ref: AdapterRef) -> SyncStats:
         config=pending[1] if pending else None,
         store=run.store,
         keep=run.cfg.algorithm.max_staleness + 1,
+        protect=held,
     )
     run.policy.pending = None
     if not result.ok:
         if run.policy.version is None:
             raise EngineError(f"sync of {ref.name} failed and no earlier version is serving: {result.error}")
         return SyncStats(adapter=policy_adapter(run), skipped=ref.name, error=result.error, sync_seconds=result.seconds)
-    run.policy.version = ref.version
+    run.policy.switch(ref.version)
     return SyncStats(adapter=ref.name, retired=result.retired, sync_seconds=result.seconds, sync_path=result.path)

@@ -48,7 +48,12 @@ def make_config(model_dir, **model) -> RunConfig:
             {
                 "model": {"name_or_path": str(model_dir), "dtype": "float32", "device": "cpu", **model},
                 "lora": {"rank": 4, "alpha": 8},
-                "algorithm": {"num_minibatches": 2, "kl_coef": 0.05, "tis_cap": 2.0},
+                "algorithm": {
+                    "num_minibatches": 2,
+                    "kl_coef": 0.05,
+                    "off_policy_correction": "token-truncate",
+                    "is_cap": 2.0,
+                },
                 "trainer": {"lr": 1e-2, "micro_batch_size": 1, "warmup_steps": 2, "max_grad_norm": 0.02},
                 "run": {"seed": 3},
             }

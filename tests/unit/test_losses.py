@@ -12,6 +12,7 @@ from lora_rl_core.algorithm import (
     aggregate,
     entropy_from_logits,
     kl_k3,
+    off_policy_weights,
     ppo_clip_loss,
     selective_log_softmax,
     truncated_importance_weights,
@@ -269,3 +270,52 @@ def test_truncated_importance_weights():
     assert not weights_BT.requires_grad
     with pytest.raises(ValueError, match="cap must be > 0"):
         truncated_importance_weights(old_BT, inference_BT, mask_BT, cap=0.0)
+
+
+# --- off-policy corrections ----------------------------------------------------------
+
+
+def _off_policy(mode, **kwargs):
+    # two sequences; trainer over engine ratios r_t: row 0 = [2, 0.5, 4], row 1 = [1.5, 1.5, padding]
+    old_BT = torch.zeros(2, 3)
+    inference_BT = -torch.log(torch.tensor([[2.0, 0.5, 4.0], [1.5, 1.5, 1.0]]))
+    mask_BT = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    return off_policy_weights(old_BT, inference_BT, mask_BT, mode=mode, **kwargs)
+
+
+def test_token_truncate_equals_tis():
+    weights_BT, m = _off_policy("token-truncate", cap=2.0)
+    torch.testing.assert_close(weights_BT, torch.tensor([[2.0, 0.5, 2.0], [1.5, 1.5, 0.0]]))
+    assert m["is_masked_fraction"] == 0.0 and m["is_weight_max"] == 2.0
+    assert m["is_weight_mean"] == pytest.approx((2 + 0.5 + 2 + 1.5 + 1.5) / 5)
+
+
+def test_token_mask_zeroes_tokens_outside_the_range():  # IcePop: [floor, cap]
+    weights_BT, m = _off_policy("token-mask", cap=3.0, floor=0.6)
+    torch.testing.assert_close(weights_BT, torch.tensor([[2.0, 0.0, 0.0], [1.5, 1.5, 0.0]]))
+    assert m["is_masked_fraction"] == pytest.approx(2 / 5)
+
+
+def test_sequence_modes_use_the_product_of_the_ratios():
+    # row 0: 2 * 0.5 * 4 = 4; row 1: 1.5 * 1.5 = 2.25
+    truncated_BT, _ = _off_policy("sequence-truncate", cap=3.0)
+    torch.testing.assert_close(truncated_BT, torch.tensor([[3.0, 3.0, 3.0], [2.25, 2.25, 0.0]]))
+    masked_BT, m = _off_policy("sequence-mask", cap=3.0)
+    torch.testing.assert_close(masked_BT, torch.tensor([[0.0, 0.0, 0.0], [2.25, 2.25, 0.0]]))
+    assert m["is_masked_fraction"] == pytest.approx(3 / 5) and m["is_weight_max"] == pytest.approx(2.25)
+
+
+def test_geometric_mask_rejects_whole_sequences_without_reweighting():
+    # geometric means: row 0 = 4 ** (1/3) = 1.587, row 1 = 1.5
+    kept_BT, m = _off_policy("geometric-mask", geo_low=0.9, geo_high=1.55)
+    torch.testing.assert_close(kept_BT, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+    assert m["is_masked_fraction"] == pytest.approx(3 / 5)
+    both_BT, _ = _off_policy("geometric-mask", geo_low=0.9, geo_high=1.6)
+    torch.testing.assert_close(both_BT, torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]))
+
+
+def test_off_policy_weights_refuse_unknown_modes_and_bad_ranges():
+    with pytest.raises(ValueError, match="unknown off-policy correction 'icepop'"):
+        _off_policy("icepop")
+    with pytest.raises(ValueError, match="floor < cap"):
+        _off_policy("token-mask", cap=1.0, floor=2.0)

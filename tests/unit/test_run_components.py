@@ -61,3 +61,27 @@ def test_registry_names_a_run_that_is_not_open():
     with pytest.raises(LoraRLError, match="run 'nowhere' is not open in this process"):
         registry.get_run("nowhere")
     registry.close_run("nowhere")  # closing what is not open is a no-op
+
+
+def test_a_version_held_by_a_rollout_is_not_retired_until_released(cfg):
+    """Async rollouts hold the version they sample with: syncs retire versions beyond `max_staleness + 1`
+    (here 2), but never a held one; the first sync after its release retires it."""
+    from lora_rl_core.run import versions
+
+    run = build_run(cfg, "comp-hold")
+    try:
+        versions.sync(run, versions.publish(run, 0))
+        listed = lambda: sorted(n for n in run.engine.list_adapters() if n.startswith("comp-hold"))  # noqa: E731
+        with run.policy.hold() as held:
+            assert held == 0 and run.policy.held() == {0}
+            for step in (1, 2, 3):
+                stats = versions.sync(run, versions.publish(run, step))
+                assert stats.adapter == f"comp-hold-v{step:06d}"
+            assert listed() == ["comp-hold-v000000", "comp-hold-v000002", "comp-hold-v000003"]
+            assert stats.retired == ["comp-hold-v000001"]  # at the sync of v3; v0, older, stays held
+        assert run.policy.held() == set()
+        stats = versions.sync(run, versions.publish(run, 4))
+        assert stats.retired == ["comp-hold-v000000", "comp-hold-v000002"]
+        assert listed() == ["comp-hold-v000003", "comp-hold-v000004"]
+    finally:
+        run.close()

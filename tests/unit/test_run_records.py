@@ -40,6 +40,8 @@ def test_from_scored_rejects_rows_more_than_max_staleness_behind():
     assert batch.stale_rejected == 2 and batch.uniform_skipped == 0
     strict = TrainBatch.from_scored(rows, step=5, max_staleness=0, skip_uniform=False)
     assert [c[-1] for c in strict.completion_ids] == [4, 5] and strict.stale_rejected == 3
+    # the lag histogram counts every versioned row, the rejected ones too (base-model rows have no version)
+    assert batch.version_lag == {-1: 1, 0: 1, 1: 1, 2: 1}
 
 
 def test_from_scored_skips_groups_without_signal_only_when_asked():
