@@ -128,3 +128,42 @@ def test_a_crash_during_overlapped_steps_resumes_from_the_rollouts_that_ran_ahea
     assert [(c[0], c[1]) for c in traced] == [("train_step", 3), ("train_step", 4)]
     assert _rows(tmp_path, "crash", 4) == before
     assert store.versions("crash") == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("retire", ["unload", "keep"])
+def test_async_rollouts_against_a_launched_sglang(tmp_path, tiny_model_dir, retire):
+    """The same overlap through `SGLangEngine` (HTTP from the task runner's thread while the flow syncs),
+    against the look-alike SGLang server the run launches, with both retire policies."""
+    import os
+    import sys
+
+    from flows.grpo_lora import train
+    from lora_rl_core.distributed import free_port
+    from tests.integration.test_sglang_launch import FAKE_SGLANG, REPO
+
+    path = write_tiny_config(
+        tmp_path,
+        tiny_model_dir,
+        "async-sgl",
+        run={"id": "async-sgl", "eval_before_after": False},
+        rollout={"max_new_tokens": 6, "mode": "async"},
+        algorithm={"skip_uniform_groups": False, "max_staleness": 1},
+        trainer={"steps": 4},
+        engine={
+            "type": "sglang",
+            "sync": "store",
+            "sglang_retire": retire,
+            "launch": {
+                "enabled": True,
+                "python": sys.executable,
+                "env": {"PYTHONPATH": f"{FAKE_SGLANG}{os.pathsep}{REPO}"},
+                "port": free_port(),
+                "startup_timeout_s": 120,
+            },
+        },
+    )
+    summary = train(config_path=str(path))
+    assert summary["final_adapter"] == "async-sgl-v000004"
+    history = json.loads((tmp_path / "runs" / "async-sgl" / "history.json").read_text())
+    assert history[1]["version_lag"] == {"1": 8}
+    assert all(row["stale_rejected"] == 0 and set(row["version_lag"]) <= {"0", "1"} for row in history)

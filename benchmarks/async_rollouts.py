@@ -1,0 +1,145 @@
+"""Sync vs async rollouts, in one run: the training flow twice on the same config (issue: async rollouts).
+
+Runs `flows.grpo_lora.train` with `rollout.mode=sync`, then with `rollout.mode=async` (rollouts of the next
+`algorithm.max_staleness` steps generated while a step trains), same config, seed and steps, each with its
+own run id in the same store. Reports, per mode: mean step wall time (s; the flow's step loop, publish and
+sync included), steps per hour, rollout completions/s (completions / rollout-phase seconds), the version-lag
+histogram summed over steps, mean importance weight, and greedy held-out accuracy before and after (the
+learning-parity check: async should end within 5 points of sync). Step 1 is left out of the step time
+(warm-up: first CUDA kernels, first adapter load).
+
+Usage::
+
+    PYTHONPATH=. python benchmarks/async_rollouts.py --config configs/smollm2-arith-grpo.yaml \\
+        --steps 6 --set run.eval_before_after=false                 # CPU, embedded engine
+    # GPU host (docs/SGLANG.md, "GPU host"): one SGLang server, launched here from the config's
+    # engine.launch settings, serves both runs (--launch-sglang)
+    PYTHONPATH=/tmp/ours:. python3 benchmarks/async_rollouts.py --config configs/smollm2-arith-grpo.yaml \\
+        --launch-sglang --device cuda --set model.name_or_path=/tmp/models/smollm2-gguf engine.type=sglang \\
+        "engine.launch.env={PYTHONPATH: /tmp/sglsite}" engine.sglang_retire=keep engine.launch.cuda_graph_max_bs=null
+
+On SGLang 0.5.17 use `engine.sglang_retire=keep`: its unload hangs under concurrent traffic, which async
+rollouts are (docs/HOTSWAP.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import _common
+from _common import RESULTS, machine_info, print_table, write_json
+
+MODES = ("sync", "async")
+
+
+def run_mode(mode: str, args: argparse.Namespace, store: str, output_dir: str) -> dict[str, Any]:
+    """One training flow in `mode`; its summary and the step metrics that the comparison needs."""
+    from flows.grpo_lora import train
+
+    stamp = time.strftime("%H%M%S")
+    overrides = [
+        *args.set,
+        f"rollout.mode={mode}",
+        f"run.id=bench-{mode}-{stamp}",
+        f"store.uri={store}",
+        f"run.output_dir={output_dir}",
+    ]
+    if args.steps:
+        overrides.append(f"trainer.steps={args.steps}")
+    start = time.perf_counter()
+    summary = train(config_path=args.config, overrides=overrides)
+    wall = time.perf_counter() - start
+    history = json.loads((Path(output_dir) / summary["run_id"] / "history.json").read_text())
+    timed = [h["step_seconds"] for h in history[1:]] or [history[0]["step_seconds"]]
+    lag: Counter[str] = Counter()
+    for h in history:
+        lag.update(h.get("version_lag") or {})
+    weights = [h["is_weight_mean"] for h in history if "is_weight_mean" in h]
+    return {
+        "mode": mode,
+        "steps": len(history),
+        "flow_wall_seconds": wall,
+        "step_seconds_mean": statistics.mean(timed),
+        "step_seconds_median": statistics.median(timed),
+        "steps_per_hour": 3600.0 / statistics.mean(timed),
+        "rollout_completions_per_second": summary["completions_per_second"],
+        "rollout_seconds_mean": statistics.mean(h["rollout_seconds"] for h in history[1:] or history),
+        "train_seconds_mean": statistics.mean(h.get("train_seconds", 0.0) for h in history[1:] or history),
+        "version_lag": dict(sorted(lag.items())),
+        "is_weight_mean": statistics.mean(weights) if weights else None,
+        "base_accuracy": summary["base_accuracy"],
+        "final_accuracy": summary["final_accuracy"],
+        "reward_mean_last5": statistics.mean(h["reward_mean"] for h in history[-5:]),
+        "runtime": summary["runtime"],
+    }
+
+
+def main() -> int:
+    """Run both modes, print the table, write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/smollm2-arith-grpo.yaml")
+    parser.add_argument("--steps", type=int, default=None, help="default: the config's trainer.steps")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides for both modes (key=value)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--launch-sglang", action="store_true", help="one SGLang server for both runs")
+    parser.add_argument("--device", default="cpu", help="for the machine facts only; the config picks the device")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/async_rollouts_<device>.json")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="async-bench-"))
+    store, output_dir = f"file://{work / 'store'}", str(work / "runs")
+    server = None
+    if args.launch_sglang:
+        from lora_rl_core.config import load_config
+        from lora_rl_core.engines.sglang_server import launch_sglang
+
+        cfg = load_config(args.config, [*args.set, "engine.launch.enabled=true"])
+        server = launch_sglang(cfg, work / "sglang.log")
+        args.set = [*args.set, "engine.launch.enabled=false", f"engine.urls=[{server.url}]"]
+    try:
+        results = [run_mode(mode, args, store, output_dir) for mode in args.modes.split(",")]
+    finally:
+        if server is not None:
+            print("sglang log tail:\n" + server.log_tail(30), flush=True)
+            server.stop()
+    by_mode = {r["mode"]: r for r in results}
+    speedup = None
+    if {"sync", "async"} <= by_mode.keys():
+        speedup = by_mode["async"]["steps_per_hour"] / by_mode["sync"]["steps_per_hour"]
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    print_table(
+        f"sync vs async rollouts ({args.config}, {results[0]['steps']} steps)",
+        ["mode", "s/step", "steps/h", "rollout compl/s", "rollout s", "train s", "version lag", "IS weight",
+         "acc before", "acc after"],
+        [
+            [r["mode"], r["step_seconds_mean"], r["steps_per_hour"], r["rollout_completions_per_second"],
+             r["rollout_seconds_mean"], r["train_seconds_mean"],
+             " ".join(f"{k}:{v}" for k, v in r["version_lag"].items()), r["is_weight_mean"] or "-",
+             pct(r["base_accuracy"]), pct(r["final_accuracy"])]
+            for r in results
+        ],
+    )  # fmt: skip
+    if speedup is not None:
+        print(f"async / sync steps per hour: {speedup:.2f}x (goal on the GPU: >= 1.5x)")
+    out = args.out or RESULTS / f"async_rollouts_{args.device.split(':')[0]}.json"
+    record = {
+        "config": args.config,
+        "overrides": args.set,
+        "machine": machine_info(args.device),
+        "results": results,
+        "async_over_sync_steps_per_hour": speedup,
+    }
+    write_json(record, out)
+    return 0
+
+
+if __name__ == "__main__":
+    assert _common  # puts the checkout on sys.path
+    sys.exit(main())
