@@ -232,6 +232,10 @@ class EngineConfig(Section):
     """`embedded` only: 0 runs the engine in this process; N >= 1 runs N engine replicas as Ray actors (one
     CPU each), joining the cluster of `RAY_ADDRESS` or starting a local one; the samples of a prompt stay on
     one replica, adapter versions load into every replica (`lora_rl_core/engines/ray_replicas.py`)."""
+    ray_replace_dead: bool = True
+    """With `ray_replicas`: a replica whose actor died is replaced by a new actor, which reloads the adapters
+    the dead one held (same names, same weights), and the failed call is retried there once; False = the
+    call fails with `EngineUnavailable` naming the replica (the step fails; resume the run)."""
     max_batch_size: int = Field(64, ge=1)
     """Embedded engine: sequences per forward batch."""
     max_loras_per_batch: int = Field(8, ge=1)

@@ -9,19 +9,26 @@ node); a path (store version) is read by each replica itself.
 
 Choices made here:
 
-* Every call waits with a deadline (`ray.get(..., timeout=)`). A replica whose actor died raises
-  `EngineUnavailable` naming it (the step fails cleanly and the run can be resumed); a call past its
-  deadline raises `EngineUnavailable` too. Nothing is retried on another replica (as `MultiEngine`).
-* Actors are not restarted by Ray (`max_restarts=0`): a restarted replica would come back without the
-  adapters the protocol loaded, and serve stale state silently.
+* Every call waits with a deadline (`ray.get(..., timeout=)`); a call past it raises `EngineUnavailable`.
+* A replica whose actor died is replaced (`engine.ray_replace_dead`, the default): `RayEngine` starts a new
+  actor, loads into it every adapter the dead one held (it records the loads and unloads that went
+  through it), and retries the failed call there once; `metrics()["replica_replacements"]` counts them.
+  With replacement off, or when the new actor fails too, the call raises `EngineUnavailable` naming the
+  replica (the step fails cleanly and the run can be resumed). Nothing moves to another replica.
+* Ray itself never restarts an actor (`max_restarts=0`): it would come back without the adapters the
+  protocol loaded, and serve stale state silently.
 * `close()` kills the actors and gives back the run's use of Ray (`lora_rl_core.ray_cluster`).
 
-Left out: SGLang replicas (one SGLang server per actor on a GPU) and the trainer on Ray.
+Left out: SGLang replicas (one SGLang server per actor on a GPU). The trainer on Ray is
+`lora_rl_core.trainer_ray`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,6 +38,8 @@ from lora_rl_core.engines.http import EngineUnavailable
 from lora_rl_core.engines.multi import MultiEngine
 from lora_rl_core.errors import EngineError
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
+
+log = logging.getLogger(__name__)
 
 
 class EngineReplica:
@@ -66,13 +75,27 @@ class RayEngine:
         actor: the actor handle.
         label: how errors and `repr` name the replica.
         timeout_s: deadline of a generate call, seconds; control calls get `control_timeout_s`.
+        restart: starts a fresh `EngineReplica` actor to replace a dead one (module docstring); None = no
+            replacement.
     """
 
-    def __init__(self, actor: Any, label: str, *, timeout_s: float, control_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        actor: Any,
+        label: str,
+        *,
+        timeout_s: float,
+        control_timeout_s: float = 300.0,
+        restart: Callable[[], Any] | None = None,
+    ) -> None:
         self.actor = actor
         self.label = label
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
+        self.replacements = 0
+        self._restart = restart
+        self._adapters: dict[str, dict[str, Any]] = {}  # name -> load_adapter kwargs, to reload into a new actor
+        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ray-{label}")
         self._closed = False
 
@@ -86,17 +109,51 @@ class RayEngine:
         if self._closed:
             raise EngineError(f"{self!r} is closed")
         timeout = wait_s if wait_s is not None else self.control_timeout_s
-        try:
-            return ray.get(self.actor.call.remote(method, *args, **kwargs), timeout=timeout)
-        except RayActorError as exc:
-            raise EngineUnavailable(
-                f"engine replica {self.label} died ({type(exc).__name__}): the step fails; resume the run to "
-                "start fresh replicas"
-            ) from None
-        except GetTimeoutError:
-            raise EngineUnavailable(
-                f"engine replica {self.label}: {method} did not answer within {timeout:g} s"
-            ) from None
+        for attempt in (0, 1):
+            actor = self.actor
+            try:
+                return ray.get(actor.call.remote(method, *args, **kwargs), timeout=timeout)
+            except RayActorError as exc:
+                if attempt or self._restart is None or method == "close":
+                    raise EngineUnavailable(
+                        f"engine replica {self.label} died ({type(exc).__name__}): the step fails; resume the run "
+                        "to start fresh replicas"
+                    ) from None
+                self._replace(actor, exc)
+            except GetTimeoutError:
+                raise EngineUnavailable(
+                    f"engine replica {self.label}: {method} did not answer within {timeout:g} s"
+                ) from None
+        raise AssertionError("unreachable")
+
+    def _replace(self, dead: Any, cause: Exception) -> None:
+        """Start a new actor for this replica and reload the adapters the dead one held (once per death, however
+        many threads saw it).
+
+        Raises:
+            EngineUnavailable: the new actor did not start or could not load an adapter.
+        """
+        import ray
+
+        with self._lock:
+            if self.actor is not dead:
+                return  # another thread replaced it already
+            log.warning("engine replica %s died (%s): starting a new one", self.label, type(cause).__name__)
+            assert self._restart is not None
+            fresh = self._restart()
+            try:
+                ray.get(fresh.pid.remote(), timeout=600)
+                for name, kwargs in self._adapters.items():
+                    ray.get(fresh.call.remote("load_adapter", name, **kwargs), timeout=self.control_timeout_s)
+            except Exception as exc:
+                ray.kill(fresh, no_restart=True)
+                raise EngineUnavailable(
+                    f"engine replica {self.label} died and its replacement failed ({type(exc).__name__}: {exc}); "
+                    "the step fails; resume the run to start fresh replicas"
+                ) from None
+            ray.kill(dead, no_restart=True)
+            self.actor = fresh
+            self.replacements += 1
 
     def generate(
         self, requests: list[GenerationRequest], *, timeout_s: float | None = None, inline: bool = False
@@ -119,10 +176,12 @@ class RayEngine:
     def load_adapter(self, name: str, **kwargs: Any) -> None:
         """`InferenceEngine.load_adapter` on the replica (tensors travel through Ray's object store)."""
         self._call("load_adapter", name, **kwargs)
+        self._adapters[name] = kwargs
 
     def unload_adapter(self, name: str, **kwargs: Any) -> None:
         """`InferenceEngine.unload_adapter` on the replica."""
         self._call("unload_adapter", name, **kwargs)
+        self._adapters.pop(name, None)
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
         """`InferenceEngine.list_adapters` of the replica: name -> info."""
@@ -148,8 +207,8 @@ class RayEngine:
             return {"ok": False, "paused": True, "replica": self.label, "error": str(exc)}
 
     def metrics(self) -> dict[str, Any]:
-        """The replica's `metrics()`."""
-        return dict(self._call("metrics"))
+        """The replica's `metrics()`, with `replica_replacements` (dead actors this replica replaced)."""
+        return {**self._call("metrics"), "replica_replacements": self.replacements}
 
     def members(self) -> list[RayEngine]:
         """`[self]`: one engine."""
@@ -195,7 +254,19 @@ def start_ray_replicas(
     actor_cls: Any = ray.remote(EngineReplica).options(num_cpus=num_cpus, max_restarts=0)  # Ray's stubs: untyped
     threads = max(1, int(num_cpus))
     actors: list[Any] = [actor_cls.remote(engine_cfg, model_cfg, store_uri, threads) for _ in range(replicas)]
-    engines = [RayEngine(a, f"replica-{i}", timeout_s=engine_cfg.timeout_s) for i, a in enumerate(actors)]
+
+    def restart() -> Any:
+        return actor_cls.remote(engine_cfg, model_cfg, store_uri, threads)
+
+    engines = [
+        RayEngine(
+            a,
+            f"replica-{i}",
+            timeout_s=engine_cfg.timeout_s,
+            restart=restart if engine_cfg.ray_replace_dead else None,
+        )
+        for i, a in enumerate(actors)
+    ]
     try:
         ray.get([a.pid.remote() for a in actors], timeout=600)  # constructed: the model is loaded
     except Exception as exc:

@@ -2,8 +2,9 @@
 `lora_rl_core.trainer_ray`) on a local Ray with 2 CPUs.
 
 Checked: 2 replicas give the same greedy completions as 1 and as the in-process engine, with an adapter
-loaded from tensors into every replica; a replica whose actor was killed makes the call fail with
-`EngineUnavailable` naming it (health says so too); the flow runs with 2 replicas; the flow with 2 FSDP2
+loaded from tensors into every replica; a replica whose actor was killed is replaced by a new actor that
+reloads its adapters, and the call goes through (with replacement off it fails with `EngineUnavailable`
+naming it, and health says so); the flow runs with 2 replicas; the flow with 2 FSDP2
 ranks on Ray ends with the in-process run's adapter (within 1e-5); the session's leak check
 (tests/support/processes.py) fails the module if a Ray process outlives `ray.shutdown()`.
 """
@@ -74,11 +75,31 @@ def test_two_replicas_generate_what_one_and_the_in_process_engine_generate(local
         two.close()
 
 
-def test_a_killed_replica_fails_the_call_naming_it(local_ray, setup):
+def test_a_killed_replica_is_replaced_with_its_adapters_and_the_call_goes_through(local_ray, setup):
     from lora_rl_core.engines.ray_replicas import start_ray_replicas
 
     model_cfg, tensors, config, requests = setup
     engines = start_ray_replicas(EngineConfig(), model_cfg, replicas=2)
+    try:
+        want = _run(engines, tensors, config, requests)
+        victim = engines.members()[1]
+        dead_pid = ray.get(victim.actor.pid.remote())
+        ray.kill(victim.actor, no_restart=True)
+        out = engines.generate(requests)  # replica-1's share fails, is replaced, and runs again there
+        assert [c.completion_ids for c in out] == want
+        assert ray.get(victim.actor.pid.remote()) != dead_pid
+        assert NAME in victim.list_adapters()  # the new actor reloaded the adapter the dead one held
+        assert [m.metrics()["replica_replacements"] for m in engines.members()] == [0, 1]
+        assert engines.health()["ok"] is True
+    finally:
+        engines.close()
+
+
+def test_a_killed_replica_fails_the_call_naming_it_without_replacement(local_ray, setup):
+    from lora_rl_core.engines.ray_replicas import start_ray_replicas
+
+    model_cfg, tensors, config, requests = setup
+    engines = start_ray_replicas(EngineConfig(ray_replace_dead=False), model_cfg, replicas=2)
     try:
         engines.load_adapter(NAME, tensors=tensors, config=config)
         victim = engines.members()[1]
