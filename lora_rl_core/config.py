@@ -229,9 +229,14 @@ class EngineConfig(Section):
     timeout_s: float = Field(600.0, gt=0)
     """Deadline of one generate call, seconds."""
     ray_replicas: int = Field(0, ge=0)
-    """`embedded` only: 0 runs the engine in this process; N >= 1 runs N engine replicas as Ray actors (one
-    CPU each), joining the cluster of `RAY_ADDRESS` or starting a local one; the samples of a prompt stay on
-    one replica, adapter versions load into every replica (`lora_rl_core/engines/ray_replicas.py`)."""
+    """0 runs the engine in this process (or talks to `urls`); N >= 1 runs N engine replicas as Ray actors,
+    joining the cluster of `RAY_ADDRESS` or starting a local one: `embedded` replicas (one CPU each,
+    `lora_rl_core/engines/ray_replicas.py`), or with `type: sglang` and `launch.enabled` actors that each
+    launch and own an SGLang server (`lora_rl_core/engines/ray_sglang.py`). The samples of a prompt stay
+    on one replica; adapter versions load into every replica."""
+    ray_gpus_per_replica: float = Field(1.0, ge=0, le=1)
+    """GPUs each Ray engine replica reserves when it uses CUDA (an SGLang replica always; an embedded one when
+    `model.device` is cuda); a fraction shares a GPU, e.g. 0.5 beside a trainer rank of 0.5."""
     ray_replace_dead: bool = True
     """With `ray_replicas`: a replica whose actor died is replaced by a new actor, which reloads the adapters
     the dead one held (same names, same weights), and the failed call is retried there once; False = the
@@ -271,8 +276,11 @@ class EngineConfig(Section):
                 raise ValueError("engine.launch.enabled needs engine.type: sglang and no engine.urls")
         elif (self.type == "embedded") == bool(self.urls):
             raise ValueError("engine.urls must be set exactly when engine.type is server or sglang")
-        if self.ray_replicas and self.type != "embedded":
-            raise ValueError("engine.ray_replicas needs engine.type: embedded (Ray runs embedded engine replicas)")
+        if self.ray_replicas and not (self.type == "embedded" or (self.type == "sglang" and self.launch.enabled)):
+            raise ValueError(
+                "engine.ray_replicas needs engine.type: embedded, or engine.type: sglang with launch.enabled "
+                "(each replica launches its own server)"
+            )
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError("engine.max_loaded_loras must be >= engine.max_loras_per_batch")
         return self
@@ -327,6 +335,9 @@ class TrainerConfig(Section):
     """0: train in this process; N >= 1: N persistent FSDP2 worker processes (gloo on CPU, NCCL on GPUs)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Device of the FSDP2 workers (world_size >= 1)."""
+    ray_gpus_per_rank: float = Field(1.0, gt=0, le=1)
+    """`backend: ray` with `device: cuda`: GPUs each rank reserves; a fraction shares a GPU with an engine
+    replica (`engine.ray_gpus_per_replica`)."""
     backend: Literal["local", "ray"] = "local"
     """Where the `world_size` >= 1 FSDP2 ranks run: `local` spawned processes on this machine, or `ray` Ray
     actors in a placement group (one CPU or GPU each), joining `RAY_ADDRESS` or a local Ray

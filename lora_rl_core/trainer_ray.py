@@ -75,7 +75,7 @@ class RayTrainer(RankCommands):
     Args:
         cfg: the run config.
         world_size: ranks (actors), >= 1.
-        device: `cpu` (gloo, one CPU per actor) or `cuda` (nccl, one GPU per actor).
+        device: `cpu` (gloo, one CPU per actor) or `cuda` (nccl, `trainer.ray_gpus_per_rank` GPUs per actor).
         mixed_precision: bf16 compute / fp32 reduction where CUDA supports bf16 (ignored on CPU).
         timeout_s: deadline of each call and of each collective inside the ranks, seconds.
         start_timeout_s: deadline of the start (placement, model load, sharding), seconds.
@@ -103,7 +103,8 @@ class RayTrainer(RankCommands):
         self.world_size, self.timeout_s = world_size, timeout_s
         self._closed = False
         acquire_ray()
-        bundle = {"GPU": 1.0, "CPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+        gpus = cfg.trainer.ray_gpus_per_rank if device == "cuda" else 0.0
+        bundle = {"GPU": gpus, "CPU": 1.0} if gpus else {"CPU": 1.0}
         self._group = placement_group([bundle] * world_size, strategy="PACK")
         self._actors: list[Any] = []
         try:
@@ -114,7 +115,7 @@ class RayTrainer(RankCommands):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self._group, placement_group_bundle_index=rank
                 )
-                options = {"num_cpus": 1, "num_gpus": 1 if device == "cuda" else 0, "max_restarts": 0}
+                options = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0}
                 actor = rank_cls.options(**options, scheduling_strategy=strategy)
                 self._actors.append(actor.remote(rank, world_size, config, device, timeout_s))
             addr, port = ray.get(self._actors[0].address.remote(), timeout=start_timeout_s)

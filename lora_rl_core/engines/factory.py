@@ -39,8 +39,13 @@ def build_engine(
     if engine_cfg.type == "embedded" and engine_cfg.ray_replicas:
         from lora_rl_core.engines.ray_replicas import start_ray_replicas
 
+        on_gpu = model_cfg.device.startswith("cuda")
         return start_ray_replicas(
-            engine_cfg, model_cfg, replicas=engine_cfg.ray_replicas, store_uri=store.uri if store else None
+            engine_cfg,
+            model_cfg,
+            replicas=engine_cfg.ray_replicas,
+            store_uri=store.uri if store else None,
+            num_gpus=engine_cfg.ray_gpus_per_replica if on_gpu else 0.0,
         )
     if engine_cfg.type == "embedded":
         return build_embedded_engine(engine_cfg, model_cfg, store, tokenizer=tokenizer)

@@ -19,7 +19,7 @@ Choices made here:
   protocol loaded, and serve stale state silently.
 * `close()` kills the actors and gives back the run's use of Ray (`lora_rl_core.ray_cluster`).
 
-Left out: SGLang replicas (one SGLang server per actor on a GPU). The trainer on Ray is
+SGLang replicas (one SGLang server per actor) are `lora_rl_core.engines.ray_sglang`; the trainer on Ray is
 `lora_rl_core.trainer_ray`.
 """
 
@@ -236,12 +236,14 @@ def start_ray_replicas(
     replicas: int,
     store_uri: str | None = None,
     num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
 ) -> RayReplicas:
     """Start `replicas` `EngineReplica` actors and return a `RayReplicas` (`MultiEngine`) over them.
 
     Takes one use of Ray (`ray_cluster.acquire_ray`: `RAY_ADDRESS`, else a local Ray), given back by
-    `close()`. Each actor reserves `num_cpus` CPUs; it loads the model itself (as the in-process
-    engine would) and reads store versions from `store_uri`.
+    `close()`. Each actor reserves `num_cpus` CPUs and `num_gpus` GPUs (Ray hides the GPUs from an actor that
+    reserves none); it loads the model itself (as the in-process engine would) and reads store versions
+    from `store_uri`.
 
     Raises:
         EngineError: `replicas` < 1, or an actor failed to start (the ones started are killed).
@@ -251,7 +253,8 @@ def start_ray_replicas(
     if replicas < 1:
         raise EngineError(f"engine replicas must be >= 1, got {replicas}")
     acquire_ray()
-    actor_cls: Any = ray.remote(EngineReplica).options(num_cpus=num_cpus, max_restarts=0)  # Ray's stubs: untyped
+    options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 0}
+    actor_cls: Any = ray.remote(EngineReplica).options(**options)  # Ray's stubs: untyped
     threads = max(1, int(num_cpus))
     actors: list[Any] = [actor_cls.remote(engine_cfg, model_cfg, store_uri, threads) for _ in range(replicas)]
 

@@ -196,7 +196,9 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     rewards, tokenizer, the engine and the trainer, and seed Python's and torch's RNGs with `run.seed`.
 
     With `engine.launch.enabled`, an SGLang server is started first (log: `<workdir>/sglang.log`) and the
-    engine talks to it. If a later part fails, what was already built is closed or stopped again.
+    engine talks to it; with `engine.ray_replicas` too, N Ray actors each start one
+    (`lora_rl_core.engines.ray_sglang`, logs `<workdir>/sglang-<i>.log`). If a later part fails, what was
+    already built is closed or stopped again.
 
     Raises:
         StoreError: bad run id, or the store cannot be opened or written.
@@ -216,12 +218,17 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     tokenizer = load_tokenizer(cfg.model)
     workdir = Path(cfg.run.output_dir) / run_id
     with ExitStack() as built:  # on a failure, what was built so far is stopped again
-        server = launch_sglang(cfg, workdir / "sglang.log") if cfg.engine.launch.enabled else None
-        engine_cfg = cfg.engine
-        if server is not None:
-            built.callback(server.stop)
-            engine_cfg = cfg.engine.model_copy(update={"urls": [server.url]})
-        engine = build_engine(engine_cfg, cfg.model, store, tokenizer=tokenizer)
+        server, engine_cfg = None, cfg.engine
+        if cfg.engine.launch.enabled and cfg.engine.ray_replicas:  # replica actors launch their own servers
+            from lora_rl_core.engines.ray_sglang import start_sglang_replicas
+
+            engine: InferenceEngine = start_sglang_replicas(cfg, replicas=cfg.engine.ray_replicas, log_dir=workdir)
+        else:
+            server = launch_sglang(cfg, workdir / "sglang.log") if cfg.engine.launch.enabled else None
+            if server is not None:
+                built.callback(server.stop)
+                engine_cfg = cfg.engine.model_copy(update={"urls": [server.url]})
+            engine = build_engine(engine_cfg, cfg.model, store, tokenizer=tokenizer)
         built.callback(engine.close)
         trainer = build_trainer(cfg, tokenizer)
         built.pop_all()  # built: the components own them now

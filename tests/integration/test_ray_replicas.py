@@ -148,3 +148,75 @@ def test_flow_with_two_trainer_ranks_on_ray_matches_in_process(local_ray, tiny_m
     while ray.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == 2.0  # every rank's CPU is back: the actors are gone
+
+
+def _sglang_replicas_config(tmp_path, tiny_model_dir, name: str):
+    """Two SGLang replicas on Ray, each launching the look-alike server (tests/support/fake_sglang) on its
+    own port (`launch.port + i`)."""
+    import os
+    import socket
+    import sys
+
+    from tests.integration.test_sglang_launch import FAKE_SGLANG, REPO
+    from tests.integration.tiny_run import write_tiny_config
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) != 0
+
+    port = next(p for p in range(31000, 32000, 7) if free(p) and free(p + 1))
+    launch = {
+        "enabled": True,
+        "python": sys.executable,
+        "env": {"PYTHONPATH": f"{FAKE_SGLANG}{os.pathsep}{REPO}"},
+        "port": port,
+        "startup_timeout_s": 120,
+    }
+    engine = {"type": "sglang", "sync": "store", "ray_replicas": 2, "ray_gpus_per_replica": 0, "launch": launch}
+    return write_tiny_config(tmp_path, tiny_model_dir, name, engine=engine, run={"eval_before_after": False})
+
+
+def _gone(pid: int, within_s: float = 20.0) -> bool:
+    import os
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        stat = f"/proc/{pid}/stat"
+        if os.path.exists(stat) and open(stat).read().split(")")[-1].split()[0] == "Z":
+            return True  # a zombie has exited
+        time.sleep(0.2)
+    return False
+
+
+def test_sglang_replicas_on_ray_own_their_servers(local_ray, tiny_model_dir, tmp_path, setup):
+    """engine.type=sglang + launch + ray_replicas=2: two actors each launch a server; generation spreads over
+    both and equals the in-process engine's; a load reaches both; killing an actor stops its server (its
+    reaper) and fails the call naming that server; closing the run stops everything."""
+    from lora_rl_core.config import load_config
+    from lora_rl_core.engines.ray_sglang import SGLangReplicas
+    from lora_rl_core.run import build_run
+    from tests.support.adapters import write_peft_folder
+
+    model_cfg, tensors, config, requests = setup
+    with build_embedded_engine(EngineConfig(), model_cfg, None) as local:
+        want = _run(local, tensors, config, requests)
+    folder = write_peft_folder(tensors, config, tmp_path / "adapter")
+    run = build_run(load_config(_sglang_replicas_config(tmp_path, tiny_model_dir, "ray-sgl")), "ray-sgl")
+    try:
+        assert isinstance(run.engine, SGLangReplicas) and len(run.engine.members()) == 2
+        pids = ray.get([a.pids.remote() for a in run.engine.actors])
+        run.engine.load_adapter(NAME, path=str(folder))
+        assert all(NAME in m.list_adapters() for m in run.engine.members())
+        assert [c.completion_ids for c in run.engine.generate(requests)] == want
+        ray.kill(run.engine.actors[1], no_restart=True)
+        assert _gone(pids[1]["server"]) and _gone(pids[1]["reaper"])  # the reaper stopped the orphaned server
+        url = run.engine.members()[1].url
+        with pytest.raises(EngineUnavailable, match=url.split("//")[1]):
+            run.engine.generate(requests)
+    finally:
+        run.close()
+    assert all(_gone(p["server"]) and _gone(p["reaper"]) for p in pids)

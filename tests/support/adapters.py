@@ -6,6 +6,7 @@ Imports only torch (the benchmarks import it from a plain checkout with `PYTHONP
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,3 +46,15 @@ def random_lora_factory(
         return tensors, dict(config)
 
     return make
+
+
+def write_peft_folder(tensors: dict[str, torch.Tensor], config: dict[str, Any], folder: Path) -> Path:
+    """Write an adapter as a PEFT folder (`adapter_model.safetensors` + `adapter_config.json`); returns it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder

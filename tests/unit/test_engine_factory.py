@@ -88,7 +88,7 @@ def test_sglang_clients_get_the_tensor_transport_and_retire_policy():
 
 
 def test_ray_replicas_need_the_embedded_engine():
-    with pytest.raises(ConfigError, match="engine.ray_replicas needs engine.type: embedded"):
+    with pytest.raises(ConfigError, match="ray_replicas needs engine.type: embedded, or engine.type: sglang with"):
         load_config(None, ["engine.type=server", "engine.urls=[http://127.0.0.1:1]", "engine.ray_replicas=2"])
 
 
