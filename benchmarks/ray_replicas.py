@@ -2,13 +2,16 @@
 
 The same rollout batch (`--prompts` prompts x `--group` samples, `--max-new-tokens` tokens, temperature 1,
 seeded) goes to: the in-process `EmbeddedEngine` (torch on every core), one Ray replica holding every core,
-and two Ray replicas holding half the cores each (`engine.ray_replicas`; the samples of a prompt stay on
-one replica). tokens/s = completion tokens / wall seconds of one `generate` call, median of `--repeats`
-after a warm-up; the model is `--model` (default the offline SmolLM2-135M-Instruct) on `--device`.
+and two Ray replicas holding half the cores each (with `--device cuda`: sharing the GPU, half each;
+`engine.ray_replicas`; the samples of a prompt stay on one replica). tokens/s = completion tokens / wall
+seconds of one `generate` call, median of `--repeats` after a warm-up; the model is `--model` (default the
+offline SmolLM2-135M-Instruct) on `--device`.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/ray_replicas.py [--prompts 16 --group 4 --max-new-tokens 32]
+    PYTHONPATH=/tmp/raysite:/tmp/ours:. python3 benchmarks/ray_replicas.py --device cuda \\
+        --model /tmp/models/smollm2-gguf --prompts 64 --group 8 --max-new-tokens 64      # GPU host
 """
 
 from __future__ import annotations
@@ -66,13 +69,21 @@ def main() -> None:
     results: dict[str, Any] = {}
     with build_embedded_engine(engine_cfg, model_cfg, None) as local:
         results["in-process"] = {"replicas": 0, "cpus_each": cores, **rollout(local, requests, args.repeats)}
+    gpus = 1.0 if args.device.startswith("cuda") else 0.0  # on a GPU the replicas share it: 1 / replicas each
     for replicas in (1, 2):  # each group starts a local Ray and stops it when closed (`ray_cluster`)
-        group = start_ray_replicas(engine_cfg, model_cfg, replicas=replicas, num_cpus=cores / replicas)
+        group = start_ray_replicas(
+            engine_cfg, model_cfg, replicas=replicas, num_cpus=cores / replicas, num_gpus=gpus / replicas
+        )
         try:
             case = rollout(group, requests, args.repeats)
         finally:
             group.close()
-        results[f"ray x{replicas}"] = {"replicas": replicas, "cpus_each": cores / replicas, **case}
+        results[f"ray x{replicas}"] = {
+            "replicas": replicas,
+            "cpus_each": cores / replicas,
+            "gpus_each": gpus / replicas,
+            **case,
+        }
     device = _common.resolve_device(args.device)
     write_json(
         {

