@@ -13,13 +13,19 @@ Real SGLang (`sglang-group`, `sglang-n`; GPU host): one server is launched by `l
 `--model-dir` and the targets run on it in the order given; adapters are random rank-`--rank` LoRA on
 q_proj/v_proj, loaded from tensors (`--tensor-transport`, default auto: CUDA IPC). `sglang-group` sends each
 group as `n` requests (the rollout path); `sglang-n` as one `/generate` with `sampling_params.n`, after
-which SGLang's unload hangs (sglang#36894): run it last, with a short `--deadline`.
+which SGLang's unload hangs (sglang#36894): run it last, with a short `--deadline`. `--sglang-retire` is the
+client's retire policy (`engine.sglang_retire`): `unload` calls `/unload_lora_adapter`; `keep` retires in the
+client only, so every version stays resident (no `--max-loaded-loras`: SGLang's CPU pool is unbounded, and
+its LRU eviction would unload, i.e. wait as an unload does). After each target its table is printed and the
+JSON written (`complete` False until the last), with the client's metrics and the server's adapter count and
+resident memory (`sglang.targets`).
 
 Usage::
 
     PYTHONPATH=. python benchmarks/hotswap_stress.py [--swaps 200 --clients 32 --n 4] [--targets in-process,http-n]
     PYTHONPATH=/tmp/ours:. python3 benchmarks/hotswap_stress.py --targets sglang-group,sglang-n \
-        --model-dir /tmp/models/smollm2-random --sglang-pythonpath /tmp/sglsite --device cuda
+        --model-dir /tmp/models/smollm2-random --sglang-pythonpath /tmp/sglsite --device cuda \
+        [--sglang-retire keep]
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import _common
 from _common import RESULTS, machine_info, model_config, print_table, random_model, stub_tokenizer, write_json
 
+from lora_rl_core.config import SGLANG_RETIRE_POLICIES
 from lora_rl_core.engines import EmbeddedEngine
 from tests.support.adapters import random_lora_factory
 from tests.support.servers import serve_in_thread
@@ -64,8 +72,12 @@ def run_target(target: str, args: argparse.Namespace, cfg: dict) -> StressReport
             return run_hotswap_stress(url, make_adapter, **options, samples=target.removeprefix("http-"))
 
 
-def run_sglang_targets(targets: list[str], args: argparse.Namespace) -> dict[str, StressReport]:
-    """The `sglang-*` targets, in order, on one SGLang server launched on `--model-dir` (stopped after)."""
+def run_sglang_targets(
+    targets: list[str], args: argparse.Namespace, on_target: Callable[[dict[str, StressReport], dict], None]
+) -> tuple[dict[str, StressReport], dict[str, Any]]:
+    """The `sglang-*` targets, in order, on one SGLang server launched on `--model-dir` (stopped after);
+    `on_target(reports, facts)` runs after each target. Returns the reports and per-target facts: the client's
+    metrics, the adapters the server lists and its resident memory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -91,7 +103,9 @@ def run_sglang_targets(targets: list[str], args: argparse.Namespace) -> dict[str
     )
     vocab = AutoConfig.from_pretrained(args.model_dir).vocab_size
     server = launch_sglang(cfg, Path(tempfile.mkdtemp(prefix="stress-sglang-")) / "server.log")
-    reports = {}
+    reports: dict[str, StressReport] = {}
+    facts: dict[str, Any] = {"retire": args.sglang_retire, "argv": server.argv, "targets": {}}
+    facts["server_at_start"] = _server_facts(server.url, server.pid)
     try:
         for target in targets:
             options = {
@@ -101,14 +115,51 @@ def run_sglang_targets(targets: list[str], args: argparse.Namespace) -> dict[str
                 "request_timeout_s": args.request_timeout,
             }  # fmt: skip
             timeouts = {"timeout_s": args.request_timeout, "control_timeout_s": 30.0}
-            engine = SGLangEngine(server.url, **timeouts, tensor_transport=args.tensor_transport)
+            engine = SGLangEngine(
+                server.url, **timeouts, tensor_transport=args.tensor_transport, retire=args.sglang_retire
+            )
             with engine:
                 reports[target] = run_hotswap_stress(engine, make_adapter, **options)
-            print(f"{target}: ok={reports[target].ok}", flush=True)
+                metrics = engine.metrics()
+            metrics.pop("adapters", None)  # per-adapter request counts: hundreds of names
+            facts["targets"][target] = {"client": metrics, "server": _server_facts(server.url, server.pid)}
+            print(f"{target}: ok={reports[target].ok} {facts['targets'][target]}", flush=True)
+            on_target(reports, facts)
     finally:
         print("server log tail:\n" + server.log_tail(80), flush=True)
         server.stop()
-    return reports
+    return reports, facts
+
+
+def _server_facts(url: str, pgid: int | None) -> dict[str, Any]:
+    """Adapters the server lists (`/v1/models`, the base model left out) and the resident memory of its
+    process group (MB); None where it cannot be had."""
+    import httpx
+
+    listed: int | None = None
+    try:
+        cards = httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"]
+        listed = sum(1 for card in cards if card.get("parent"))
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        pass
+    return {"adapters_listed": listed, "rss_mb": None if pgid is None else _group_rss_mb(pgid)}
+
+
+def _group_rss_mb(pgid: int) -> float | None:
+    """Sum of VmRSS of the processes in group `pgid` (Linux `/proc`), MB."""
+    total_kb, seen = 0, False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # fields after the name: state, ppid, pgrp
+                continue
+            for line in (stat.parent / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kb += int(line.split()[1])
+                    seen = True
+        except (OSError, IndexError, ValueError):
+            continue
+    return round(total_kb / 1024, 1) if seen else None
 
 
 def show(reports: dict[str, StressReport], title: str) -> None:
@@ -152,6 +203,12 @@ def main() -> int:
     parser.add_argument("--sglang-pythonpath", default=None, help="sglang-* targets: the server's PYTHONPATH")
     parser.add_argument("--sglang-port", type=int, default=30001, help="sglang-* targets: the server's port")
     parser.add_argument("--tensor-transport", default="auto", help="sglang-* targets: ipc | inline | auto")
+    parser.add_argument(
+        "--sglang-retire",
+        choices=SGLANG_RETIRE_POLICIES,
+        default="unload",
+        help="sglang-* targets: unload (/unload_lora_adapter) | keep (retire in the client only)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "hotswap_stress.json")
     args = parser.parse_args()
     args.device = _common.resolve_device(args.device)
@@ -162,26 +219,49 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown targets {unknown}; choose from {TARGETS}")
     ours = [t for t in targets if not t.startswith("sglang-")]
-    reports = {target: run_target(target, args, cfg) for target in ours}
     real = [t for t in targets if t.startswith("sglang-")]
-    if real:
-        reports.update(run_sglang_targets(real, args))
     model_name = args.model_config.stem if args.model_config else "tiny-qwen2"
     if real:
         model_name = f"{model_name} (ours), {args.model_dir.name} (SGLang)" if ours else args.model_dir.name
-    show(reports, f"hot-swap stress: {args.swaps} swaps, {args.clients} clients, n={args.n}, {model_name}")
-    write_json(
-        {
-            "benchmark": "hotswap_stress",
-            "model": {"name": model_name, "config": cfg},
-            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "machine": machine_info(args.device),
-            "ok": all(r.ok for r in reports.values()),
-            "results": {target: report.as_dict() for target, report in reports.items()},
-        },
-        args.out,
-    )
+    title = f"hot-swap stress: {args.swaps} swaps, {args.clients} clients, n={args.n}, {model_name}"
+    reports = {target: run_target(target, args, cfg) for target in ours}
+    sglang: dict[str, Any] | None = None
+    if real:
+
+        def partial(done: dict[str, StressReport], facts: dict[str, Any]) -> None:
+            last = list(done)[-1]
+            show({last: done[last]}, f"{title}, retire={args.sglang_retire}")
+            save(args, cfg, model_name, {**reports, **done}, facts, complete=len(done) == len(real))
+
+        real_reports, sglang = run_sglang_targets(real, args, partial)
+        reports.update(real_reports)
+    show(reports, title)
+    save(args, cfg, model_name, reports, sglang, complete=True)
     return 0 if all(r.ok for r in reports.values()) else 1
+
+
+def save(
+    args: argparse.Namespace,
+    cfg: dict,
+    model_name: str,
+    reports: dict[str, StressReport],
+    sglang: dict[str, Any] | None,
+    *,
+    complete: bool,
+) -> None:
+    """Write the JSON record (`complete` is False until every target is in)."""
+    record: dict[str, Any] = {
+        "benchmark": "hotswap_stress",
+        "complete": complete,
+        "model": {"name": model_name, "config": cfg},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": machine_info(args.device),
+        "ok": all(r.ok for r in reports.values()),
+        "results": {target: report.as_dict() for target, report in reports.items()},
+    }
+    if sglang is not None:
+        record["sglang"] = sglang
+    write_json(record, args.out)
 
 
 if __name__ == "__main__":

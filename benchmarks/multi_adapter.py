@@ -64,11 +64,17 @@ def by_adapter(requests: list[GenerationRequest]) -> list[list[GenerationRequest
     return list(groups.values())
 
 
-def bench_case(engine: EmbeddedEngine, prompts: list, names: list, params: SamplingParams, repeats: int) -> dict:
+MODES = ("mixed", "one_at_a_time")
+
+
+def bench_case(
+    engine: EmbeddedEngine, prompts: list, names: list, params: SamplingParams, repeats: int, modes: tuple = MODES
+) -> dict:
     """Mixed vs one-at-a-time for one adapter set: median seconds, tokens, tokens/s, speed-up. With one
-    adapter (or the base model) both modes are the same single batch: it runs once and is reported for both."""
+    adapter (or the base model) both modes are the same single batch: it runs once and is reported for both.
+    `modes=("mixed",)` times the mixed batch only (no `one_at_a_time`, no `speedup`)."""
     out: dict[str, Any] = {"adapters": len([n for n in names if n is not None])}
-    for mode in ("mixed", "one_at_a_time"):
+    for mode in modes:
         if mode == "one_at_a_time" and len(names) == 1:
             out[mode] = {**out["mixed"], "same_as_mixed": True}
             continue
@@ -81,7 +87,8 @@ def bench_case(engine: EmbeddedEngine, prompts: list, names: list, params: Sampl
         tokens = runs[0][1]
         out[mode] = {"batches": len(batches), "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
         out[mode]["seconds_all"] = [s for s, _ in runs]
-    out["speedup"] = out["mixed"]["tokens_per_s"] / out["one_at_a_time"]["tokens_per_s"]
+    if "one_at_a_time" in out:
+        out["speedup"] = out["mixed"]["tokens_per_s"] / out["one_at_a_time"]["tokens_per_s"]
     return out
 
 

@@ -8,7 +8,13 @@ Adapters: random rank-`--rank` LoRA on every linear layer, written as PEFT folde
 `--batch` prompts of `--prompt-len` random tokens, `--max-new-tokens` greedy tokens each; request i names
 adapter `i % k`. tokens/s = completion tokens returned / wall seconds of one `generate` call through
 `SGLangEngine` (median of `--repeats` after a warm-up), i.e. end to end over HTTP. With `--compare-embedded`
-the same cases run on an `EmbeddedEngine` over the same model folder afterwards (the server stopped first).
+the same cases (same model folder, dtype, prompts, batch, adapters and greedy token count) run on an
+`EmbeddedEngine` on `--device` afterwards, the server stopped first: the mixed batch only (one `generate` of
+every request, what SGLang's row measures), `--embedded-repeats` times (default 1: one 8-adapter batch of
+32 x 128 tokens is ~30-40 s of PEFT on an H100/H200, `benchmarks/results/multi_adapter_cuda.json`), and no
+case is started once `--embedded-budget` seconds have passed (it is recorded as skipped). The SGLang table
+is printed and the JSON written before the embedded part starts; the JSON is rewritten after each embedded
+case (`complete` is False until the end), so a time limit loses at most the case in progress.
 
 Goal (issue): 8 adapters at least 0.7x the single-adapter tokens/s on SGLang (our PEFT engine: 0.22x).
 
@@ -27,13 +33,15 @@ import argparse
 import json
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import _common
 import torch
 from _common import ALL_LINEAR, RESULTS, machine_info, print_table, write_json
-from multi_adapter import bench_case, requests_for, timed_generate
+from multi_adapter import MODES, bench_case, requests_for, timed_generate
 from safetensors.torch import save_file
 
 from lora_rl_core.config import config_from_dict
@@ -58,9 +66,21 @@ def adapter_folders(model: torch.nn.Module, count: int, rank: int, root: Path) -
 
 
 def run_cases(
-    engine: InferenceEngine, folders: dict[str, str], counts: list[int], prompts: list, args: argparse.Namespace
+    engine: InferenceEngine,
+    folders: dict[str, str],
+    counts: list[int],
+    prompts: list,
+    args: argparse.Namespace,
+    *,
+    repeats: int,
+    modes: tuple[str, ...] = MODES,
+    budget_s: float | None = None,
+    on_case: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Load the adapters by path, warm up every case, then time base and each adapter count."""
+    """Load the adapters by path, warm up every case, then time base and each adapter count (`repeats` runs
+    each, median). With `budget_s`, a case not started within that many seconds of this call is recorded as
+    `{"skipped": ...}`; `on_case(results)` runs after each case (partial results)."""
+    start = time.monotonic()
     for name, folder in folders.items():
         engine.load_adapter(name, path=folder)
     names = list(folders)
@@ -68,12 +88,28 @@ def run_cases(
     cases = {"base": [None], **{str(k): names[:k] for k in counts}}
     timed_generate(engine, [requests_for(prompts, [None], params)])  # warm-up at full size
     for case in cases.values():
-        bench_case(engine, prompts, case, SamplingParams(max_new_tokens=4, temperature=0.0), 1)
-    results = {label: bench_case(engine, prompts, case, params, args.repeats) for label, case in cases.items()}
-    one = results[str(min(counts))]["mixed"]["tokens_per_s"]
-    for r in results.values():
-        r["vs_single_adapter"] = r["mixed"]["tokens_per_s"] / one
+        bench_case(engine, prompts, case, SamplingParams(max_new_tokens=4, temperature=0.0), 1, modes)
+    results: dict[str, Any] = {}
+    for label, case in cases.items():
+        spent = time.monotonic() - start
+        if budget_s is not None and spent > budget_s:
+            results[label] = {"adapters": len([n for n in case if n]), "skipped": f"budget: {spent:.0f} s spent"}
+            print(f"{label}: skipped ({spent:.0f} s > budget {budget_s:g} s)", flush=True)
+        else:
+            results[label] = bench_case(engine, prompts, case, params, repeats, modes)
+            print(f"{label}: {results[label]['mixed']['tokens_per_s']:.1f} tok/s", flush=True)
+        _vs_single(results, str(min(counts)))
+        if on_case is not None:
+            on_case(results)
     return results
+
+
+def _vs_single(results: dict[str, Any], single: str) -> None:
+    """`vs_single_adapter` of every timed case, once the single-adapter case is timed."""
+    one = results.get(single, {}).get("mixed", {}).get("tokens_per_s")
+    for r in results.values():
+        if one and "mixed" in r:
+            r["vs_single_adapter"] = r["mixed"]["tokens_per_s"] / one
 
 
 def sglang_results(args: argparse.Namespace, folders: dict[str, str], counts: list[int], prompts: list) -> dict:
@@ -100,21 +136,44 @@ def sglang_results(args: argparse.Namespace, folders: dict[str, str], counts: li
     server = launch_sglang(cfg, log)
     try:
         with SGLangEngine(server.url, timeout_s=1800, max_batch_requests=args.batch) as engine:
-            return {"argv": server.argv, "cases": run_cases(engine, folders, counts, prompts, args)}
+            cases = run_cases(engine, folders, counts, prompts, args, repeats=args.repeats)
+            return {"argv": server.argv, "cases": cases}
     finally:
         server.stop()
 
 
-def embedded_results(args: argparse.Namespace, folders: dict[str, str], counts: list[int], prompts: list) -> dict:
-    """The same cases on an `EmbeddedEngine` over the same model folder and device."""
+def embedded_results(
+    args: argparse.Namespace,
+    folders: dict[str, str],
+    counts: list[int],
+    prompts: list,
+    on_case: Callable[[dict[str, Any]], None] | None = None,
+) -> dict:
+    """The same cases on an `EmbeddedEngine` over the same model folder, dtype and batch on `--device`: the
+    mixed batch only, `--embedded-repeats` runs each, within `--embedded-budget` seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = _common.resolve_device(args.device)
     dtype = _common.default_dtype(device, "auto" if args.dtype == "auto" else args.dtype)
+    start = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    record: dict[str, Any] = {"device": device, "dtype": str(dtype), "repeats": args.embedded_repeats}
+    record["modes"] = ["mixed"]
+
+    def partial(cases: dict[str, Any]) -> None:
+        if on_case is not None:
+            on_case({**record, "cases": cases})
+
+    budget = args.embedded_budget - (time.monotonic() - start)
     with EmbeddedEngine(model, tokenizer, max_batch_size=args.batch, max_loras_per_batch=max(counts) + 1) as engine:
-        return {"cases": run_cases(engine, folders, counts, prompts, args)}
+        cases = run_cases(
+            engine, folders, counts, prompts, args,
+            repeats=args.embedded_repeats, modes=("mixed",), budget_s=budget, on_case=partial,
+        )  # fmt: skip
+    record["cases"] = cases
+    record["seconds"] = time.monotonic() - start
+    return record
 
 
 def main() -> None:
@@ -135,6 +194,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--compare-embedded", action="store_true", help="also run our embedded engine")
+    parser.add_argument("--embedded-repeats", type=int, default=1, help="timed runs per embedded case")
+    parser.add_argument(
+        "--embedded-budget", type=float, default=240.0, help="seconds; no embedded case starts after this"
+    )
     parser.add_argument("--tiny", action="store_true", help="smoke test: batch 8, 8 new tokens, 1 repeat")
     parser.add_argument("--out", type=Path, default=None, help="default: results/sglang_throughput_<device>.json")
     args = parser.parse_args()
@@ -146,33 +209,68 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(args.model_dir).vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
+    device = _common.resolve_device(args.device)
+    out = args.out or RESULTS / f"sglang_throughput_{device.split(':')[0]}.json"
+    record: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="sglang-bench-adapters-") as tmp:
         shapes = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
         folders = adapter_folders(shapes, max(counts), args.rank, Path(tmp))
         del shapes
-        record: dict[str, Any] = {"sglang": sglang_results(args, folders, counts, prompts)}
-        print(json.dumps({"sglang": {k: v["mixed"] for k, v in record["sglang"]["cases"].items()}}), flush=True)
+        record["sglang"] = sglang_results(args, folders, counts, prompts)
+        save(args, device, record, out, complete=not args.compare_embedded)
+        show(args, record)
         if args.compare_embedded:
-            record["embedded"] = embedded_results(args, folders, counts, prompts)
-    device = _common.resolve_device(args.device)
+
+            def partial(part: dict[str, Any]) -> None:
+                save(args, device, {**record, "embedded": part}, out, complete=False)
+
+            record["embedded"] = embedded_results(args, folders, counts, prompts, on_case=partial)
+            save(args, device, record, out, complete=True)
+            show(args, record)
+            compare(args, record)
+
+
+def save(args: argparse.Namespace, device: str, record: dict[str, Any], out: Path, *, complete: bool) -> None:
+    """Write the JSON record (`complete` is False until every part asked for is in)."""
     write_json(
         {
             "benchmark": "sglang_throughput",
+            "complete": complete,
             "model": {"dir_name": args.model_dir.name},
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "lora": {"rank": args.rank, "targets": list(ALL_LINEAR)},
             "machine": machine_info(device),
             **record,
         },
-        args.out or RESULTS / f"sglang_throughput_{device.split(':')[0]}.json",
+        out,
     )
+
+
+def show(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    """One row per engine and case: tokens/s of the mixed batch and the ratio to one adapter."""
     rows = [
-        [engine, label, r["adapters"], r["mixed"]["tokens_per_s"], r["vs_single_adapter"]]
+        [engine, label, r["adapters"], _tps(r), r.get("vs_single_adapter", "-")]
         for engine, part in record.items()
         for label, r in part["cases"].items()
     ]
     title = f"{args.model_dir.name}, {args.batch} requests x {args.max_new_tokens} tokens, rank {args.rank}"
     print_table(title, ["engine", "case", "adapters", "tok/s (one batch)", "vs 1 adapter"], rows)
+
+
+def compare(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    """5c: SGLang vs the embedded engine, per case, same model, batch and tokens."""
+    rows = []
+    for label, ours in record["embedded"]["cases"].items():
+        theirs = record["sglang"]["cases"][label]
+        timed = "mixed" in ours and "mixed" in theirs
+        ratio = theirs["mixed"]["tokens_per_s"] / ours["mixed"]["tokens_per_s"] if timed else "-"
+        rows.append([label, ours["adapters"], _tps(theirs), _tps(ours), ratio])
+    title = f"SGLang vs embedded, {args.batch} requests x {args.max_new_tokens} tokens, {args.dtype}"
+    print_table(title, ["case", "adapters", "SGLang tok/s", "embedded tok/s", "SGLang / embedded"], rows)
+
+
+def _tps(result: dict[str, Any]) -> float | str:
+    return result["mixed"]["tokens_per_s"] if "mixed" in result else "skipped"
 
 
 if __name__ == "__main__":
