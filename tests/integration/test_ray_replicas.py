@@ -22,6 +22,7 @@ from lora_rl_core.engines import GenerationRequest, SamplingParams
 from lora_rl_core.engines.factory import build_embedded_engine
 from lora_rl_core.engines.http import EngineUnavailable
 from tests.support.adapters import random_lora_factory
+from tests.support.processes import ended
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # a local Ray cluster and model loads in actors
@@ -176,22 +177,6 @@ def _sglang_replicas_config(tmp_path, tiny_model_dir, name: str):
     return write_tiny_config(tmp_path, tiny_model_dir, name, engine=engine, run={"eval_before_after": False})
 
 
-def _gone(pid: int, within_s: float = 20.0) -> bool:
-    import os
-
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        stat = f"/proc/{pid}/stat"
-        if os.path.exists(stat) and open(stat).read().split(")")[-1].split()[0] == "Z":
-            return True  # a zombie has exited
-        time.sleep(0.2)
-    return False
-
-
 def test_sglang_replicas_on_ray_own_their_servers(local_ray, tiny_model_dir, tmp_path, setup):
     """engine.type=sglang + launch + ray_replicas=2: two actors each launch a server; generation spreads over
     both and equals the in-process engine's; a load reaches both; killing an actor stops its server (its
@@ -213,10 +198,10 @@ def test_sglang_replicas_on_ray_own_their_servers(local_ray, tiny_model_dir, tmp
         assert all(NAME in m.list_adapters() for m in run.engine.members())
         assert [c.completion_ids for c in run.engine.generate(requests)] == want
         ray.kill(run.engine.actors[1], no_restart=True)
-        assert _gone(pids[1]["server"]) and _gone(pids[1]["reaper"])  # the reaper stopped the orphaned server
+        assert ended(pids[1]["server"], 20) and ended(pids[1]["reaper"], 20)  # the reaper stopped the orphaned server
         url = run.engine.members()[1].url
         with pytest.raises(EngineUnavailable, match=url.split("//")[1]):
             run.engine.generate(requests)
     finally:
         run.close()
-    assert all(_gone(p["server"]) and _gone(p["reaper"]) for p in pids)
+    assert all(ended(p["server"]) and ended(p["reaper"]) for p in pids)

@@ -24,20 +24,12 @@ from lora_rl_core.engines.sglang_server import launch_sglang
 from lora_rl_core.errors import EngineError
 from lora_rl_core.store import AdapterStore
 from tests.integration.tiny_run import write_tiny_config
+from tests.support.processes import ended, pid_alive
 
 pytestmark = pytest.mark.slow  # subprocesses and the Prefect test server
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SGLANG = REPO / "tests" / "support" / "fake_sglang"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")  # a zombie is gone too
 
 
 def _config(tmp_path, tiny_model_dir, *extra_args: str, **launch):
@@ -70,10 +62,10 @@ def test_launch_waits_for_health_renders_the_flags_and_stops_the_group(tmp_path,
         with SGLangEngine(server.url, timeout_s=60) as engine:
             [done] = engine.generate([GenerationRequest([5, 6, 7], None, SamplingParams(max_new_tokens=2))])
             assert done.finish_reason in ("stop", "length")
-        assert _alive(helper) and server.running
+        assert pid_alive(helper) and server.running
     finally:
         server.stop()
-    assert not server.running and not _alive(helper)  # SGLang's child processes go with it
+    assert not server.running and ended(helper)  # SGLang's child processes go with it
 
 
 def test_a_server_that_dies_at_start_names_its_exit_code_and_log(tmp_path, tiny_model_dir):
@@ -89,7 +81,7 @@ def test_a_server_never_healthy_is_stopped_after_the_timeout(tmp_path, tiny_mode
     with pytest.raises(EngineError, match=r"not healthy after 3 s \(engine.launch.startup_timeout_s\)"):
         launch_sglang(cfg, tmp_path / "sglang.log")
     assert time.monotonic() - start < 60
-    assert not _alive(json.loads(record.read_text())["helper_pid"])
+    assert ended(json.loads(record.read_text())["helper_pid"])
 
 
 def test_a_run_with_a_launched_sglang_trains_and_stops_it(tmp_path, tiny_model_dir):
@@ -118,4 +110,4 @@ def test_a_run_with_a_launched_sglang_trains_and_stops_it(tmp_path, tiny_model_d
     assert summary["steps"] == 2 and summary["final_adapter"] == "sglang-run-v000002"
     assert AdapterStore(f"file://{tmp_path / 'store'}").versions("sglang-run") == [0, 1, 2]
     assert (tmp_path / "runs" / "sglang-run" / "sglang.log").exists()
-    assert not _alive(json.loads(record.read_text())["helper_pid"])  # the run stopped the server it started
+    assert ended(json.loads(record.read_text())["helper_pid"])  # the run stopped the server it started

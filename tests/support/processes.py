@@ -59,6 +59,31 @@ class Proc:
             return "?"
 
 
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and has not exited (a zombie has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def ended(pid: int, within_s: float = 10.0) -> bool:
+    """Wait up to `within_s` seconds for `pid` to end (a SIGKILLed process takes a moment); True once it has."""
+    deadline = time.monotonic() + within_s
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def process_table() -> dict[int, Proc]:
     """Every process of this machine (Linux /proc; psutil elsewhere)."""
     if not os.path.isdir("/proc/self"):
