@@ -103,16 +103,18 @@ def main() -> int:
         cfg = load_config(args.config, [*args.set, "engine.launch.enabled=true"])
         server = launch_sglang(cfg, work / "sglang.log")
         args.set = [*args.set, "engine.launch.enabled=false", f"engine.urls=[{server.url}]"]
+    out = args.out or RESULTS / f"async_rollouts_{args.device.split(':')[0]}.json"
+    results: list[dict[str, Any]] = []
     try:
-        results = [run_mode(mode, args, store, output_dir) for mode in args.modes.split(",")]
+        for mode in args.modes.split(","):
+            results.append(run_mode(mode, args, store, output_dir))
+            write_json(_record(args, results), out)  # after each mode: a time limit keeps what finished
     finally:
         if server is not None:
             print("sglang log tail:\n" + server.log_tail(30), flush=True)
             server.stop()
-    by_mode = {r["mode"]: r for r in results}
-    speedup = None
-    if {"sync", "async"} <= by_mode.keys():
-        speedup = by_mode["async"]["steps_per_hour"] / by_mode["sync"]["steps_per_hour"]
+    record = _record(args, results)
+    speedup = record["async_over_sync_steps_per_hour"]
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     print_table(
         f"sync vs async rollouts ({args.config}, {results[0]['steps']} steps)",
@@ -128,16 +130,23 @@ def main() -> int:
     )  # fmt: skip
     if speedup is not None:
         print(f"async / sync steps per hour: {speedup:.2f}x (goal on the GPU: >= 1.5x)")
-    out = args.out or RESULTS / f"async_rollouts_{args.device.split(':')[0]}.json"
-    record = {
+    write_json(record, out)
+    return 0
+
+
+def _record(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON record: settings, machine, each mode's results, async over sync steps per hour."""
+    by_mode = {r["mode"]: r for r in results}
+    speedup = None
+    if {"sync", "async"} <= by_mode.keys():
+        speedup = by_mode["async"]["steps_per_hour"] / by_mode["sync"]["steps_per_hour"]
+    return {
         "config": args.config,
         "overrides": args.set,
         "machine": machine_info(args.device),
         "results": results,
         "async_over_sync_steps_per_hour": speedup,
     }
-    write_json(record, out)
-    return 0
 
 
 if __name__ == "__main__":
