@@ -439,9 +439,15 @@ class SGLangEngine:
         return self._call("POST", "/flush_cache", accept=(400,)).status_code < 400
 
     def health(self) -> dict[str, Any]:
-        """`{"ok", "paused", "url"}` from `/health` (never raises: an unreachable server is not ok)."""
+        """`{"ok", "paused", "url"}` from `/health` (never raises: an unreachable server is not ok).
+
+        While this client has paused generation it asks `/model_info` instead: SGLang's `/health` runs a
+        1-token generation, which cannot run while paused, and answers only after its 20 s health timeout
+        (`SGLANG_HEALTH_CHECK_TIMEOUT`; seen on 0.5.17: `retire_stale` asks `health()` and held a sync for
+        those 20 s while the resume waited behind it)."""
+        path = "/model_info" if self._paused else "/health"
         try:
-            response = self._http.get("/health", timeout=20.0)
+            response = self._http.get(path, timeout=20.0)
         except httpx.HTTPError as exc:
             return {"ok": False, "paused": self._paused, "url": self.url, "error": str(exc)}
         return {"ok": response.status_code == 200, "paused": self._paused, "url": self.url}

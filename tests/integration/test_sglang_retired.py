@@ -138,3 +138,25 @@ def test_retire_keep_leaves_the_weights_but_never_serves_the_version_again(serve
     cards = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
     assert V1 in {c["id"] for c in cards}  # still resident on the server
     assert fake.reloaded == []
+
+
+def test_health_while_paused_does_not_wait_for_sglangs_health_generation(served):
+    """SGLang's `/health` runs a 1-token generation: while paused it answers 503 only after its 20 s health
+    timeout (0.5.17 on the GPU host; the fake waits `health_check_timeout_s`). `SGLangEngine.health()`, which
+    `retire_stale` asks before retiring, must not wait for it, or a sync holds up the resume for 20 s."""
+    fake, url, folders = served
+    with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as engine:
+        engine.load_adapter(V1, path=folders[V1])
+        engine.load_adapter(V2, path=folders[V2])
+        engine.load_adapter(V3, path=folders[V3])
+        engine.pause("in_place")
+        with pytest.raises(httpx.ReadTimeout):  # the hazard, mirrored by the fake
+            httpx.get(f"{url}/health", timeout=1.0)
+        start = time.monotonic()
+        health = engine.health()
+        assert health["ok"] and health["paused"] and time.monotonic() - start < 1.0
+        assert retire_stale(engine, RUN, keep=1) == []  # paused: nothing retired, and no 20 s wait
+        assert time.monotonic() - start < 2.0
+        engine.resume()
+        assert engine.health() == {"ok": True, "paused": False, "url": url}
+        assert retire_stale(engine, RUN, keep=1) == [V1, V2]

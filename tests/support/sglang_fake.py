@@ -11,7 +11,9 @@ error bodies; where its answers carry more than SGLang's, this fake answers as S
 * `meta_info.weight_version` is `"default"` (the base weights' version, not the adapter's), and there
   is no `lora_path` in `meta_info`.
 * `/v1/models` adapter cards are `{id, object, created, owned_by, root, parent, max_model_len}` only.
-* `/health` answers an empty 200.
+* `/health` answers an empty 200; while generation is paused it answers 503 only after
+  `health_check_timeout_s` (SGLang's `/health` runs a 1-token generation, which cannot run while paused,
+  and gives up after `SGLANG_HEALTH_CHECK_TIMEOUT`, 20 s; `/model_info` answers at once).
 * A `/generate` that names an adapter unloaded earlier loads it again from the path it was first loaded
   from, and answers 200 (0.5.17 on the GPU host: `TokenizerManager.lora_ref_cache`, log line
   "Reloading evicted adapter"); `SGLangFakeServer.reloaded` lists the names brought back so. An adapter
@@ -26,6 +28,7 @@ So a client that works against this fake relies on nothing only our server provi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import pickle
@@ -104,8 +107,9 @@ class _SafeUnpickler(pickle.Unpickler):
 class SGLangFakeServer(EngineServer):
     """`EngineServer` with SGLang's answers where ours differ (see the module docstring)."""
 
-    def __init__(self, engine: InferenceEngine, **options: Any) -> None:
+    def __init__(self, engine: InferenceEngine, *, health_check_timeout_s: float = 20.0, **options: Any) -> None:
         super().__init__(engine, **options)
+        self.health_check_timeout_s = health_check_timeout_s
         self.adapters = _RememberingRoutes(
             engine, store=self.store, control_timeout_s=self.control_timeout_s, load_seconds=self.adapters.load_seconds
         )
@@ -149,7 +153,10 @@ class SGLangFakeServer(EngineServer):
         return {k: card[k] for k in _CARD_FIELDS}
 
     async def health(self) -> Response:  # type: ignore[override]
-        """`GET /health`: an empty 200."""
+        """`GET /health`: an empty 200; while paused, a 503 after `health_check_timeout_s` (as SGLang)."""
+        if self.engine.health().get("paused"):
+            await asyncio.sleep(self.health_check_timeout_s)
+            return Response(status_code=503)
         return Response(status_code=200)
 
 
