@@ -134,12 +134,8 @@ def test_a_crash_during_overlapped_steps_resumes_from_the_rollouts_that_ran_ahea
 def test_async_rollouts_against_a_launched_sglang(tmp_path, tiny_model_dir, retire):
     """The same overlap through `SGLangEngine` (HTTP from the task runner's thread while the flow syncs),
     against the look-alike SGLang server the run launches, with both retire policies."""
-    import os
-    import sys
-
     from flows.grpo_lora import train
-    from lora_rl_core.distributed import free_port
-    from tests.integration.test_sglang_launch import FAKE_SGLANG, REPO
+    from tests.support.fake_launch import fake_launch
 
     path = write_tiny_config(
         tmp_path,
@@ -153,13 +149,7 @@ def test_async_rollouts_against_a_launched_sglang(tmp_path, tiny_model_dir, reti
             "type": "sglang",
             "sync": "store",
             "sglang_retire": retire,
-            "launch": {
-                "enabled": True,
-                "python": sys.executable,
-                "env": {"PYTHONPATH": f"{FAKE_SGLANG}{os.pathsep}{REPO}"},
-                "port": free_port(),
-                "startup_timeout_s": 120,
-            },
+            "launch": fake_launch(),
         },
     )
     summary = train(config_path=str(path))

@@ -154,25 +154,17 @@ def test_flow_with_two_trainer_ranks_on_ray_matches_in_process(local_ray, tiny_m
 def _sglang_replicas_config(tmp_path, tiny_model_dir, name: str):
     """Two SGLang replicas on Ray, each launching the look-alike server (tests/support/fake_sglang) on its
     own port (`launch.port + i`)."""
-    import os
     import socket
-    import sys
 
-    from tests.integration.test_sglang_launch import FAKE_SGLANG, REPO
     from tests.integration.tiny_run import write_tiny_config
+    from tests.support.fake_launch import fake_launch
 
     def free(port: int) -> bool:
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", port)) != 0
 
     port = next(p for p in range(31000, 32000, 7) if free(p) and free(p + 1))
-    launch = {
-        "enabled": True,
-        "python": sys.executable,
-        "env": {"PYTHONPATH": f"{FAKE_SGLANG}{os.pathsep}{REPO}"},
-        "port": port,
-        "startup_timeout_s": 120,
-    }
+    launch = fake_launch(port=port)
     engine = {"type": "sglang", "sync": "store", "ray_replicas": 2, "ray_gpus_per_replica": 0, "launch": launch}
     return write_tiny_config(tmp_path, tiny_model_dir, name, engine=engine, run={"eval_before_after": False})
 

@@ -9,39 +9,25 @@ renders and the run's ownership of the process are what is tested. The real serv
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from lora_rl_core.config import load_config
-from lora_rl_core.distributed import free_port
 from lora_rl_core.engines import GenerationRequest, SamplingParams
 from lora_rl_core.engines.http import SGLangEngine
 from lora_rl_core.engines.sglang_server import launch_sglang
 from lora_rl_core.errors import EngineError
 from lora_rl_core.store import AdapterStore
 from tests.integration.tiny_run import write_tiny_config
+from tests.support.fake_launch import fake_launch
 from tests.support.processes import ended, pid_alive
 
 pytestmark = pytest.mark.slow  # subprocesses and the Prefect test server
 
-REPO = Path(__file__).resolve().parents[2]
-FAKE_SGLANG = REPO / "tests" / "support" / "fake_sglang"
-
 
 def _config(tmp_path, tiny_model_dir, *extra_args: str, **launch):
-    launch = {
-        "enabled": True,
-        "python": sys.executable,
-        "env": {"PYTHONPATH": f"{FAKE_SGLANG}{os.pathsep}{REPO}"},
-        "port": free_port(),
-        "startup_timeout_s": 120,
-        "extra_args": list(extra_args),
-        **launch,
-    }
+    launch = fake_launch(extra_args=list(extra_args), **launch)
     path = write_tiny_config(
         tmp_path, tiny_model_dir, "launched", engine={"type": "sglang", "sync": "store", "launch": launch}
     )
@@ -96,14 +82,7 @@ def test_a_run_with_a_launched_sglang_trains_and_stops_it(tmp_path, tiny_model_d
         engine={
             "type": "sglang",
             "sync": "store",
-            "launch": {
-                "enabled": True,
-                "python": sys.executable,
-                "env": {"PYTHONPATH": f"{FAKE_SGLANG}{os.pathsep}{REPO}"},
-                "port": free_port(),
-                "startup_timeout_s": 120,
-                "extra_args": ["--fake-record", str(record)],
-            },
+            "launch": fake_launch(extra_args=["--fake-record", str(record)]),
         },
     )
     summary = train(config_path=str(cfg_path))
