@@ -61,7 +61,7 @@ def train(
         t.sync_engines(run_id, ref)
         base_eval = _evaluate(t, run_id, None, "before", cfg.run.eval_before_after, logger)
         history: list[dict[str, Any]] = []
-        ahead = cfg.algorithm.max_staleness if cfg.rollout.mode == "async" else 0
+        ahead = cfg.rollouts_ahead()
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
             metrics: dict[str, Any] = {"step": step, "steps": steps}

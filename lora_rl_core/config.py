@@ -23,6 +23,7 @@ from lora_rl_core.errors import ConfigError
 
 EvictionPolicy = Literal["lru", "fifo"]
 EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
+"""Which resident adapter is evicted when the pool is full (SGLang `--lora-eviction-policy`)."""
 TensorTransport = Literal["auto", "ipc", "inline", "disk"]
 TENSOR_TRANSPORTS: tuple[str, ...] = get_args(TensorTransport)
 SGLangRetire = Literal["unload", "keep"]
@@ -32,7 +33,6 @@ OffPolicyCorrection = Literal[
 ]
 OFF_POLICY_CORRECTIONS: tuple[str, ...] = get_args(OffPolicyCorrection)
 RolloutMode = Literal["sync", "async"]
-"""Which resident adapter is evicted when the pool is full (SGLang `--lora-eviction-policy`)."""
 SGLANG_DEFAULT_PORT = 30000
 """The port SGLang and `lora-rl serve` listen on unless told otherwise (SGLang's `--port` default)."""
 
@@ -458,6 +458,11 @@ class RunConfig(Section):
                 stacklevel=2,
             )
         return self
+
+    def rollouts_ahead(self) -> int:
+        """How many steps ahead of the training step rollouts run: `algorithm.max_staleness` in
+        `rollout.mode: async`, 0 in sync mode."""
+        return self.algorithm.max_staleness if self.rollout.mode == "async" else 0
 
     def resolved_run_id(self) -> str:
         """The run id: `run.id`, or `<run.name>-<YYYYmmdd-HHMMSS>` (UTC)."""

@@ -130,9 +130,10 @@ class TrainBatch:
         all equal are left out: their advantages are zero, they would only dilute a token-mean loss
         (DAPO's dynamic sampling, Yu et al. 2025, filters them the same way).
         """
-        fresh = [r for r in rows if r.adapter_version is not None and step - 1 - r.adapter_version <= max_staleness]
+        lagged = [(r, step - 1 - r.adapter_version) for r in rows if r.adapter_version is not None]
+        fresh = [r for r, lag in lagged if lag <= max_staleness]
         used = [r for r in fresh if r.has_signal or not skip_uniform]
-        lags = Counter(step - 1 - r.adapter_version for r in rows if r.adapter_version is not None)
+        lags = Counter(lag for _, lag in lagged)
         return cls(
             [r.prompt_ids for r in used],
             [r.completion_ids for r in used],

@@ -21,13 +21,17 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, NoReturn
 
-import torch
-
 from lora_rl_core import distributed
 from lora_rl_core.config import RunConfig
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
-from lora_rl_core.runtime import cpu_threads
-from lora_rl_core.trainer_workers import COMMANDS, RankCommands, TrainerWorkerError, build_sharded_trainer, rank_info
+from lora_rl_core.trainer_workers import (
+    COMMANDS,
+    RankCommands,
+    TrainerWorkerError,
+    build_sharded_trainer,
+    rank_device,
+    rank_info,
+)
 
 
 class TrainerRank:
@@ -49,12 +53,7 @@ class TrainerRank:
         os.environ.update(
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank), WORLD_SIZE=str(self.world_size)
         )
-        if self.device_kind == "cuda":
-            device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-            torch.cuda.set_device(device)
-        else:
-            torch.set_num_threads(max(1, cpu_threads() // self.world_size))
-            device = torch.device("cpu")
+        device = rank_device(self.device_kind, 0, self.world_size)  # Ray sets CUDA_VISIBLE_DEVICES to our GPU
         distributed.init_process_group(device, timeout_s=self.timeout_s)
         cfg = RunConfig.model_validate(self.config)
         self.trainer = build_sharded_trainer(cfg, device=device, mixed_precision=mixed_precision)
@@ -98,10 +97,7 @@ class RayTrainer(RankCommands):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.world_size, self.timeout_s = world_size, timeout_s
-        self._closed = False
+        super().__init__(world_size, timeout_s)
         acquire_ray()
         gpus = cfg.trainer.ray_gpus_per_rank if device == "cuda" else 0.0
         bundle = {"GPU": gpus, "CPU": 1.0} if gpus else {"CPU": 1.0}

@@ -81,9 +81,33 @@ def build_sharded_trainer(cfg: RunConfig, *, device: torch.device, mixed_precisi
     )
 
 
+def rank_device(kind: str, cuda_index: int, world_size: int) -> torch.device:
+    """The device one of `world_size` ranks trains on, made current: `cuda:<cuda_index>`, or the CPU with
+    torch limited to its share of the usable cores (no oversubscription). Used by both rank backends."""
+    if kind == "cuda":
+        torch.cuda.set_device(cuda_index)
+        return torch.device("cuda", cuda_index)
+    torch.set_num_threads(max(1, cpu_threads() // world_size))
+    return torch.device("cpu")
+
+
 class RankCommands:
     """The `Trainer` protocol over ranks that run `COMMANDS`: a subclass sends one command to every rank
-    (`_call`, the answers by rank) and rank 0's answer is used. Tensors cross as safetensors bytes."""
+    (`_call`, the answers by rank) and rank 0's answer is used. Tensors cross as safetensors bytes.
+
+    Args:
+        world_size: ranks, >= 1.
+        timeout_s: deadline of each call, seconds.
+
+    Raises:
+        ValueError: `world_size` < 1.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self._closed = False
 
     def _call(self, cmd: str, *args: Any) -> list[Any]:
         raise NotImplementedError
@@ -141,13 +165,9 @@ class TrainerWorkers(RankCommands):
         timeout_s: float = 600.0,
         start_timeout_s: float = 900.0,
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        super().__init__(world_size, timeout_s)
         if device == "cuda" and torch.cuda.device_count() < world_size:
             raise ValueError(f"world_size {world_size} needs {world_size} GPUs, {torch.cuda.device_count()} visible")
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self._closed = False
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         atexit.register(self.close)
@@ -297,12 +317,7 @@ def _exit(code: int) -> NoReturn:
 
 def _setup(rank: int, spec: _WorkerSpec) -> PolicyTrainer:
     cfg = RunConfig.model_validate(spec.config)
-    if spec.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        torch.set_num_threads(max(1, cpu_threads() // spec.world_size))  # share the usable cores: no oversubscription
-        device = torch.device("cpu")
+    device = rank_device(spec.device, rank, spec.world_size)
     distributed.init_process_group(
         device, rank=rank, world_size=spec.world_size, port=spec.port, timeout_s=spec.timeout_s
     )

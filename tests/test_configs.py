@@ -89,6 +89,7 @@ def test_async_rollouts_need_a_staleness_window():
         load_config(None, ["rollout.mode=async", "algorithm.max_staleness=0"])
     cfg = load_config(None, ["rollout.mode=async"])
     assert cfg.algorithm.correction(cfg.rollout.mode) == "token-truncate"  # `auto` in async mode
+    assert cfg.rollouts_ahead() == 1 and load_config(None, []).rollouts_ahead() == 0
     assert load_config(None, []).algorithm.correction("sync") == "none"
     chosen = load_config(None, ["rollout.mode=async", "algorithm.off_policy_correction=sequence-mask"])
     assert chosen.algorithm.correction("async") == "sequence-mask"
