@@ -3,6 +3,9 @@
 # Usage, from the repo root on the GPU host, after the carry calls of docs/SGLANG.md ("GPU host") have staged
 # /tmp/sglsite (SGLang) and /tmp/models/smollm2-gguf (real SmolLM2-135M-Instruct weights from the GGUF):
 #   bash benchmarks/gpu/flow_sglang.sh CONFIG [overrides...]
+# FLOW_TIMEOUT_S=N ends the flow with SIGTERM after N seconds (an orderly stop: SGLang and the trainer are stopped,
+# every finished step is in the store); the same command with the same run.id=... then resumes the run from its
+# last checkpoint. A run longer than one 10-minute call of the GPU host is trained so, in several calls.
 # Our own dependencies (Prefect and friends, cp312 wheels in .gpu-ours/) go to /tmp/ours; SGLang runs from
 # /tmp/sglsite in its own process (its transformers and fastapi differ from ours). Results go to $OUT.
 set -euo pipefail
@@ -15,12 +18,17 @@ fi
 export PYTHONPATH=/tmp/ours:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PREFECT_HOME=/tmp/prefect-home PREFECT_SERVER_ANALYTICS_ENABLED=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -m cli.main train -c "$CONFIG" \
+rc=0
+timeout -s TERM -k 60 "${FLOW_TIMEOUT_S:-100000}" python3 -m cli.main train -c "$CONFIG" \
   model.name_or_path=/tmp/models/smollm2-gguf engine.type=sglang \
   engine.launch.enabled=true "engine.launch.env={PYTHONPATH: /tmp/sglsite}" \
-  run.output_dir=/tmp/runs store.uri=file:///tmp/store "$@" 2>&1 | tee "$OUT/train.log"
+  run.output_dir=/tmp/runs store.uri=file:///tmp/store "$@" 2>&1 | tee -a "$OUT/train.log" || rc=$?
+echo "[flow_sglang] lora-rl train ended with exit code $rc"
+pkill -f sglang.launch_server && echo "[flow_sglang] an SGLang server was left running: killed" || true
 RUN_DIR=$(ls -td /tmp/runs/*/ | head -1)
 RUN_ID=$(basename "$RUN_DIR")
 python3 -m cli.main adapters pull "$RUN_ID@latest" --store file:///tmp/store --out "$OUT/adapter" || true
 cp "$RUN_DIR/report.md" "$RUN_DIR/reward_curve.png" "$OUT/" 2>/dev/null || true
 tail -c 200000 "$RUN_DIR/sglang.log" > "$OUT/sglang.log" 2>/dev/null || true
+cp "$RUN_DIR/history.json" "$OUT/" 2>/dev/null || true
+exit "$rc"

@@ -10,7 +10,7 @@
 #   REPO/.gpu-ours/*.whl               ~40 MB    our own dependencies for the flow (Prefect, ...), cp312
 #   REPO/.gpu-ray1/, REPO/.gpu-ray2/   ~39 MB    each: half of the Ray 2.60 wheel (+ msgpack, protobuf)
 set -euo pipefail
-REPO=${1:-.}
+REPO=$(cd "${1:-.}" && pwd)  # absolute: later steps cd elsewhere
 W=${2:-/tmp/sglang-build}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
