@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import base64
+import io
 import pickle
 
 import pytest
 import torch
 
-from lora_rl_core.engines.sglang_tensors import inline_payload, ipc_payload, is_loopback, pick_transport
+from lora_rl_core.engines.sglang_tensors import (
+    _dumps,
+    _host_views,
+    _pack,
+    inline_payload,
+    ipc_payload,
+    is_loopback,
+    pack,
+    pick_transport,
+)
 from lora_rl_core.errors import EngineError
 
 
@@ -61,3 +71,97 @@ def test_sglang_engine_refuses_unknown_policies_at_construction(option, value):
 
     with pytest.raises(EngineError, match=f"{option} must be one of .*got '{value}'"):
         SGLangEngine("http://127.0.0.1:1", **{option: value})
+
+
+# ----------------------------------------------------------------------------- packed layouts (docs/SGLANG.md)
+class _SGLangUnpickler(pickle.Unpickler):
+    """SGLang 0.5.17's `SafeUnpickler` rule (`sglang/srt/utils/common.py`): a global loads only from an allowed
+    module prefix and is not denied. The prefixes a LoRA payload may touch, and a recorder of what it loaded."""
+
+    ALLOWED = ("builtins.", "collections.", "copyreg.", "functools.", "operator.", "types.", "torch.")
+    DENIED = {("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile")}
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.loaded: list[str] = []
+
+    def find_class(self, module, name):
+        if not (module + ".").startswith(self.ALLOWED) or (module, name) in self.DENIED:
+            raise pickle.UnpicklingError(f"blocked {module}.{name}")
+        self.loaded.append(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def _adapter(dtype=torch.float32) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"l.0.q.lora_A.weight": (4, 6), "l.0.q.lora_B.weight": (6, 4), "l.0.down.lora_A.weight": (4, 10)}
+    shapes |= {"scalar": (), "empty": (0, 3), "l.0.down.lora_B.weight": (6, 4)}
+    return {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_pack_gives_views_that_cover_one_buffer_in_order(dtype):
+    tensors = _adapter()
+    packed = pack(tensors, dtype=dtype)
+    assert list(packed) == list(tensors)
+    storages = {v.untyped_storage().data_ptr() for v in packed.values()}
+    assert len(storages) == 1
+    offset = 0
+    for name, view in packed.items():
+        assert view.shape == tensors[name].shape and view.is_contiguous()
+        assert view.dtype == (dtype or torch.float32) and view.storage_offset() == offset
+        assert torch.equal(view, tensors[name].to(view.dtype))
+        offset += view.numel()
+    assert offset * packed["scalar"].element_size() == packed["scalar"].untyped_storage().nbytes()
+    before = packed["l.0.q.lora_A.weight"].clone()
+    tensors["l.0.q.lora_A.weight"].add_(1.0)  # a copy, not the trainer's memory
+    assert torch.equal(packed["l.0.q.lora_A.weight"], before)
+
+
+def test_pack_keeps_one_buffer_per_dtype_and_strided_inputs():
+    big = torch.randn(8, 8)
+    tensors = {"t": big.t(), "h": torch.ones(3, dtype=torch.float16), "s": big[::2, 1:3], "x": torch.zeros(2)}
+    packed = pack(tensors)
+    assert list(packed) == ["t", "h", "s", "x"]
+    assert packed["h"].dtype == torch.float16 and packed["h"].untyped_storage().nbytes() == 6
+    assert packed["t"].untyped_storage().data_ptr() == packed["x"].untyped_storage().data_ptr()
+    for name, tensor in tensors.items():
+        assert torch.equal(packed[name], tensor)
+    cast = pack(tensors, device="cpu", dtype=torch.bfloat16)  # mixed inputs, one dtype out: one buffer
+    assert len({v.untyped_storage().data_ptr() for v in cast.values()}) == 1
+    for name, tensor in tensors.items():
+        assert cast[name].dtype == torch.bfloat16 and torch.equal(cast[name], tensor.to(torch.bfloat16))
+    assert pack({}) == {}
+
+
+def test_ipc_payload_refuses_an_unknown_layout_first():
+    with pytest.raises(EngineError, match=r"IPC layout must be one of \('per-tensor', 'packed', 'host'\)"):
+        ipc_payload({"w": torch.zeros(2)}, layout="flat")
+
+
+def test_host_views_unpickle_under_sglangs_allow_list_as_views_of_one_host_copy():
+    """The `host` layout's object graph, pickled with the data inline (no CUDA here): the server sees only
+    `torch.*` globals (no `builtins.getattr`), one copy per buffer, and views equal to the inputs."""
+    tensors = _adapter()
+    tensors["half"] = torch.full((2, 2), 0.5, dtype=torch.float16)
+    buffers = _pack(tensors, "cpu", None)
+    data = _dumps(_host_views(buffers, {k: v.shape for k, v in tensors.items()}), share_cuda=False)
+    unpickler = _SGLangUnpickler(data)
+    back = unpickler.load()
+    assert list(back) == list(tensors)
+    assert {"torch.as_strided", "torch._utils._rebuild_device_tensor_from_cpu_tensor"} <= set(unpickler.loaded)
+    assert not any(g.startswith("builtins.") for g in unpickler.loaded)
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor) and back[name].is_contiguous()
+    float_storages = {v.untyped_storage().data_ptr() for k, v in back.items() if v.dtype == torch.float32}
+    assert len(float_storages) == 1 and back["half"].untyped_storage().data_ptr() not in float_storages
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_inline_payload_casts_when_asked_and_passes_the_allow_list(dtype):
+    tensors = _adapter()
+    unpickler = _SGLangUnpickler(base64.b64decode(inline_payload(tensors, dtype=dtype)))
+    back = unpickler.load()
+    for name, tensor in tensors.items():
+        assert torch.equal(back[name], tensor.to(dtype or tensor.dtype))
+    assert len({v.untyped_storage().data_ptr() for v in back.values() if v.numel()}) == len(tensors) - 1
