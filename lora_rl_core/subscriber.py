@@ -177,10 +177,10 @@ def _discard(engines: list[Any], name: str) -> None:
 
 
 def is_paused(engine: Any) -> bool:
-    """Whether the engine reports generation paused (True when it cannot say: then nothing is unloaded)."""
+    """`engine.is_paused()`, True when it cannot say (then nothing is unloaded there). Not `health()`: on
+    SGLang that runs a 1-token generation, a second per sync and engine (docs/HOTSWAP.md)."""
     try:
-        health = engine.health()
-        return bool(health["paused"] if "paused" in health else engine.metrics().get("paused"))
+        return bool(engine.is_paused())
     except LoraRLError:
         return True
 

@@ -203,6 +203,18 @@ class InferenceEngine(Protocol):
         because requests are running. An engine without a cache returns True."""
         ...
 
+    def is_paused(self) -> bool:
+        """Whether generation is paused now (`pause` called, `resume` not yet), asked before unloading (never
+        unload while paused: `subscriber.retire_stale`). Cheap: it runs nothing on the engine (`health()` on
+        SGLang runs a generation); an SGLang client answers from its own `pause`/`resume` calls, our server's
+        client asks the server, a `MultiEngine` is paused when any member is.
+
+        Raises:
+            EngineError: the engine cannot say (unreachable, no answer in time, closed client); callers
+                then treat it as paused.
+        """
+        ...
+
     def health(self) -> dict[str, Any]:
         """Liveness facts; always `ok` (bool: serving) and `paused` (bool: generation paused). Never raises
         for an unreachable engine: it is reported not ok."""

@@ -332,6 +332,11 @@ class EmbeddedEngine:
         """No-op (this engine keeps no KV or prefix cache between batches); returns True."""
         return True
 
+    def is_paused(self) -> bool:
+        """Whether generation is paused (`pause` without `resume` since)."""
+        with self._cond:
+            return self._requests.paused
+
     def health(self) -> dict[str, Any]:
         """`{"ok", "paused", "closed", "worker_alive", "adapters", "resident", "queue_depth", "running"}`;
         ok = the worker is alive and the engine not closed."""

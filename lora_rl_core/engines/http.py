@@ -23,9 +23,14 @@ Choices made here:
   version first). Tensors go to SGLang's `/load_lora_adapter_from_tensors` as torch multiprocessing
   pickles (`sglang_tensors`): CUDA IPC handles to a server on this host; else, or when SGLang refuses
   them, the published folder; the data inline when asked (`tensor_transport="inline"`) or no folder is given.
-* `pause`/`resume` state of a real SGLang server is known only from this client's own calls.
+* `pause`/`resume` state of a real SGLang server is known only from this client's own calls (`is_paused`
+  makes no HTTP call).
 * Abort reasons: the server's reason wins where it names one (ours does); for SGLang's prose this client
   keeps the reason it gave (`http_tracking.InFlightRequests`).
+* SGLang 0.5.17 answers a whole `/generate` batch HTTP 499 ("Request RID was aborted") when one of its requests
+  was aborted (by id, or by `/pause_generation` in `abort` mode) before the batch reached its scheduler:
+  the requests this client aborted end with their kept reason; the others are sent again under fresh rids
+  (an `abort` follows them), bounded (`MAX_UNEXPLAINED_LOSSES`) and within the call's deadline.
 
 Modules: the wire format (payloads, answers into `Completion`s, error messages, metrics text) is
 `http_wire`; what a client keeps about its requests is `http_tracking`; several engines behind one
@@ -37,7 +42,9 @@ Left out: streaming, OpenAI-compatible endpoints, retries (the caller decides).
 from __future__ import annotations
 
 import base64
+import itertools
 import logging
+import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,7 +52,7 @@ from typing import Any
 
 import httpx
 
-from lora_rl_core.adapters import safetensors_bytes
+from lora_rl_core.adapters import adapter_version, safetensors_bytes
 from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_RETIRE_POLICIES, TENSOR_TRANSPORTS
 from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, SamplingParams
 from lora_rl_core.engines.http_tracking import InFlightRequests, RetiredAdapters
@@ -64,6 +71,11 @@ from lora_rl_core.engines.http_wire import (
 from lora_rl_core.errors import EngineError
 
 log = logging.getLogger(__name__)
+
+MAX_UNEXPLAINED_LOSSES = 3
+"""How many times SGLang may lose one batch call (HTTP 499) with no request of it aborted by this client
+before `SGLangEngine.generate` gives up with an EngineError (each loss that this client's abort explains
+ends that request, so those are bounded by the batch size)."""
 
 
 class EngineUnavailable(EngineError):
@@ -127,6 +139,8 @@ class SGLangEngine:
         self.retire = retire
         self._kept: set[str] = set()  # retired here, left resident on the server (retire="keep")
         self._loads: Counter[str] = Counter()
+        self._lost: Counter[str] = Counter()  # calls SGLang lost (HTTP 499) and requests sent again after one
+        self._lost_lock = threading.Lock()
         self._closed = False
         self._paused = False
 
@@ -212,35 +226,123 @@ class SGLangEngine:
         return self._pool.submit(lambda: self._generate_chunk([request], deadline)[0])
 
     def _generate_chunk(self, requests: list[GenerationRequest], deadline: float) -> list[Completion]:
+        """One `/generate` batch call; where SGLang loses the whole call to an abort (HTTP 499), the rows this
+        client aborted end with their kept reason and the others are sent again (`_resolve_lost`)."""
         if self.guards_retired:  # never send a retired name: SGLang would load that version again
             self._retired.check(requests, self.url)
+        outs: dict[str, dict[str, Any]] = {}  # request id -> its /generate output
+        lost: dict[str, str] = {}  # request id -> abort reason, for rows that ended with a call SGLang lost
+        with self._requests.tracking(requests) as reasons:
+            pending, rids = list(requests), {r.request_id: r.request_id for r in requests}
+            unexplained = 0  # calls lost with no row this client aborted
+            for attempt in itertools.count(1):
+                answer = self._post_generate(pending, rids, deadline, first=attempt == 1)
+                if not isinstance(answer, str):
+                    outs.update((r.request_id, out) for r, out in zip(pending, answer, strict=True))
+                    break
+                pending, explained = self._resolve_lost(pending, rids, lost, answer, attempt, deadline, unexplained)
+                unexplained += not explained
+                if not pending:
+                    break
+        completions = [
+            self._aborted(r, lost[r.request_id])
+            if r.request_id in lost
+            else to_completion(
+                r,
+                outs[r.request_id],
+                self.url,
+                check_version=self.reports_adapter_version,
+                reason=reasons.get(r.request_id),
+            )
+            for r in requests
+        ]
+        self._requests.count(completions)
+        return completions
+
+    def _post_generate(
+        self, requests: list[GenerationRequest], rids: dict[str, str], deadline: float, *, first: bool
+    ) -> list[dict[str, Any]] | str:
+        """POST one `/generate` of `requests` under `rids`: their outputs in order, or the error message of
+        an HTTP 499 (SGLang 0.5.17 failed the whole call because a request of it was aborted).
+
+        Raises:
+            EngineUnavailable: the deadline passed before the first send (`first`), no answer in time, or
+                unreachable (the requests are then aborted on the server, best effort).
+            EngineError: another error status, or an answer that is not one output per request.
+        """
+        left = deadline - time.monotonic()
+        if left <= 0 and first:
+            raise EngineUnavailable(f"POST {self.url}/generate: deadline passed before the call was sent")
         payload = {
             "input_ids": [list(r.prompt_ids) for r in requests],
             "sampling_params": self._sampling_payload(requests[0].sampling, len(requests)),
             "lora_path": [r.adapter for r in requests],
-            "rid": [r.request_id for r in requests],
+            "rid": [rids[r.request_id] for r in requests],
             "return_logprob": True,
             "stream": False,
         }
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise EngineUnavailable(f"POST {self.url}/generate: deadline passed before the call was sent")
-        with self._requests.tracking(requests) as reasons:
-            try:
-                answer = self._call("POST", "/generate", json_body=payload, timeout_s=left).json()
-            except EngineUnavailable:
-                self._abort_quietly([r.request_id for r in requests])  # don't leave the server working on them
-                raise
+        try:
+            response = self._call("POST", "/generate", json_body=payload, timeout_s=max(left, 0.001), accept=(499,))
+        except EngineUnavailable:
+            self._abort_quietly([rids[r.request_id] for r in requests])  # don't leave the server working on them
+            raise
+        if response.status_code == 499:
+            return error_message(response)
+        answer = response.json()
         if not isinstance(answer, list) or len(answer) != len(requests):
             raise EngineError(f"{self.url}/generate answered {type(answer).__name__}, not {len(requests)} outputs")
-        completions = [
-            to_completion(
-                r, out, self.url, check_version=self.reports_adapter_version, reason=reasons.get(r.request_id)
+        return answer
+
+    def _resolve_lost(
+        self,
+        pending: list[GenerationRequest],
+        rids: dict[str, str],
+        lost: dict[str, str],
+        message: str,
+        attempt: int,
+        deadline: float,
+        unexplained: int,
+    ) -> tuple[list[GenerationRequest], bool]:
+        """After SGLang lost the call of `pending` (HTTP 499 `message`): the rows this client aborted (a reason
+        kept by `abort` or `pause("abort")`) go into `lost` with that reason; the others get fresh rids in
+        `rids` and are returned, to be sent again (with whether any row was this client's abort). SGLang
+        0.5.17 raises the 499 before the batch reaches its scheduler (`TokenizerManager.
+        _raise_if_logical_rid_aborted`) and drops every row's state with it, so the other rows never ran;
+        fresh rids keep a resent row clear of anything the server may still hold under the old one.
+        Rows left when the deadline has passed end aborted with reason `timeout`.
+
+        Raises:
+            EngineError: the call was lost `MAX_UNEXPLAINED_LOSSES` times with no row this client aborted
+                (another client's aborts, or pauses in `abort` mode that keep coming).
+        """
+        kept, fresh = self._requests.resend_rids([r.request_id for r in pending], attempt)
+        lost.update(kept)
+        with self._lost_lock:
+            self._lost.update(calls=1, resent=len(fresh))
+        if fresh and not kept and unexplained + 1 >= MAX_UNEXPLAINED_LOSSES:
+            raise EngineError(
+                f"{message} ({self.url}/generate: HTTP 499 {unexplained + 1} times for this batch with no request "
+                f"aborted by this client; {len(fresh)} requests not sent again)"
             )
-            for r, out in zip(requests, answer, strict=True)
-        ]
-        self._requests.count(completions)
-        return completions
+        if fresh and time.monotonic() >= deadline:  # no time left to send them again
+            lost.update(dict.fromkeys(fresh, "timeout"))
+            return [], bool(kept)
+        rids.update(fresh)
+        return [r for r in pending if r.request_id in fresh], bool(kept)
+
+    @staticmethod
+    def _aborted(request: GenerationRequest, reason: str) -> Completion:
+        """The completion of a request that ended with a call SGLang lost (HTTP 499): aborted, no tokens."""
+        return Completion(
+            request_id=request.request_id,
+            prompt_ids=list(request.prompt_ids),
+            completion_ids=[],
+            logprobs=[],
+            finish_reason="abort",
+            adapter=request.adapter,
+            adapter_version=adapter_version(request.adapter),
+            abort_reason=reason,
+        )
 
     def _sampling_payload(self, params: SamplingParams, n: int) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang seeds each request: give request i the seed `seed + i` so a group's samples differ."""
@@ -279,7 +381,10 @@ class SGLangEngine:
         if reason not in ABORT_REASONS:
             raise EngineError(f"abort reason {reason!r} is not one of {ABORT_REASONS}")
         known = self._requests.keep_reason(request_id, reason)  # before the call: the answer may come first
-        body = {"rid": "", "abort_all": True} if request_id is None else {"rid": request_id, "abort_all": False}
+        if request_id is None:
+            body: dict[str, Any] = {"rid": "", "abort_all": True}
+        else:  # the rid it is sent under now: a fresh one if a lost call made this client send it again
+            body = {"rid": self._requests.rid_of(request_id), "abort_all": False}
         response = self._call("POST", "/abort_request", json_body=self._abort_body(body, reason))
         reported = json_or_empty(response).get("aborted")
         return reported if isinstance(reported, int) else len(known)
@@ -438,6 +543,18 @@ class SGLangEngine:
         """`/flush_cache`: True when flushed, False when the server refused (HTTP 400: requests running)."""
         return self._call("POST", "/flush_cache", accept=(400,)).status_code < 400
 
+    def is_paused(self) -> bool:
+        """Whether this client has paused generation (`pause` without `resume` since); no HTTP call: SGLang
+        reports no paused state, and its `/health` runs a 1-token generation (at least 1 s on 0.5.17, which
+        every adapter sync paid while `retire_stale` asked `health()`).
+
+        Raises:
+            EngineError: the client is closed.
+        """
+        if self._closed:
+            raise EngineError(f"{self!r} is closed")
+        return self._paused
+
     def health(self) -> dict[str, Any]:
         """`{"ok", "paused", "url"}` from `/health` (never raises: an unreachable server is not ok).
 
@@ -455,7 +572,9 @@ class SGLangEngine:
     def metrics(self) -> dict[str, Any]:
         """This client's counters: `{"adapters": {name: {"requests", "tokens"}}, "in_flight", "paused",
         "revived_adapters", "adapter_loads": {transport: count}, "tensor_fallback": why or None,
-        "retired_resident": versions retired here but left on the server (`retire="keep"`)}`."""
+        "retired_resident": versions retired here but left on the server (`retire="keep"`), "lost_calls":
+        `/generate` calls SGLang failed whole (HTTP 499), "resent_requests": requests of them to be sent again
+        (a fresh rid; those past the deadline end `timeout` instead)}`."""
         return {
             "adapters": self._requests.counts(),
             "in_flight": len(self._requests),
@@ -464,6 +583,8 @@ class SGLangEngine:
             "adapter_loads": dict(self._loads),
             "tensor_fallback": self._tensor_fallback,
             "retired_resident": len(self._kept),
+            "lost_calls": self._lost["calls"],
+            "resent_requests": self._lost["resent"],
         }
 
 
@@ -516,6 +637,18 @@ class ServerEngine(SGLangEngine):
             "pinned": pinned,
         }
         self._update("/load_lora_adapter_from_tensors", body, timeout_s)
+
+    def is_paused(self) -> bool:
+        """The server engine's `paused` fact from `/health` (our server knows it; other clients may pause it).
+
+        Raises:
+            EngineUnavailable: no answer within 20 s, or unreachable.
+            EngineError: the answer says nothing about pausing (the engine's health failed), or closed.
+        """
+        facts = json_or_empty(self._call("GET", "/health", timeout_s=20.0, accept=(503,)))
+        if not isinstance(facts.get("paused"), bool):
+            raise EngineError(f"{self.url}/health does not say whether generation is paused: {facts}")
+        return facts["paused"]
 
     def health(self) -> dict[str, Any]:
         """The server engine's `health()` facts from `/health`, plus `url`."""

@@ -6,6 +6,10 @@ the reason given to `abort` (or `pause("abort")`) for each of its requests in fl
 completion when the server names no reason of its own (`http_wire.to_completion`). A request keeps the
 first reason given: a later abort or pause does not end an ended request again. Reasons are forgotten when
 the request's call ends, whether or not it succeeded.
+
+A request is sent under a rid (`/generate`'s `rid`, what `/abort_request` names): its own id, or a fresh one
+when SGLang lost the call it was in (HTTP 499, `SGLangEngine._generate_chunk`) and it is sent again; `rid_of`
+gives the rid in use, so an abort reaches the request in whichever call it is.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class InFlightRequests:
         self._ids: set[str] = set()
         self._held: Counter[str] = Counter()  # adapter -> requests in flight naming it
         self._reasons: dict[str, str] = {}  # request id -> first reason given to `abort`
+        self._rids: dict[str, str] = {}  # request id -> the rid it is sent under now (when not its own id)
         self._counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
 
     def __len__(self) -> int:
@@ -49,6 +54,8 @@ class InFlightRequests:
         finally:
             with self._lock:
                 self._ids -= ids
+                for i in ids:
+                    self._rids.pop(i, None)
                 self._held.subtract(held)
                 self._held = +self._held  # drop the zeros
                 reasons.update((i, self._reasons.pop(i)) for i in ids if i in self._reasons)
@@ -66,6 +73,26 @@ class InFlightRequests:
             for rid in ids:
                 self._reasons.setdefault(rid, reason)
         return ids
+
+    def rid_of(self, request_id: str) -> str:
+        """The rid request `request_id` is sent under now: its own id unless `resend_rids` gave it another."""
+        with self._lock:
+            return self._rids.get(request_id, request_id)
+
+    def resend_rids(self, request_ids: list[str], attempt: int) -> tuple[dict[str, str], dict[str, str]]:
+        """After a call lost `request_ids` (still in flight here): the reason kept for each one that has one
+        (it was aborted: it ends with that reason), and a fresh rid (`<id>~<attempt>`) for each of the others,
+        to send them again. Both in one step under the lock: an `abort` before it ends the request, one after
+        it finds the new rid (`rid_of`)."""
+        kept: dict[str, str] = {}
+        fresh: dict[str, str] = {}
+        with self._lock:
+            for rid in request_ids:
+                if rid in self._reasons:
+                    kept[rid] = self._reasons[rid]
+                else:
+                    fresh[rid] = self._rids[rid] = f"{rid}~{attempt}"
+        return kept, fresh
 
     def kept_reasons(self) -> dict[str, str]:
         """A copy of the reasons kept now (request id -> reason)."""

@@ -127,6 +127,10 @@ class MultiEngine:
         """Flush every engine's cache; True when every engine flushed."""
         return all([engine.flush_cache() for engine in self.engines])
 
+    def is_paused(self) -> bool:
+        """Whether any engine is paused (EngineError when one cannot say)."""
+        return any([engine.is_paused() for engine in self.engines])
+
     def health(self) -> dict[str, Any]:
         """`{"ok": all ok, "paused": any paused, "engines": [each health]}`."""
         facts = [engine.health() for engine in self.engines]

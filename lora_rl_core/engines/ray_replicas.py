@@ -199,6 +199,10 @@ class RayEngine:
         """Flush the replica's cache; True when flushed."""
         return bool(self._call("flush_cache"))
 
+    def is_paused(self) -> bool:
+        """Whether the replica's generation is paused; EngineUnavailable when its actor cannot answer."""
+        return bool(self._call("is_paused", wait_s=20.0))
+
     def health(self) -> dict[str, Any]:
         """The replica's health, or `{"ok": False, "error"}` when its actor cannot answer (never raises)."""
         try:

@@ -189,9 +189,10 @@ def test_abort_with_reason_ends_the_request(subject, tokenizer):
 
 def test_pause_holds_requests_until_resume(subject, tokenizer):
     engine = subject.engine
+    assert engine.is_paused() is False
     engine.pause("in_place")
     try:
-        assert engine.health()["paused"] is True
+        assert engine.health()["paused"] is True and engine.is_paused() is True
         future = engine.submit(GenerationRequest(prompts(tokenizer, 1)[0], None, GREEDY))
         wait_until(queued(subject), "the request to be queued")
         time.sleep(0.3)
@@ -199,7 +200,7 @@ def test_pause_holds_requests_until_resume(subject, tokenizer):
     finally:
         engine.resume()
     assert future.result(timeout=WAIT_S).finish_reason in ("stop", "length")
-    assert engine.health()["paused"] is False
+    assert engine.health()["paused"] is False and engine.is_paused() is False
 
 
 def test_pause_abort_ends_queued_requests_as_paused(subject, tokenizer):
@@ -247,7 +248,9 @@ def test_multi_engine_members_flatten_and_abort_passes_the_reason(tiny_model_dir
         inner = MultiEngine([engine])
         outer = MultiEngine([inner])
         assert outer.members() == [engine]
+        assert outer.is_paused() is False
         engine.pause("in_place")
+        assert outer.is_paused() is True  # a member is
         future = outer.submit(GenerationRequest([5, 6, 7], None, GREEDY, request_id="m1"))
         assert outer.abort("m1", reason="adapter_unloaded") == 1
         assert future.result(timeout=WAIT_S).abort_reason == "adapter_unloaded"

@@ -355,6 +355,9 @@ class ScriptedEngine:
     def list_adapters(self) -> dict:
         return {}
 
+    def is_paused(self) -> bool:
+        return False
+
     def health(self) -> dict:
         return {"ok": True, "paused": False}
 

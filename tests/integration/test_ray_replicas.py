@@ -21,6 +21,7 @@ from lora_rl_core.config import EngineConfig, ModelConfig
 from lora_rl_core.engines import GenerationRequest, SamplingParams
 from lora_rl_core.engines.factory import build_embedded_engine
 from lora_rl_core.engines.http import EngineUnavailable
+from lora_rl_core.subscriber import is_paused
 from tests.support.adapters import random_lora_factory
 from tests.support.processes import ended
 
@@ -91,7 +92,10 @@ def test_a_killed_replica_is_replaced_with_its_adapters_and_the_call_goes_throug
         assert ray.get(victim.actor.pid.remote()) != dead_pid
         assert NAME in victim.list_adapters()  # the new actor reloaded the adapter the dead one held
         assert [m.metrics()["replica_replacements"] for m in engines.members()] == [0, 1]
-        assert engines.health()["ok"] is True
+        assert engines.health()["ok"] is True and engines.is_paused() is False
+        engines.members()[0].pause("in_place")
+        assert engines.is_paused() is True  # one replica paused: the group is
+        engines.members()[0].resume()
     finally:
         engines.close()
 
@@ -110,6 +114,9 @@ def test_a_killed_replica_fails_the_call_naming_it_without_replacement(local_ray
         health = engines.health()
         assert health["ok"] is False and health["engines"][0]["ok"] is True
         assert "replica-1 died" in health["engines"][1]["error"]
+        with pytest.raises(EngineUnavailable, match="replica-1 died"):
+            engines.is_paused()
+        assert is_paused(engines) is True  # it cannot say: nothing is unloaded there
     finally:
         engines.close()
 

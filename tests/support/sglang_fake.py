@@ -19,6 +19,15 @@ error bodies; where its answers carry more than SGLang's, this fake answers as S
   "Reloading evicted adapter"); `SGLangFakeServer.reloaded` lists the names brought back so. An adapter
   that came from tensors has the path `__tensor__`, which cannot be read again: that `/generate` is a 400
   "Failed to implicitly load LoRA adapter NAME: ..." (`TokenizerManager._resolve_lora_path`).
+* A `/generate` call one of whose requests is aborted, by id (`/abort_request`) or by `/pause_generation` in
+  `abort` mode (or `abort_all`), answers HTTP 499 `{"error": {"message": "Request RID was aborted"}}` for the
+  whole call, and its other requests are dropped unfinished (aborted in the engine). SGLang 0.5.17 does so
+  for a batch whose abort comes before it reaches the scheduler (`TokenizerManager.
+  _raise_if_logical_rid_aborted` raises `RequestAbortedError`, status 499; `_discard_pending_req_states`
+  drops the other rows; seen on the GPU host under the stress run); the fake does it whenever a row is
+  aborted so, the harder case for a client. Rows that end by the server's own deadline (`timeout`) or
+  because their adapter was unloaded keep per-row abort finishes. Our server (`lora_rl_core.engines.server`)
+  answers per-row aborts in every case.
 * `/load_lora_adapter_from_tensors` takes SGLang's own payload: base64 of a pickled `{peft_key: tensor}`
   (`MultiprocessingSerializer`), unpickled with an allow-list as SGLang's `SafeUnpickler` does. Only
   pickles with the data in them work here (no GPU: CUDA IPC handles cannot be opened).
@@ -34,11 +43,12 @@ import io
 import pickle
 from typing import Any
 
+import anyio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from lora_rl_core.engines.base import Completion, InferenceEngine
-from lora_rl_core.engines.server import EngineServer
+from lora_rl_core.engines.base import Completion, GenerationRequest, InferenceEngine
+from lora_rl_core.engines.server import HEALTH_CHECK_TIMEOUT_S, EngineServer
 from lora_rl_core.engines.server_adapters import TENSOR_ROOT, AdapterRoutes
 from lora_rl_core.engines.server_api import (
     AbortIn,
@@ -52,6 +62,10 @@ from lora_rl_core.engines.server_api import (
 from lora_rl_core.errors import EngineError
 
 SGLANG_ABORT_MESSAGE = "Aborted by AbortReq."  # sglang/srt/managers/scheduler.py, abort_request
+ABORTED_STATUS = 499  # sglang/srt/managers/tokenizer_manager.py, RequestAbortedError.status_code
+WHOLE_CALL_ABORTS = ("aborted", "paused")
+"""Abort reasons that fail the whole `/generate` call with HTTP 499: an abort by id or of all, a pause in
+`abort` mode (SGLang marks the request `abort_requested`)."""
 _CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len")
 
 
@@ -129,6 +143,40 @@ class SGLangFakeServer(EngineServer):
                 self.reloaded.append(name)
         await super()._check_adapters(names)
 
+    async def _complete(self, requests: list[GenerationRequest]) -> list[Completion]:
+        """As our server, except that the first request aborted by id or by an `abort` pause fails the whole
+        call with HTTP 499, after the other requests of the call are aborted in the engine (SGLang drops them).
+
+        Raises:
+            HTTPError: 499 `Request RID was aborted`; 504 as our server when requests hang past the deadline.
+        """
+        futures = [asyncio.wrap_future(f) for f in await anyio.to_thread.run_sync(self._submit_all, requests)]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        pending: set[asyncio.Future] = set(futures)
+        while pending and loop.time() < deadline:
+            done, pending = await asyncio.wait(
+                pending, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED
+            )
+            aborted = next((c for c in (_result(f) for f in done) if c and c.abort_reason in WHOLE_CALL_ABORTS), None)
+            if aborted is not None:
+                others = [r.request_id for r, f in zip(requests, futures, strict=True) if f in pending]
+                await anyio.to_thread.run_sync(self._abort_ids, others, "aborted")
+                if pending:
+                    await asyncio.wait(pending, timeout=HEALTH_CHECK_TIMEOUT_S)
+                raise HTTPError(ABORTED_STATUS, f"Request {self._rid_of(aborted.request_id)} was aborted")
+        if pending:  # the deadline: per-row `timeout` aborts, as our server
+            ids = [r.request_id for r, f in zip(requests, futures, strict=True) if f in pending]
+            await anyio.to_thread.run_sync(self._abort_ids, ids, "timeout")
+            _, stuck = await asyncio.wait(pending, timeout=HEALTH_CHECK_TIMEOUT_S)
+            if stuck:
+                raise HTTPError(504, f"generation did not finish within {self.request_timeout_s:g} s")
+        return [f.result() for f in futures]
+
+    def _rid_of(self, request_id: str) -> str:
+        """The client's rid of an engine request (SGLang names the logical request; `n > 1` expands it)."""
+        return next((rid for rid, ids in self.rids.items() if request_id in ids), request_id)
+
     async def abort_request(self, body: AbortIn) -> Response:  # type: ignore[override]
         """`POST /abort_request`: abort, then an empty 200 as SGLang (no count, no reason)."""
         await super().abort_request(AbortIn(rid=body.rid, abort_all=body.abort_all))
@@ -158,6 +206,11 @@ class SGLangFakeServer(EngineServer):
             await asyncio.sleep(self.health_check_timeout_s)
             return Response(status_code=503)
         return Response(status_code=200)
+
+
+def _result(future: asyncio.Future) -> Completion | None:
+    """A finished request's completion; None when it failed (its error is raised with the others')."""
+    return None if future.exception() is not None else future.result()
 
 
 def create_sglang_fake_app(engine: InferenceEngine, *, served_model_name: str = "fake-sglang") -> FastAPI:

@@ -146,6 +146,8 @@ class _Http(_Target):
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "n": group.n}
         body = {"input_ids": prompt, "sampling_params": sampling, "lora_path": group.name}
         response = self._http.post("/generate", json=body if rid is None else {**body, "rid": rid})
+        if response.status_code == 499:
+            raise LostCall(f"HTTP 499: {response.text[:300]}")
         if response.status_code >= 400:
             raise EngineError(f"HTTP {response.status_code}: {response.text[:300]}")
         outs = response.json()
@@ -169,8 +171,10 @@ class _SGLang(_Http):
     request finished): the version and abort-count checks cannot fail here. What can: lost samples, errors,
     hangs (an unload after n>1 traffic, sglang#36894), unloads while paused, and a retired version coming
     back (`revived_adapters`). `samples="group"` (the default here): `n` requests through `generate`, the
-    rollout path; `samples="n"`: one raw `/generate` with `sampling_params.n` and no rid (SGLang's n>1 rid
-    mapping is not ours to guess), so those groups get no aborts by id."""
+    rollout path (an HTTP 499 is `SGLangEngine`'s to resolve); `samples="n"`: one raw `/generate` with
+    `sampling_params.n` and no rid (SGLang's n>1 rid mapping is not ours to guess), so those groups get no
+    aborts by id, and a call SGLang fails with HTTP 499 during an `abort` pause is a group aborted `paused`
+    (`LostCall`)."""
 
     exact_abort_counts = False
 
@@ -193,6 +197,12 @@ class _SGLang(_Http):
 
     def revived(self) -> int:
         return int(self.engine.metrics()["revived_adapters"])
+
+
+class LostCall(EngineError):
+    """A raw `/generate` that SGLang failed as a whole with HTTP 499 (`Request RID was aborted`): 0.5.17 does so
+    to a call in flight when generation is paused in `abort` mode (docs/SGLANG.md). The group's samples count
+    as aborted with reason `paused` when such a pause overlapped the call (`_send`), else as an error."""
 
 
 def _http_sample(out: dict[str, Any]) -> Sample:
@@ -283,6 +293,12 @@ def _send(target: _Target, shared: Shared, group: Group, prompt: list[int], para
     start = time.monotonic()
     try:
         group.samples = shared.timed(f"generate {group.rid}", limit, lambda: target.send(group, prompt, params))
+    except LostCall as exc:
+        if shared.log.paused_after(group.submit_seq, "abort"):  # the pause aborted every sample of the call
+            version = adapter_version(group.name)
+            group.samples = [Sample(f"{group.rid}-{j}", "abort", group.name, version, "paused") for j in range(group.n)]
+        else:
+            group.error = str(exc)
     except LoraRLError as exc:
         group.error, group.rejected = str(exc), _is_unknown_adapter(str(exc))
     except Exception as exc:  # an HTTP transport error, a bug: recorded as an error, never swallowed silently
@@ -358,7 +374,7 @@ def _toggle(shared: Shared, kind: str, call: Callable[[], Any]) -> None:
     marked before the call, resume after it). A failed call is recorded, not raised."""
     with shared.control:
         if kind != "resume":
-            shared.log.mark("pause")
+            shared.log.mark("pause", kind.split(":", 1)[1])
             shared.count(**{kind: 1})
         try:
             shared.timed(kind, shared.settings.control_timeout_s, call)

@@ -175,6 +175,21 @@ class EventLog:
                 out.setdefault(name, seq)
         return out
 
+    def paused_after(self, seq: int, mode: str) -> bool:
+        """Whether a pause in `mode` was in force at some point after event `seq`: one marked (`pause`, named
+        by its mode) before now whose `resume` comes after `seq`, or has not come yet."""
+        with self._lock:
+            events = list(self.events)
+        opened: str | None = None
+        for at, kind, name in events:
+            if kind == "pause" and opened is None:
+                opened = name
+            elif kind == "resume" and opened is not None:
+                if opened == mode and at > seq:
+                    return True
+                opened = None
+        return opened == mode
+
     def intervals(self, start: str, end: str) -> list[tuple[int, int]]:
         """(start, end) sequence pairs of alternating `start`/`end` events; an open one ends at infinity."""
         out, opened = [], None

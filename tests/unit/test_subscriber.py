@@ -85,6 +85,9 @@ class FakeEngine:
     def list_adapters(self) -> dict[str, dict]:
         return {n: {**info, "in_flight": self.in_flight.get(n, 0)} for n, info in self.adapters.items()}
 
+    def is_paused(self) -> bool:
+        return self.paused
+
     def health(self) -> dict:
         return {"ok": True, "paused": self.paused}
 
