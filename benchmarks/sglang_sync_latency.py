@@ -14,8 +14,9 @@ them. One measurement, from the trainer's state dict to the first completion ser
   IPC handles in `/load_lora_adapter_from_tensors` (same host) -> first `generate`. LAYOUT is one of
   `sglang_tensors.IPC_LAYOUTS`: `per-tensor` (each tensor its own CUDA copy: what the client sent before),
   `packed` (views into one buffer) or `host` (one buffer the server copies to host memory once); DTYPE casts
-  before sending (`bfloat16`: the model's dtype, what SGLang's GPU pool holds). Without them: the client's
-  defaults (`ipc_payload`'s layout, the trainer's float32);
+  before sending (`bfloat16`: the model's dtype, what SGLang's GPU pool holds). Without them: `per-tensor`
+  and the trainer's float32, the client before `engine.tensor_layout` / `engine.tensor_dtype` (whose
+  defaults are `host` and `bfloat16`);
 * `inline[:DTYPE]`: the same with the data inline (CPU copy, pickle, base64 in the JSON body).
 
 The variants reach the client's own load path: while a variant loads, `sglang_tensors.ipc_payload` (or
@@ -391,7 +392,15 @@ def main() -> None:
                 record["server"]["prefill_graphs_failed"] = failure
                 timeout = args.request_timeout
                 engines = {
-                    t: SGLangEngine(server.url, timeout_s=timeout, control_timeout_s=timeout, tensor_transport=t)
+                    # per-tensor float32 unless a variant says otherwise: the client before engine.tensor_layout
+                    t: SGLangEngine(
+                        server.url,
+                        timeout_s=timeout,
+                        control_timeout_s=timeout,
+                        tensor_transport=t,
+                        tensor_layout="per-tensor",
+                        tensor_dtype="keep",
+                    )
                     for t in dict.fromkeys(v.transport for v in variants)
                 }
                 ctx: dict[str, Any] = {"engines": engines, "variants": list(variants), "ranks": ranks, "t0": t0}

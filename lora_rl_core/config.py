@@ -27,6 +27,10 @@ EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
 TensorTransport = Literal["auto", "ipc", "inline", "disk"]
 TENSOR_TRANSPORTS: tuple[str, ...] = get_args(TensorTransport)
 SGLangRetire = Literal["unload", "keep"]
+IpcLayout = Literal["per-tensor", "packed", "host"]
+IPC_LAYOUTS: tuple[str, ...] = get_args(IpcLayout)
+TensorDtype = Literal["bfloat16", "float16", "float32", "keep"]
+TENSOR_DTYPES: tuple[str, ...] = get_args(TensorDtype)
 SGLANG_RETIRE_POLICIES: tuple[str, ...] = get_args(SGLangRetire)
 OffPolicyCorrection = Literal[
     "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask", "geometric-mask"
@@ -261,6 +265,18 @@ class EngineConfig(Section):
     `disk`: the published version's folder (`/load_lora_adapter`); `auto`: `ipc` for a server on a loopback
     address when CUDA is available, else `disk`. A refused tensor load falls back to the folder
     (docs/SGLANG.md, "Tensor path")."""
+    tensor_layout: IpcLayout = "host"
+    """`tensor_transport` `ipc`: how the adapter's CUDA tensors are shared (`sglang_tensors`). `per-tensor`: one
+    CUDA IPC handle per tensor (SGLang opens each, then copies each to its CPU pool); `packed`: views into one
+    CUDA buffer (one handle); `host`: that buffer, copied to host memory once by the server while it reads
+    the request, so SGLang's per-tensor copies to its CPU pool copy nothing (about 1.7x an adapter's CPU
+    memory per resident version). Measured on an H100, rank 8 on Qwen2.5-0.5B shapes: publish -> first
+    completion 113 / 100 / 55 ms (benchmarks/results/sglang-real/README.md, 5a)."""
+    tensor_dtype: TensorDtype = "bfloat16"
+    """`sglang` tensor loads: the dtype the adapter tensors are sent in. SGLang keeps them as sent and casts to
+    its LoRA pool's dtype (the served model's, `--dtype`; bfloat16 for SmolLM2 and Qwen2.5 with `auto`) at
+    each first use, so sending that dtype halves the bytes and skips the cast; `keep` sends the trainer's
+    (float32). Set `float16` for a float16 server."""
     sglang_retire: SGLangRetire = "unload"
     """`sglang`: how a stale version is retired. `unload`: `/unload_lora_adapter` (frees SGLang's memory; on
     0.5.17 it can hang when requests are in flight or were aborted, so only while nothing else uses the

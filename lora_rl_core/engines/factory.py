@@ -82,14 +82,23 @@ def build_embedded_engine(
 def build_remote_engine(engine_cfg: EngineConfig) -> InferenceEngine:
     """The HTTP client(s) for `engine_cfg.urls` (`server` or `sglang`; a `MultiEngine` for several URLs),
     with the Bearer key read from the environment variable `engine_cfg.api_key_env`, the generation
-    deadline `engine_cfg.timeout_s` and, for SGLang, `engine_cfg.tensor_transport`.
+    deadline `engine_cfg.timeout_s` and `engine_cfg.tensor_transport`; for SGLang also `sglang_retire`,
+    `tensor_layout` and `tensor_dtype`.
 
     Raises:
         EngineError: `engine.type` is `embedded`, no URLs, or a malformed URL.
     """
     from lora_rl_core.engines.multi import connect_engines
 
-    sglang_only = {"retire": engine_cfg.sglang_retire} if engine_cfg.type == "sglang" else {}
+    sglang_only = (
+        {
+            "retire": engine_cfg.sglang_retire,
+            "tensor_layout": engine_cfg.tensor_layout,
+            "tensor_dtype": engine_cfg.tensor_dtype,
+        }
+        if engine_cfg.type == "sglang"
+        else {}
+    )
     return connect_engines(
         engine_cfg.type,
         engine_cfg.urls,

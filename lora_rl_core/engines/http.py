@@ -53,7 +53,13 @@ from typing import Any
 import httpx
 
 from lora_rl_core.adapters import adapter_version, safetensors_bytes
-from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_RETIRE_POLICIES, TENSOR_TRANSPORTS
+from lora_rl_core.config import (
+    ENGINE_DEFAULTS,
+    IPC_LAYOUTS,
+    SGLANG_RETIRE_POLICIES,
+    TENSOR_DTYPES,
+    TENSOR_TRANSPORTS,
+)
 from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, SamplingParams
 from lora_rl_core.engines.http_tracking import InFlightRequests, RetiredAdapters
 from lora_rl_core.engines.http_wire import (
@@ -95,9 +101,12 @@ class SGLangEngine:
         tensor_transport: how adapters given as tensors are sent (`config.TENSOR_TRANSPORTS`).
         retire: `unload` (`unload_adapter` calls `/unload_lora_adapter`) or `keep` (it only retires the name
             in this client and leaves the weights resident on the server; `engine.sglang_retire`).
+        tensor_layout: how `ipc` shares the tensors (`engine.tensor_layout`, `config.IPC_LAYOUTS`).
+        tensor_dtype: the dtype tensors are sent in, or `keep` (`engine.tensor_dtype`, `config.TENSOR_DTYPES`).
 
     Raises:
-        EngineError: `url` is not http(s), or an unknown `tensor_transport` or `retire`.
+        EngineError: `url` is not http(s), or an unknown `tensor_transport`, `retire`, `tensor_layout` or
+            `tensor_dtype`.
     """
 
     reports_adapter_version = False
@@ -117,6 +126,8 @@ class SGLangEngine:
         max_concurrency: int = 4,
         tensor_transport: str = ENGINE_DEFAULTS.tensor_transport,
         retire: str = ENGINE_DEFAULTS.sglang_retire,
+        tensor_layout: str = ENGINE_DEFAULTS.tensor_layout,
+        tensor_dtype: str = ENGINE_DEFAULTS.tensor_dtype,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise EngineError(f"engine URL {url!r} must start with http:// or https://")
@@ -134,7 +145,13 @@ class SGLangEngine:
             raise EngineError(f"tensor_transport must be one of {TENSOR_TRANSPORTS}, got {tensor_transport!r}")
         if retire not in SGLANG_RETIRE_POLICIES:
             raise EngineError(f"retire must be one of {SGLANG_RETIRE_POLICIES}, got {retire!r}")
+        if tensor_layout not in IPC_LAYOUTS:
+            raise EngineError(f"tensor_layout must be one of {IPC_LAYOUTS}, got {tensor_layout!r}")
+        if tensor_dtype not in TENSOR_DTYPES:
+            raise EngineError(f"tensor_dtype must be one of {TENSOR_DTYPES}, got {tensor_dtype!r}")
         self.tensor_transport = tensor_transport
+        self.tensor_layout = tensor_layout
+        self.tensor_dtype = tensor_dtype
         self._tensor_fallback: str | None = None
         self.retire = retire
         self._kept: set[str] = set()  # retired here, left resident on the server (retire="keep")
@@ -460,13 +477,16 @@ class SGLangEngine:
     ) -> None:
         """`/load_lora_adapter_from_tensors` with one payload (tensor parallelism 1); the CUDA tensors an
         `ipc` payload refers to live until the server has answered (SGLang copies them to its CPU pool)."""
+        import torch
+
         from lora_rl_core.engines.sglang_tensors import inline_payload, ipc_payload, release_ipc
 
+        dtype = None if self.tensor_dtype == "keep" else getattr(torch, self.tensor_dtype)
         shared: dict | None = None
         if transport == "ipc":
-            payload, shared = ipc_payload(tensors)
+            payload, shared = ipc_payload(tensors, layout=self.tensor_layout, dtype=dtype)
         else:
-            payload = inline_payload(tensors)
+            payload = inline_payload(tensors, dtype=dtype)
         body = {"lora_name": name, "config_dict": json_safe(config), "serialized_named_tensors": [payload]}
         try:
             self._update("/load_lora_adapter_from_tensors", {**body, "pinned": pinned}, timeout_s)

@@ -18,10 +18,10 @@ Two transports (docs/SGLANG.md, "Tensor path"):
 
   - `per-tensor`: each tensor its own CUDA copy. The server pays per tensor an IPC event open and wait, a
     `cudaIpcOpenMemHandle` per distinct allocator segment, a refcount release and a synchronous `.cpu()`.
-  - `packed` (default): one contiguous CUDA buffer per dtype and views into it. torch's `rebuild_cuda_tensor`
+  - `packed`: one contiguous CUDA buffer per dtype and views into it. torch's `rebuild_cuda_tensor`
     caches storages by (handle, offset), so the server opens the buffer once; it still copies each view to
     host memory by its own `.cpu()` (each weight its own CPU tensor, as with `per-tensor`).
-  - `host`: the packed buffer is copied to host memory once while the server unpickles
+  - `host` (default, `engine.tensor_layout`): the packed buffer is copied to host memory once while the server unpickles
     (`torch._utils._rebuild_device_tensor_from_cpu_tensor`, one device-to-host copy) and the weights are
     `torch.as_strided` views of that copy, so SGLang's `.cpu()` finds them on the CPU already. The views
     keep the whole host copy alive while the adapter is loaded (SGLang concatenates q/k/v and gate/up into
@@ -56,13 +56,12 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's ForkingPickler reductions (CUDA IPC handles)
 from torch.multiprocessing import reductions
 
-from lora_rl_core.config import TENSOR_TRANSPORTS
+from lora_rl_core.config import ENGINE_DEFAULTS, IPC_LAYOUTS, TENSOR_TRANSPORTS
 from lora_rl_core.errors import EngineError
 
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 _DEVICE_ARG = 6  # index of the device in `reduce_tensor`'s CUDA rebuild args (SGLang's _REDUCE_TENSOR_ARG_DEVICE_INDEX)
-IPC_LAYOUTS = ("per-tensor", "packed", "host")
-DEFAULT_IPC_LAYOUT = "packed"
+DEFAULT_IPC_LAYOUT = ENGINE_DEFAULTS.tensor_layout
 
 
 def is_loopback(url: str) -> bool:
