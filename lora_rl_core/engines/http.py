@@ -74,6 +74,7 @@ from lora_rl_core.engines.http_wire import (
     sampling_body,
     to_completion,
 )
+from lora_rl_core.engines.requests import aborted_completion
 from lora_rl_core.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -262,7 +263,7 @@ class SGLangEngine:
                 if not pending:
                     break
         completions = [
-            self._aborted(r, lost[r.request_id])
+            aborted_completion(r, adapter_version(r.adapter), lost[r.request_id])
             if r.request_id in lost
             else to_completion(
                 r,
@@ -346,20 +347,6 @@ class SGLangEngine:
             return [], bool(kept)
         rids.update(fresh)
         return [r for r in pending if r.request_id in fresh], bool(kept)
-
-    @staticmethod
-    def _aborted(request: GenerationRequest, reason: str) -> Completion:
-        """The completion of a request that ended with a call SGLang lost (HTTP 499): aborted, no tokens."""
-        return Completion(
-            request_id=request.request_id,
-            prompt_ids=list(request.prompt_ids),
-            completion_ids=[],
-            logprobs=[],
-            finish_reason="abort",
-            adapter=request.adapter,
-            adapter_version=adapter_version(request.adapter),
-            abort_reason=reason,
-        )
 
     def _sampling_payload(self, params: SamplingParams, n: int) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang seeds each request: give request i the seed `seed + i` so a group's samples differ."""
