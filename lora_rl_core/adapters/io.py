@@ -14,12 +14,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
-import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from lora_rl_core.adapters.names import (
     CONFIG_FILE,
@@ -32,7 +29,10 @@ from lora_rl_core.adapters.names import (
 )
 from lora_rl_core.errors import StoreError
 
-TensorsAndConfig = tuple[dict[str, torch.Tensor], dict[str, Any]]
+if TYPE_CHECKING:
+    import torch
+
+TensorsAndConfig = tuple[dict[str, "torch.Tensor"], dict[str, Any]]
 """An adapter in memory: PEFT state dict (CPU tensors, keys as PEFT saves them) and its config dict."""
 
 MAX_HEADER_BYTES = 100 * 2**20
@@ -48,6 +48,8 @@ _DTYPE_BYTES = {
 def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     """A safetensors file of ``tensors`` (copied to CPU, contiguous, metadata ``{"format": "pt"}``), as the store
     writes it and SGLang's ``load_lora_adapter_from_tensors`` reads it."""
+    from safetensors.torch import save as st_save  # lazy: importing torch takes ~1 s (CLI start-up)
+
     return st_save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
 
 
@@ -103,6 +105,8 @@ def load_safetensors(data: bytes, where: str = MODEL_FILE) -> dict[str, torch.Te
     Raises:
         StoreError: a malformed or truncated file; ``where`` names it.
     """
+    from safetensors.torch import load as st_load  # lazy, as in safetensors_bytes
+
     safetensors_shapes(data, where)
     try:
         return st_load(data)

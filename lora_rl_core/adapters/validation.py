@@ -30,20 +30,18 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from lora_rl_core.adapters.names import CONFIG_FILE, MODEL_FILE
 from lora_rl_core.errors import StoreError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 _KEY_RE = re.compile(
     r"(?:base_model\.model\.)?(?P<module>.+?)\."
     r"(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?"
 )
-_LINEAR_KINDS = (nn.Linear,)
-_OTHER_KINDS = (nn.Embedding, nn.Conv1d, nn.Conv2d)
 _PEFT_PREFIX_RE = re.compile(r"^base_model\.model\.")
 _PEFT_SUFFIX_RE = re.compile(r"\.(base_layer|lora_[AB]\.[^.]+|lora_embedding_[AB])$")
 
@@ -59,7 +57,10 @@ def adaptable_module_names(model: nn.Module, *, linear_only: bool = False) -> li
     their base layer's name, so a wrapped model gives the same list. The output head is included
     (PEFT's ``all-linear`` leaves it out: ``lora.linear_suffixes`` does that).
     """
-    kinds = _LINEAR_KINDS if linear_only else _LINEAR_KINDS + _OTHER_KINDS
+    from torch import nn  # lazy: the store and the CLI import this module without needing torch
+
+    linear: tuple[type, ...] = (nn.Linear,)
+    kinds = linear if linear_only else (*linear, nn.Embedding, nn.Conv1d, nn.Conv2d)
     names = set()
     for name, module in model.named_modules():
         if name and (isinstance(module, kinds) or type(module).__name__ == "Conv1D"):
@@ -80,6 +81,8 @@ def check_finite(tensors: Mapping[str, Any], where: str = MODEL_FILE) -> None:
     Raises:
         StoreError: naming the first bad tensor.
     """
+    import torch
+
     for key, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise StoreError(f"{where}: {key!r} is a {type(t).__name__}, not a tensor")

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import fsspec
-import torch
 from fsspec import AbstractFileSystem
 
 from lora_rl_core.adapters.validation import AdapterRules
@@ -30,6 +30,9 @@ from lora_rl_core.store.reader import VersionReader
 from lora_rl_core.store.retention import Retention
 from lora_rl_core.store.tags import AdapterTags
 from lora_rl_core.store.verify import AdapterVerifier
+
+if TYPE_CHECKING:
+    import torch
 
 
 class AdapterStore:

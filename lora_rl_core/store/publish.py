@@ -16,9 +16,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lora_rl_core.adapters.io import load_safetensors, refuse_pickles, safetensors_bytes
 from lora_rl_core.adapters.names import CONFIG_FILE, LATEST_FILE, MODEL_FILE, adapter_name
@@ -28,6 +26,9 @@ from lora_rl_core.store.io import StoreIO
 from lora_rl_core.store.layout import MAX_JSON_BYTES, StoreLayout, json_bytes, json_load, sha256_hex, utc_now
 from lora_rl_core.store.models import AdapterManifest, AdapterRef, FileEntry
 from lora_rl_core.store.reader import VersionReader
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from lora_rl_core.adapters.io import load_safetensors, safetensors_shapes
 from lora_rl_core.adapters.names import CONFIG_FILE, MANIFEST_FILE, MODEL_FILE, adapter_name
@@ -22,6 +21,9 @@ from lora_rl_core.store.io import StoreIO
 from lora_rl_core.store.layout import StoreLayout, json_load, sha256_hex
 from lora_rl_core.store.models import AdapterManifest
 from lora_rl_core.store.reader import VersionReader
+
+if TYPE_CHECKING:
+    import torch
 
 
 class AdapterVerifier:
