@@ -47,7 +47,7 @@ import io
 import math
 import pickle
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 from urllib.parse import urlsplit
@@ -104,13 +104,10 @@ def pack(
         The same keys in the same order, each a contiguous view (same shape) into its dtype's buffer; the
         views of one buffer cover it end to end in key order. Writing to the inputs does not change them.
     """
-    views: dict[str, torch.Tensor] = {}
-    for flat, names in _pack(tensors, device, dtype):
-        offset = 0
-        for name in names:
-            numel = tensors[name].numel()
-            views[name] = flat[offset : offset + numel].view(tensors[name].shape)
-            offset += numel
+    views = {
+        name: flat[offset : offset + math.prod(size)].view(size)
+        for flat, name, size, offset in _spans(_pack(tensors, device, dtype), {k: v.shape for k, v in tensors.items()})
+    }
     return {name: views[name] for name in tensors}
 
 
@@ -128,6 +125,18 @@ def _pack(
         (_concat([tensors[n].detach().reshape(-1) for n in names], target, group_dtype), names)
         for group_dtype, names in groups.items()
     ]
+
+
+def _spans(
+    buffers: list[tuple[torch.Tensor, list[str]]], shapes: Mapping[str, torch.Size]
+) -> Iterator[tuple[torch.Tensor, str, tuple[int, ...], int]]:
+    """(buffer, name, size, element offset) of each name in `_pack`'s buffers, end to end in buffer order."""
+    for flat, names in buffers:
+        offset = 0
+        for name in names:
+            size = tuple(shapes[name])
+            yield flat, name, size, offset
+            offset += math.prod(size)
 
 
 def _concat(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -168,14 +177,11 @@ class _HostView:
 
 def _host_views(buffers: list[tuple[torch.Tensor, list[str]]], shapes: Mapping[str, torch.Size]) -> dict:
     """`_HostView`s of `_pack`'s buffers (one `_HostCopy` each), in `shapes`' key order."""
-    views: dict[str, _HostView] = {}
-    for flat, names in buffers:
-        host = _HostCopy(flat)
-        offset = 0
-        for name in names:
-            size = tuple(shapes[name])
-            views[name] = _HostView(host, size, _contiguous_strides(size), offset)
-            offset += math.prod(size)
+    hosts = {id(flat): _HostCopy(flat) for flat, _ in buffers}  # one host copy per buffer
+    views = {
+        name: _HostView(hosts[id(flat)], size, _contiguous_strides(size), offset)
+        for flat, name, size, offset in _spans(buffers, shapes)
+    }
     return {name: views[name] for name in shapes}
 
 
