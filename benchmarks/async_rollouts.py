@@ -23,6 +23,15 @@ Usage::
 
 On SGLang 0.5.17 use `engine.sglang_retire=keep`: its unload hangs under concurrent traffic, which async
 rollouts are (docs/HOTSWAP.md).
+
+Variants (`--variants`): each is `NAME` (`sync` or `async`) or `NAME:key=value;key=value` (config overrides of
+that variant only, `rollout.mode` among them), e.g.
+`async-seqmask:rollout.mode=async;algorithm.off_policy_correction=sequence-mask`.
+The first variant is the baseline that the others are compared with, seed by seed. Every run keeps its
+per-step curves (reward, entropy, gradient norm, importance weights, ...). `--check-versions K` also measures
+the greedy accuracy of each run's last K versions with the transformers + PEFT engine (`engine.type: embedded`
+on the config's device): a second opinion on the engine's final evaluation, and a less noisy end point (the
+mean over the last K versions) than one version's accuracy.
 """
 
 from __future__ import annotations
@@ -41,19 +50,40 @@ import _common
 from _common import RESULTS, machine_info, print_table, write_json
 
 MODES = ("sync", "async")
+CURVES = ("reward_mean", "entropy", "grad_norm", "train_sequences", "is_weight_mean", "is_weight_max",
+          "is_masked_fraction", "logprob_mismatch", "clip_fraction", "step_seconds")  # fmt: skip
+"""Step metrics kept per run as curves (`None` where a step has no value, e.g. no IS weights in sync)."""
 
 
-def run_mode(mode: str, args: argparse.Namespace, store: str, output_dir: str, seed: int | None) -> dict[str, Any]:
-    """One training flow in `mode` (with `run.seed=seed` unless None); its summary and the step metrics that the
-    comparison needs."""
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """`NAME` or `NAME:key=value;key=value` -> (name, overrides); a bare `sync` / `async` sets `rollout.mode`.
+
+    Raises:
+        SystemExit: a variant whose overrides set no `rollout.mode` and whose name is not a mode.
+    """
+    name, _, rest = text.partition(":")
+    overrides = [o.strip() for o in rest.split(";") if o.strip()]
+    if not any(o.startswith("rollout.mode=") for o in overrides):
+        if name not in MODES:
+            raise SystemExit(f"--variants {text!r}: name a mode ({', '.join(MODES)}) or set rollout.mode=...")
+        overrides.append(f"rollout.mode={name}")
+    return name, overrides
+
+
+def run_variant(
+    variant: tuple[str, list[str]], args: argparse.Namespace, store: str, output_dir: str, seed: int | None
+) -> dict[str, Any]:
+    """One training flow of `variant` (with `run.seed=seed` unless None); its summary, the step metrics that the
+    comparison needs and its per-step curves."""
     from flows.grpo_lora import train
 
+    name, variant_overrides = variant
     stamp = time.strftime("%H%M%S")
     overrides = [
         *args.set,
         *([] if seed is None else [f"run.seed={seed}"]),
-        f"rollout.mode={mode}",
-        f"run.id=bench-{mode}-{'' if seed is None else f's{seed}-'}{stamp}",
+        *variant_overrides,
+        f"run.id=bench-{name}-{'' if seed is None else f's{seed}-'}{stamp}",
         f"store.uri={store}",
         f"run.output_dir={output_dir}",
     ]
@@ -69,8 +99,11 @@ def run_mode(mode: str, args: argparse.Namespace, store: str, output_dir: str, s
         lag.update(h.get("version_lag") or {})
     weights = [h["is_weight_mean"] for h in history if "is_weight_mean" in h]
     return {
-        "mode": mode,
+        "variant": name,
+        "mode": next(o.split("=", 1)[1] for o in variant_overrides if o.startswith("rollout.mode=")),
+        "variant_overrides": variant_overrides,
         "seed": seed,
+        "run_id": summary["run_id"],
         "steps": len(history),
         "flow_wall_seconds": wall,
         "step_seconds_mean": statistics.mean(timed),
@@ -84,101 +117,175 @@ def run_mode(mode: str, args: argparse.Namespace, store: str, output_dir: str, s
         "base_accuracy": summary["base_accuracy"],
         "final_accuracy": summary["final_accuracy"],
         "reward_mean_last5": statistics.mean(h["reward_mean"] for h in history[-5:]),
+        "curves": {k: [_round(h.get(k)) for h in history] for k in CURVES},
         "runtime": summary["runtime"],
     }
 
 
+def _round(value: Any) -> Any:
+    return round(value, 5) if isinstance(value, float) else value
+
+
+class VersionCheck:
+    """Greedy accuracy of stored versions with the transformers + PEFT engine: one copy of the model for the
+    whole benchmark (`engine.type: embedded` on the config's device), the versions loaded from the store."""
+
+    def __init__(self, args: argparse.Namespace, store: str) -> None:
+        from lora_rl_core.config import load_config
+        from lora_rl_core.engines.factory import build_embedded_engine
+        from lora_rl_core.models import load_tokenizer
+
+        self.cfg = load_config(
+            args.config, [*args.set, f"store.uri={store}", "engine.type=embedded", "engine.max_batch_size=512"]
+        )
+        self.store = self.cfg.store.build()
+        self.tokenizer = load_tokenizer(self.cfg.model)
+        self.engine = build_embedded_engine(self.cfg.engine, self.cfg.model, self.store, tokenizer=self.tokenizer)
+
+    def accuracies(self, run_id: str, seed: int | None, versions: list[int]) -> dict[str, float]:
+        """`{version: greedy accuracy}` on the run's held-out problems (the seed's split, as the flow's)."""
+        from lora_rl_core.evaluation import evaluate_accuracy
+        from lora_rl_core.run import build_problems
+
+        problems = build_problems(self.cfg.data, "test", self.cfg.run.seed if seed is None else seed)
+        result: dict[str, float] = {}
+        for version in versions:
+            ref = self.store.resolve(f"{run_id}@{version}")
+            self.engine.load_adapter(ref.name, path=ref.uri)
+            try:
+                acc = evaluate_accuracy(
+                    self.engine,
+                    self.tokenizer,
+                    problems,
+                    adapter=ref.name,
+                    rollout=self.cfg.rollout,
+                    max_new_tokens=self.cfg.run.eval_max_new_tokens or self.cfg.rollout.max_new_tokens,
+                )
+            finally:
+                self.engine.unload_adapter(ref.name)
+            result[str(version)] = acc["accuracy"]
+        return result
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def main() -> int:
-    """Run both modes for each seed, print the tables, write the JSON."""
+    """Run every variant for each seed, print the tables, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/smollm2-arith-grpo.yaml")
     parser.add_argument("--steps", type=int, default=None, help="default: the config's trainer.steps")
-    parser.add_argument("--set", nargs="*", default=[], help="config overrides for both modes (key=value)")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides for every variant (key=value)")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(MODES), help="NAME or NAME:key=value;... (module docstring)"
+    )
     parser.add_argument(
         "--seeds", default=None, help="comma-separated run.seed values, each run in every mode (default: the config's)"
     )
+    parser.add_argument("--check-versions", type=int, default=0, help="greedy accuracy of each run's last K versions "
+                        "with the transformers + PEFT engine (0: off)")  # fmt: skip
     parser.add_argument("--launch-sglang", action="store_true", help="one SGLang server for every run")
     parser.add_argument("--device", default="cpu", help="for the machine facts only; the config picks the device")
     parser.add_argument("--out", type=Path, default=None, help="default: results/async_rollouts_<device>.json")
     args = parser.parse_args()
+    variants = [parse_variant(v) for v in args.variants]
     seeds: list[int | None] = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
     work = Path(tempfile.mkdtemp(prefix="async-bench-"))
     store, output_dir = f"file://{work / 'store'}", str(work / "runs")
-    server = None
-    if args.launch_sglang:
-        from lora_rl_core.config import load_config
-        from lora_rl_core.engines.sglang_server import launch_sglang
-
-        cfg = load_config(args.config, [*args.set, "engine.launch.enabled=true"])
-        server = launch_sglang(cfg, work / "sglang.log")
-        args.set = [*args.set, "engine.launch.enabled=false", f"engine.urls=[{server.url}]"]
+    server, check = None, None
     out = args.out or RESULTS / f"async_rollouts_{args.device.split(':')[0]}.json"
     results: list[dict[str, Any]] = []
     try:
+        if args.launch_sglang:
+            from lora_rl_core.config import load_config
+            from lora_rl_core.engines.sglang_server import launch_sglang
+
+            cfg = load_config(args.config, [*args.set, "engine.launch.enabled=true"])
+            server = launch_sglang(cfg, work / "sglang.log")
+            args.set = [*args.set, "engine.launch.enabled=false", f"engine.urls=[{server.url}]"]
+        if args.check_versions:
+            check = VersionCheck(args, store)
         for seed in seeds:
-            for mode in args.modes.split(","):
-                results.append(run_mode(mode, args, store, output_dir, seed))
+            for variant in variants:
+                r = run_variant(variant, args, store, output_dir, seed)
+                if check is not None:
+                    last = r["steps"]
+                    versions = list(range(max(0, last - args.check_versions + 1), last + 1))
+                    r["check_accuracy"] = check.accuracies(r["run_id"], seed, versions)
+                    r["check_accuracy_mean"] = statistics.mean(r["check_accuracy"].values())
+                results.append(r)
                 write_json(_record(args, results), out)  # after each run: a time limit keeps what finished
     finally:
+        if check is not None:
+            check.close()
         if server is not None:
             print("sglang log tail:\n" + server.log_tail(30), flush=True)
             server.stop()
     record = _record(args, results)
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     print_table(
-        f"sync vs async rollouts ({args.config}, {results[0]['steps']} steps)",
-        ["seed", "mode", "s/step", "steps/h", "rollout compl/s", "rollout s", "train s", "version lag", "IS weight",
-         "acc before", "acc after", "batch acc last 5"],
+        f"variants ({args.config}, {results[0]['steps']} steps)",
+        ["seed", "variant", "s/step", "steps/h", "rollout compl/s", "rollout s", "train s", "version lag",
+         "IS weight", "acc before", "acc after", "check acc (mean)", "batch acc last 5"],
         [
-            [r["seed"] if r["seed"] is not None else "-", r["mode"], r["step_seconds_mean"], r["steps_per_hour"],
+            [r["seed"] if r["seed"] is not None else "-", r["variant"], r["step_seconds_mean"], r["steps_per_hour"],
              r["rollout_completions_per_second"], r["rollout_seconds_mean"], r["train_seconds_mean"],
              " ".join(f"{k}:{v}" for k, v in r["version_lag"].items()), r["is_weight_mean"] or "-",
-             pct(r["base_accuracy"]), pct(r["final_accuracy"]), pct(r["reward_mean_last5"])]
+             pct(r["base_accuracy"]), pct(r["final_accuracy"]), pct(r.get("check_accuracy_mean")),
+             pct(r["reward_mean_last5"])]
             for r in results
         ],
     )  # fmt: skip
-    summary = record["summary"]
-    speedup = summary["async_over_sync_steps_per_hour"]
-    if speedup is not None:
-        print(f"async / sync steps per hour: {speedup:.2f}x (goal on the GPU: >= 1.5x)")
-    if summary["final_accuracy_gap_mean"] is not None:
-        print(
-            f"final greedy accuracy, async - sync: {100 * summary['final_accuracy_gap_mean']:+.1f} points "
-            f"(per seed {', '.join(f'{100 * g:+.1f}' for g in summary['final_accuracy_gaps'])}; goal: within 5)"
-        )
+    for name, s in record["summary"].items():
+        if s["steps_per_hour_ratio"] is not None:
+            print(f"{name} / {record['baseline']} steps per hour: {s['steps_per_hour_ratio']:.2f}x (goal: >= 1.5x)")
+        if s["final_accuracy_gap_mean"] is not None:
+            print(
+                f"final greedy accuracy, {name} - {record['baseline']}: {100 * s['final_accuracy_gap_mean']:+.1f} "
+                f"points (per seed {', '.join(f'{100 * g:+.1f}' for g in s['final_accuracy_gaps'])}; goal: within 5)"
+            )
     write_json(record, out)
     return 0
 
 
+def _gaps(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str) -> dict[str, Any]:
+    gaps = [v[key] - b[key] for b, v in pairs if v.get(key) is not None and b.get(key) is not None]
+    return {f"{key}_gaps": gaps, f"{key}_gap_mean": statistics.mean(gaps) if gaps else None}
+
+
 def _record(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON record: settings, machine, each run's results, and a summary over the seeds where both modes
-    ran: async over sync steps per hour (mean step times), and async minus sync final greedy accuracy and
-    last-5-step batch accuracy (per seed and mean)."""
-    pairs: dict[Any, dict[str, dict[str, Any]]] = {}
+    """The JSON record: settings, machine, each run's results, and per variant other than the baseline (the
+    first) a summary over the seeds where both ran: its steps per hour over the baseline's (mean step
+    times), and its minus the baseline's final greedy accuracy, last-5-step batch accuracy and (with
+    `--check-versions`) mean accuracy of the last versions, per seed and mean."""
+    names = [parse_variant(v)[0] for v in args.variants]
+    by_seed: dict[Any, dict[str, dict[str, Any]]] = {}
     for r in results:
-        pairs.setdefault(r["seed"], {})[r["mode"]] = r
-    both = [p for p in pairs.values() if {"sync", "async"} <= p.keys()]
-    gaps = [p["async"]["final_accuracy"] - p["sync"]["final_accuracy"] for p in both
-            if p["async"]["final_accuracy"] is not None and p["sync"]["final_accuracy"] is not None]  # fmt: skip
-    batch_gaps = [p["async"]["reward_mean_last5"] - p["sync"]["reward_mean_last5"] for p in both]
-    speedup = None
-    if both:
-        step_s = {m: statistics.mean(p[m]["step_seconds_mean"] for p in both) for m in MODES}
-        speedup = step_s["sync"] / step_s["async"]
+        by_seed.setdefault(r["seed"], {})[r["variant"]] = r
+    summary: dict[str, Any] = {}
+    for name in names[1:]:
+        pairs = [(runs[names[0]], runs[name]) for runs in by_seed.values() if {names[0], name} <= runs.keys()]
+        ratio = None
+        if pairs:
+            ratio = statistics.mean(b["step_seconds_mean"] for b, _ in pairs) / statistics.mean(
+                v["step_seconds_mean"] for _, v in pairs
+            )
+        summary[name] = {
+            "seeds": [b["seed"] for b, _ in pairs],
+            "steps_per_hour_ratio": ratio,
+            **_gaps(pairs, "final_accuracy"),
+            **_gaps(pairs, "reward_mean_last5"),
+            **_gaps(pairs, "check_accuracy_mean"),
+        }
     return {
         "config": args.config,
         "overrides": args.set,
+        "variants": args.variants,
+        "baseline": names[0],
         "seeds": args.seeds,
         "machine": machine_info(args.device),
         "results": results,
-        "summary": {
-            "async_over_sync_steps_per_hour": speedup,
-            "final_accuracy_gaps": gaps,
-            "final_accuracy_gap_mean": statistics.mean(gaps) if gaps else None,
-            "batch_accuracy_last5_gaps": batch_gaps,
-            "batch_accuracy_last5_gap_mean": statistics.mean(batch_gaps) if batch_gaps else None,
-        },
+        "summary": summary,
     }
 
 
