@@ -136,7 +136,8 @@ class VersionCheck:
         from lora_rl_core.models import load_tokenizer
 
         self.cfg = load_config(
-            args.config, [*args.set, f"store.uri={store}", "engine.type=embedded", "engine.max_batch_size=512"]
+            args.config,
+            [*args.set, f"store.uri={store}", "engine.type=embedded", "engine.urls=[]", "engine.max_batch_size=512"],
         )
         self.store = self.cfg.store.build()
         self.tokenizer = load_tokenizer(self.cfg.model)
