@@ -17,7 +17,8 @@ OUT=${OUT:-/tmp/out}
 CONFIG=${CONFIG:-configs/smollm2-arith-grpo.yaml}
 VARIANTS=${VARIANTS:-"sync async async-none:rollout.mode=async;algorithm.off_policy_correction=none async-seqmask:rollout.mode=async;algorithm.off_policy_correction=sequence-mask"}
 export PYTHONPATH=/tmp/ours:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PREFECT_SERVER_ANALYTICS_ENABLED=false
+# four ephemeral Prefect servers start beside four SGLang servers: more than the default 20 s on a fresh host
+export PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
 
 case ${1:-} in
 start)
