@@ -48,12 +48,14 @@ def _t975(df: int) -> float:
 
 
 def _stats(gaps: list[float]) -> dict[str, Any]:
-    """Mean, median, standard deviation and the 95 % confidence interval of the mean of `gaps` (points)."""
+    """The gaps (points, seed order) with their mean, median, standard deviation and the 95 % confidence
+    interval of the mean."""
     n = len(gaps)
     mean = statistics.mean(gaps)
     sd = statistics.stdev(gaps) if n > 1 else None
     half = _t975(n - 1) * sd / n**0.5 if sd is not None else None
     return {
+        "values": gaps,
         "n": n,
         "mean": mean,
         "median": statistics.median(gaps),
@@ -61,6 +63,10 @@ def _stats(gaps: list[float]) -> dict[str, Any]:
         "ci95": None if half is None else [mean - half, mean + half],
         "within_5": sum(abs(g) <= 5.0 for g in gaps),
     }
+
+
+def _below(run: dict[str, Any], threshold: float) -> bool:
+    return run.get("final_accuracy") is not None and run["final_accuracy"] < threshold
 
 
 def parity(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -80,11 +86,14 @@ def parity(records: list[dict[str, Any]]) -> dict[str, Any]:
             if r["seed"] in seeds:
                 raise ValueError(f"seed {r['seed']} of variant {r['variant']} appears twice")
             seeds[r["seed"]] = r
-    base = runs.pop(baseline)
-    base_final = statistics.mean(r["final_accuracy"] for r in base.values())
+    base = runs.pop(baseline, {})
+    finals = [r["final_accuracy"] for r in base.values() if r.get("final_accuracy") is not None]
+    base_final = statistics.mean(finals) if finals else 0.0
     report: dict[str, Any] = {"baseline": baseline, "baseline_seeds": len(base), "variants": {}}
     for name, seeds in runs.items():
         common = sorted(set(seeds) & set(base), key=str)
+        if not common:
+            continue
         per_seed = [
             {
                 "seed": s,
@@ -110,8 +119,8 @@ def parity(records: list[dict[str, Any]]) -> dict[str, Any]:
             "seeds": common,
             "per_seed": per_seed,
             "gaps": stats,
-            "collapsed": [s for s in common if seeds[s]["final_accuracy"] < base_final / 2],
-            "baseline_collapsed": [s for s in common if base[s]["final_accuracy"] < base_final / 2],
+            "collapsed": [s for s in common if _below(seeds[s], base_final / 2)],
+            "baseline_collapsed": [s for s in common if _below(base[s], base_final / 2)],
             "step_seconds_ratio": statistics.mean(base[s]["step_seconds_mean"] for s in common)
             / statistics.mean(seeds[s]["step_seconds_mean"] for s in common),
         }

@@ -48,6 +48,7 @@ from typing import Any
 
 import _common
 from _common import RESULTS, machine_info, print_table, write_json
+from async_parity_report import parity
 
 MODES = ("sync", "async")
 CURVES = ("reward_mean", "entropy", "grad_norm", "train_sequences", "is_weight_mean", "is_weight_max",
@@ -237,57 +238,32 @@ def main() -> int:
             for r in results
         ],
     )  # fmt: skip
-    for name, s in record["summary"].items():
-        if s["steps_per_hour_ratio"] is not None:
-            print(f"{name} / {record['baseline']} steps per hour: {s['steps_per_hour_ratio']:.2f}x (goal: >= 1.5x)")
-        if s["final_accuracy_gap_mean"] is not None:
+    for name, v in record["summary"].items():
+        print(f"{name} / {record['baseline']} steps per hour: {v['step_seconds_ratio']:.2f}x (goal: >= 1.5x)")
+        if "final_accuracy" in v["gaps"]:
+            gaps = v["gaps"]["final_accuracy"]
             print(
-                f"final greedy accuracy, {name} - {record['baseline']}: {100 * s['final_accuracy_gap_mean']:+.1f} "
-                f"points (per seed {', '.join(f'{100 * g:+.1f}' for g in s['final_accuracy_gaps'])}; goal: within 5)"
+                f"final greedy accuracy, {name} - {record['baseline']}: {gaps['mean']:+.1f} points "
+                f"(per seed {', '.join(f'{g:+.1f}' for g in gaps['values'])}; goal: within 5)"
             )
     write_json(record, out)
     return 0
 
 
-def _gaps(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str) -> dict[str, Any]:
-    gaps = [v[key] - b[key] for b, v in pairs if v.get(key) is not None and b.get(key) is not None]
-    return {f"{key}_gaps": gaps, f"{key}_gap_mean": statistics.mean(gaps) if gaps else None}
-
-
 def _record(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON record: settings, machine, each run's results, and per variant other than the baseline (the
-    first) a summary over the seeds where both ran: its steps per hour over the baseline's (mean step
-    times), and its minus the baseline's final greedy accuracy, last-5-step batch accuracy and (with
-    `--check-versions`) mean accuracy of the last versions, per seed and mean."""
-    names = [parse_variant(v)[0] for v in args.variants]
-    by_seed: dict[Any, dict[str, dict[str, Any]]] = {}
-    for r in results:
-        by_seed.setdefault(r["seed"], {})[r["variant"]] = r
-    summary: dict[str, Any] = {}
-    for name in names[1:]:
-        pairs = [(runs[names[0]], runs[name]) for runs in by_seed.values() if {names[0], name} <= runs.keys()]
-        ratio = None
-        if pairs:
-            ratio = statistics.mean(b["step_seconds_mean"] for b, _ in pairs) / statistics.mean(
-                v["step_seconds_mean"] for _, v in pairs
-            )
-        summary[name] = {
-            "seeds": [b["seed"] for b, _ in pairs],
-            "steps_per_hour_ratio": ratio,
-            **_gaps(pairs, "final_accuracy"),
-            **_gaps(pairs, "reward_mean_last5"),
-            **_gaps(pairs, "check_accuracy_mean"),
-        }
-    return {
+    first) the comparison over the seeds where both ran (`async_parity_report.parity`: step-time ratio, and
+    per-seed accuracy gaps in points with their statistics)."""
+    record = {
         "config": args.config,
         "overrides": args.set,
         "variants": args.variants,
-        "baseline": names[0],
+        "baseline": parse_variant(args.variants[0])[0],
         "seeds": args.seeds,
         "machine": machine_info(args.device),
         "results": results,
-        "summary": summary,
     }
+    return {**record, "summary": parity([record])["variants"]}
 
 
 if __name__ == "__main__":
