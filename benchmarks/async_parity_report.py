@@ -103,7 +103,7 @@ def parity(records: list[dict[str, Any]]) -> dict[str, Any]:
                     for v, run in ((baseline, base[s]), (name, seeds[s]))
                     if run.get(m) is not None
                 },
-            }  # fmt: skip
+            }
             for s in common
         ]
         stats: dict[str, Any] = {}

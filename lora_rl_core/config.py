@@ -27,11 +27,11 @@ EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
 TensorTransport = Literal["auto", "ipc", "inline", "disk"]
 TENSOR_TRANSPORTS: tuple[str, ...] = get_args(TensorTransport)
 SGLangRetire = Literal["unload", "keep"]
+SGLANG_RETIRE_POLICIES: tuple[str, ...] = get_args(SGLangRetire)
 IpcLayout = Literal["per-tensor", "packed", "host"]
 IPC_LAYOUTS: tuple[str, ...] = get_args(IpcLayout)
 TensorDtype = Literal["bfloat16", "float16", "float32", "keep"]
 TENSOR_DTYPES: tuple[str, ...] = get_args(TensorDtype)
-SGLANG_RETIRE_POLICIES: tuple[str, ...] = get_args(SGLangRetire)
 OffPolicyCorrection = Literal[
     "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask", "geometric-mask"
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -73,6 +74,19 @@ def in_background(call: Callable[[], object]) -> Future:
     return future
 
 
+@contextmanager
+def batch_held_in_queue(client: SGLangEngine, backend: EmbeddedEngine, ids: list[str]) -> Iterator[Future]:
+    """`client.generate(batch(ids))` running in the background, its requests queued behind an in-place pause
+    until the block ends (then resumed, whatever happened)."""
+    client.pause("in_place")
+    try:
+        done = in_background(lambda: client.generate(batch(ids)))
+        wait_until(queued(backend, len(ids)), "the batch to be queued")
+        yield done
+    finally:
+        client.resume()
+
+
 def test_the_fake_fails_the_whole_batch_with_499_when_one_request_is_aborted(fake, backend):
     server, url = fake
     backend.pause("in_place")
@@ -93,14 +107,9 @@ def test_the_fake_fails_the_whole_batch_with_499_when_one_request_is_aborted(fak
 def test_one_aborted_request_of_a_batch_ends_aborted_and_the_others_complete(fake, backend):
     server, url = fake
     with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as client:
-        client.pause("in_place")
-        try:
-            done = in_background(lambda: client.generate(batch(["b0", "b1", "b2"])))
-            wait_until(queued(backend, 3), "the batch to be queued")
+        with batch_held_in_queue(client, backend, ["b0", "b1", "b2"]) as done:
             assert client.abort("b1") == 1
             wait_until(lambda: {"b0~1", "b2~1"} <= set(server.rids), "the other two to be sent again")
-        finally:
-            client.resume()
         out = done.result(timeout=WAIT_S)
     assert [(c.request_id, c.finish_reason, c.abort_reason) for c in out] == [
         ("b0", out[0].finish_reason, None),
@@ -115,15 +124,10 @@ def test_one_aborted_request_of_a_batch_ends_aborted_and_the_others_complete(fak
 def test_a_pause_in_abort_mode_ends_every_request_of_the_batch_paused(fake, backend):
     server, url = fake
     with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as client:
-        client.pause("in_place")
-        try:
-            done = in_background(lambda: client.generate(batch(["p0", "p1", "p2"])))
-            wait_until(queued(backend, 3), "the batch to be queued")
+        with batch_held_in_queue(client, backend, ["p0", "p1", "p2"]) as done:
             client.pause("abort")
             out = done.result(timeout=WAIT_S)
             assert client.is_paused() is True
-        finally:
-            client.resume()
         assert client.metrics()["in_flight"] == 0
     assert [(c.request_id, c.finish_reason, c.abort_reason, c.completion_ids) for c in out] == [
         (rid, "abort", "paused", []) for rid in ("p0", "p1", "p2")
@@ -135,13 +139,8 @@ def test_our_engine_server_still_answers_per_row_aborts(backend):
         serve_app_in_thread(create_app(backend, served_model_name="tiny")) as url,
         ServerEngine(url, timeout_s=30, control_timeout_s=30) as client,
     ):
-        client.pause("in_place")
-        try:
-            done = in_background(lambda: client.generate(batch(["s0", "s1", "s2"])))
-            wait_until(queued(backend, 3), "the batch to be queued")
+        with batch_held_in_queue(client, backend, ["s0", "s1", "s2"]) as done:
             assert client.abort("s1") == 1
-        finally:
-            client.resume()
         out = done.result(timeout=WAIT_S)
     assert [(c.finish_reason == "abort", c.abort_reason) for c in out] == [
         (False, None),
