@@ -133,7 +133,7 @@ class VersionCheck:
 
     def __init__(self, args: argparse.Namespace, store: str) -> None:
         from lora_rl_core.config import load_config
-        from lora_rl_core.engines.factory import build_embedded_engine
+        from lora_rl_core.engines.embedded.build import build_embedded_engine
         from lora_rl_core.models import load_tokenizer
 
         self.cfg = load_config(
@@ -200,10 +200,10 @@ def main() -> int:
     try:
         if args.launch_sglang:
             from lora_rl_core.config import load_config
-            from lora_rl_core.engines.sglang_server import launch_sglang
+            from lora_rl_core.engines.launch.process import launch_sglang
 
             cfg = load_config(args.config, [*args.set, "engine.launch.enabled=true"])
-            server = launch_sglang(cfg, work / "sglang.log")
+            server = launch_sglang(cfg.engine, cfg.model, cfg.lora, work / "sglang.log")
             args.set = [*args.set, "engine.launch.enabled=false", f"engine.urls=[{server.url}]"]
         if args.check_versions:
             check = VersionCheck(args, store)

@@ -82,8 +82,8 @@ def run_sglang_targets(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lora_rl_core.config import config_from_dict
-    from lora_rl_core.engines.http import SGLangEngine
-    from lora_rl_core.engines.sglang_server import launch_sglang
+    from lora_rl_core.engines.launch.process import launch_sglang
+    from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 
     if args.model_dir is None:
         raise SystemExit("the sglang-* targets need --model-dir (an HF model folder with its tokenizer)")
@@ -102,7 +102,9 @@ def run_sglang_targets(
         }
     )
     vocab = AutoConfig.from_pretrained(args.model_dir).vocab_size
-    server = launch_sglang(cfg, Path(tempfile.mkdtemp(prefix="stress-sglang-")) / "server.log")
+    server = launch_sglang(
+        cfg.engine, cfg.model, cfg.lora, Path(tempfile.mkdtemp(prefix="stress-sglang-")) / "server.log"
+    )
     reports: dict[str, StressReport] = {}
     facts: dict[str, Any] = {"retire": args.sglang_retire, "argv": server.argv, "targets": {}}
     facts["server_at_start"] = _server_facts(server.url, server.pid)
@@ -115,8 +117,8 @@ def run_sglang_targets(
                 "request_timeout_s": args.request_timeout,
             }  # fmt: skip
             timeouts = {"timeout_s": args.request_timeout, "control_timeout_s": 30.0}
-            engine = SGLangEngine(
-                server.url, **timeouts, tensor_transport=args.tensor_transport, retire=args.sglang_retire
+            engine = HTTPEngine(
+                SGLANG, server.url, **timeouts, tensor_transport=args.tensor_transport, retire=args.sglang_retire
             )
             with engine:
                 reports[target] = run_hotswap_stress(engine, make_adapter, **options)

@@ -94,7 +94,7 @@ def bench_case(
 
 def logprob_postprocess_s(batch: int, steps: int, vocab: int, device: str, dtype: torch.dtype) -> float:
     """Seconds of the engine's logprob extraction for one batch (`[batch, vocab]` logits per step)."""
-    from lora_rl_core.engines.peft_model import token_logprobs  # the engine's own helper, timed in isolation
+    from lora_rl_core.engines.embedded.peft_model import token_logprobs  # the engine's own helper, timed in isolation
 
     logits = tuple(torch.randn(batch, vocab, device=device, dtype=dtype) for _ in range(steps))
     tokens = torch.randint(0, vocab, (batch, steps))

@@ -28,9 +28,9 @@ import _common
 from _common import RESULTS, machine_info, print_table, write_json
 
 from lora_rl_core.config import EngineConfig, ModelConfig
-from lora_rl_core.engines import GenerationRequest, InferenceEngine, SamplingParams
-from lora_rl_core.engines.factory import build_embedded_engine
-from lora_rl_core.engines.ray_replicas import start_ray_replicas
+from lora_rl_core.engines import EngineInputs, GenerationRequest, InferenceEngine, SamplingParams
+from lora_rl_core.engines.embedded.build import build_embedded_engine, embedded_engine
+from lora_rl_core.engines.launch.ray_replicas import start_ray_replicas
 from lora_rl_core.models import load_tokenizer
 
 
@@ -71,11 +71,10 @@ def main() -> None:
         results["in-process"] = {"replicas": 0, "cpus_each": cores, **rollout(local, requests, args.repeats)}
     gpus = 1.0 if args.device.startswith("cuda") else 0.0  # on a GPU the replicas share it: 1 / replicas each
     for replicas in (1, 2):  # each group starts a local Ray and stops it when closed (`ray_cluster`)
-        group = start_ray_replicas(
-            engine_cfg, model_cfg, replicas=replicas, num_cpus=cores / replicas, num_gpus=gpus / replicas
-        )
+        replica_cfg = engine_cfg.model_copy(update={"ray_replicas": replicas, "ray_gpus_per_replica": gpus / replicas})
+        group = start_ray_replicas(embedded_engine, EngineInputs(replica_cfg, model_cfg), num_cpus=cores / replicas)
         try:
-            case = rollout(group, requests, args.repeats)
+            case = rollout(group.engine, requests, args.repeats)
         finally:
             group.close()
         results[f"ray x{replicas}"] = {

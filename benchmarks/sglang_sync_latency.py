@@ -71,9 +71,10 @@ from _common import ALL_LINEAR, MODEL_CONFIGS, RESULTS, machine_info, print_tabl
 
 from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.config import config_from_dict
-from lora_rl_core.engines import GenerationRequest, SamplingParams, sglang_tensors
-from lora_rl_core.engines.http import SGLangEngine
-from lora_rl_core.engines.sglang_server import SGLangServer, launch_sglang
+from lora_rl_core.engines import GenerationRequest, SamplingParams
+from lora_rl_core.engines.launch.process import SGLangServer, launch_sglang
+from lora_rl_core.engines.remote import SGLANG, HTTPEngine
+from lora_rl_core.engines.remote import ipc as sglang_tensors
 from lora_rl_core.errors import EngineError
 from lora_rl_core.store import AdapterStore
 from tests.support.adapters import random_lora_factory
@@ -175,7 +176,7 @@ def write_model(cfg: dict[str, Any], tokenizer_dir: Path, out: Path) -> torch.nn
     return model
 
 
-def complete(ctx: dict[str, Any], engine: SGLangEngine, name: str, version: int, tokens: int) -> float:
+def complete(ctx: dict[str, Any], engine: HTTPEngine, name: str, version: int, tokens: int) -> float:
     """Seconds of one greedy 1-token request naming `name` on a fresh `tokens`-token prompt (no prefix in
     SGLang's radix cache); fails unless that version served it."""
     prompt = torch.randint(3, ctx["vocab"], (tokens,), generator=ctx["gen"]).tolist()
@@ -190,7 +191,7 @@ def complete(ctx: dict[str, Any], engine: SGLangEngine, name: str, version: int,
 
 def measure(ctx: dict[str, Any], variant: Variant, rank: int, version: int) -> dict[str, float]:
     """One publish -> load -> first completion of `variant`; seconds of each part, the total, and the probes."""
-    engine: SGLangEngine = ctx["engines"][variant.transport]
+    engine: HTTPEngine = ctx["engines"][variant.transport]
     run = f"{variant.slug}-r{rank}"
     name = f"{run}-v{version:06d}"
     tensors, config = ctx["trainer"][rank]
@@ -206,7 +207,7 @@ def measure(ctx: dict[str, Any], variant: Variant, rank: int, version: int) -> d
             engine.load_adapter(name, tensors=tensors, config=config)
         if len(payloads) != 1:
             raise RuntimeError(
-                f"{variant.label}: SGLangEngine.load_adapter built {len(payloads)} payloads through "
+                f"{variant.label}: HTTPEngine.load_adapter built {len(payloads)} payloads through "
                 f"sglang_tensors.{variant.transport}_payload (expected 1): the variant's options were not applied"
             )
     t2 = time.perf_counter()
@@ -385,7 +386,8 @@ def main() -> None:
             server: SGLangServer | None = None
             try:
                 launch_start = time.monotonic()
-                server = launch_sglang(launch_config(args, model_dir, graphs, args.port + try_no), log)
+                cfg = launch_config(args, model_dir, graphs, args.port + try_no)
+                server = launch_sglang(cfg.engine, cfg.model, cfg.lora, log)
                 launch_s = time.monotonic() - launch_start
                 print(f"[{time.monotonic() - t0:.0f} s] server up ({graphs} graphs) in {launch_s:.0f} s", flush=True)
                 record["server"] = {"graphs": graphs, "launch_s": launch_s, "argv": server.argv}
@@ -393,7 +395,8 @@ def main() -> None:
                 timeout = args.request_timeout
                 engines = {
                     # per-tensor float32 unless a variant says otherwise: the client before engine.tensor_layout
-                    t: SGLangEngine(
+                    t: HTTPEngine(
+                        SGLANG,
                         server.url,
                         timeout_s=timeout,
                         control_timeout_s=timeout,

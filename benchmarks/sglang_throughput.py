@@ -1,7 +1,7 @@
 """Tokens/s of a real SGLang server with 1, 4 and 8 distinct LoRA adapters in one batch vs the base model, and
 of our embedded engine on the same GPU, model and batch (issue: GPU + SGLang, benchmarks 5b and 5c).
 
-The server is started by `lora_rl_core.engines.sglang_server.launch_sglang` from `--model-dir` (an HF
+The server is started by `lora_rl_core.engines.launch.process.launch_sglang` from `--model-dir` (an HF
 folder with its tokenizer, e.g. SmolLM2-135M shapes with random weights), with decode CUDA graphs up to
 `--batch` unless `--eager`, `--max-loras-per-batch` = the most adapters + 1 (the base model keeps a slot).
 Adapters: random rank-`--rank` LoRA on every linear layer, written as PEFT folders and loaded by path.
@@ -46,8 +46,8 @@ from safetensors.torch import save_file
 
 from lora_rl_core.config import config_from_dict
 from lora_rl_core.engines import EmbeddedEngine, InferenceEngine, SamplingParams
-from lora_rl_core.engines.http import SGLangEngine
-from lora_rl_core.engines.sglang_server import launch_sglang
+from lora_rl_core.engines.launch.process import launch_sglang
+from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from tests.support.adapters import random_lora_factory
 
 
@@ -133,9 +133,9 @@ def sglang_results(args: argparse.Namespace, folders: dict[str, str], counts: li
         }
     )
     log = Path(tempfile.mkdtemp(prefix="sglang-bench-")) / "server.log"
-    server = launch_sglang(cfg, log)
+    server = launch_sglang(cfg.engine, cfg.model, cfg.lora, log)
     try:
-        with SGLangEngine(server.url, timeout_s=1800, max_batch_requests=args.batch) as engine:
+        with HTTPEngine(SGLANG, server.url, timeout_s=1800, max_batch_requests=args.batch) as engine:
             cases = run_cases(engine, folders, counts, prompts, args, repeats=args.repeats)
             return {"argv": server.argv, "cases": cases}
     finally:

@@ -113,7 +113,8 @@ def eval_(
     `engine.urls`); the adapter is loaded from the config's store by path unless the engine lists it.
     """
     from lora_rl_core.config import load_config
-    from lora_rl_core.engines.factory import build_engine
+    from lora_rl_core.engines import EngineInputs
+    from lora_rl_core.engines.registry import build_engine
     from lora_rl_core.evaluation import evaluate_accuracy
     from lora_rl_core.models import load_tokenizer
     from lora_rl_core.run import build_problems
@@ -124,7 +125,8 @@ def eval_(
     problems = build_problems(cfg.data, "test", cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
     store = cfg.store.build()
-    engine = build_engine(cfg.engine, cfg.model, store, tokenizer=tokenizer)
+    built = build_engine(EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer))
+    engine = built.engine
     try:
         name = None
         if adapter:
@@ -137,7 +139,7 @@ def eval_(
             engine, tokenizer, problems, adapter=name, rollout=cfg.rollout, max_new_tokens=max_new_tokens
         )
     finally:
-        engine.close()
+        built.close()
     if json_out:
         console.print_json(json.dumps(result))
     else:
@@ -172,8 +174,8 @@ def serve(
     e.g. `lora-rl serve -c configs/smollm2-arith-grpo.yaml engine.max_loras_per_batch=4 --port 30001`.
     """
     from lora_rl_core.config import load_config
-    from lora_rl_core.engines.server import check_bind
-    from lora_rl_core.engines.server import serve as serve_engine
+    from lora_rl_core.engines.serve.app import check_bind
+    from lora_rl_core.engines.serve.app import serve as serve_engine
     from lora_rl_core.models import resolve_device
     from lora_rl_core.runtime import choose_dtype, configure_threads
 

@@ -21,6 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lora_rl_core.errors import ConfigError
 
+EngineKind = Literal["embedded", "server", "sglang"]
+"""`engine.type`: each value is one entry of the engine registry (`lora_rl_core.engines.registry.ENGINE_KINDS`)."""
+RemoteEngineKind = Literal["server", "sglang"]
+REMOTE_ENGINE_KINDS: tuple[str, ...] = get_args(RemoteEngineKind)
+"""The kinds that are HTTP clients of running servers (what `lora-rl subscribe` follows)."""
 EvictionPolicy = Literal["lru", "fifo"]
 EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
 """Which resident adapter is evicted when the pool is full (SGLang `--lora-eviction-policy`)."""
@@ -226,7 +231,7 @@ class SGLangLaunchConfig(Section):
 class EngineConfig(Section):
     """Inference engine(s) that produce rollouts."""
 
-    type: Literal["embedded", "server", "sglang"] = "embedded"
+    type: EngineKind = "embedded"
     """`embedded`: in-process transformers + PEFT; `server`: our engine server; `sglang`: a real SGLang server."""
     urls: list[str] = []
     """Engine URLs for `server`/`sglang`; requests are spread across them."""

@@ -34,3 +34,7 @@ class StoreError(LoraRLError):
 
 class EngineError(LoraRLError):
     """An inference engine rejected a request (unknown adapter, bad params)."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached, or did not answer in time; the call may succeed later."""

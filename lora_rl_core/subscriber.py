@@ -30,10 +30,11 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lora_rl_core.adapters import adapter_name, adapter_run, adapter_version, validate_run_id
-from lora_rl_core.errors import EngineError, LoraRLError, StoreError
+from lora_rl_core.config import REMOTE_ENGINE_KINDS, RemoteEngineKind
+from lora_rl_core.errors import ConfigError, EngineError, EngineUnavailable, LoraRLError, StoreError
 from lora_rl_core.store import AdapterRef, AdapterStore
 
 if TYPE_CHECKING:  # the engines package loads transformers and peft: keep `lora-rl` start-up light
@@ -86,8 +87,8 @@ KEEP_VERSIONS = 2
 """Default versions of a run kept loaded per engine (`max_staleness + 1` for the default max_staleness 1)."""
 POLL_INTERVAL_S = 5.0
 """Default seconds between store polls."""
-ENGINE_KIND = "server"
-"""Default kind of the engines followed: `server` (`lora-rl serve`) or `sglang` (a real SGLang server)."""
+ENGINE_KIND: RemoteEngineKind = "server"
+"""Default `engine.type` of the engines followed: `server` (`lora-rl serve`) or `sglang` (a real SGLang server)."""
 
 
 def engine_list(engines: InferenceEngine | Sequence[InferenceEngine]) -> list[InferenceEngine]:
@@ -161,8 +162,6 @@ def _load_verified(engine: Any, ref: AdapterRef, tensors: dict | None, config: d
 
 
 def _unreachable(exc: Exception) -> bool:
-    from lora_rl_core.engines.http import EngineUnavailable  # lazy: keeps httpx out of in-process use
-
     return isinstance(exc, EngineUnavailable)
 
 
@@ -329,22 +328,32 @@ def open_subscriber(
     on_sync: Callable[[SyncResult], None] | None = None,
 ) -> Iterator[AdapterSubscriber]:
     """An `AdapterSubscriber` of `run_id` in the store at `store_uri` for the HTTP engines at `engine_urls`
-    (`lora-rl subscribe` and the `adapter-subscriber` flow); their connections close on exit.
+    (`lora-rl subscribe` and the `adapter-subscriber` flow), built by the engine registry as `engine.type`
+    `engine_kind` with those URLs; their connections close on exit.
 
     Args:
-        engine_kind: `server` (`lora-rl serve`) or `sglang` (a real SGLang server).
+        engine_kind: `server` (`lora-rl serve`) or `sglang` (a real SGLang server), as `engine.type`.
         api_key: Bearer key of the engines' control endpoints.
         keep, poll_interval_s, on_sync: as `AdapterSubscriber`.
 
     Raises:
-        EngineError: unknown kind, no URLs or a malformed URL.
+        ConfigError: an engine kind that is not a remote one.
+        EngineError: no URLs or a malformed URL.
         StoreError: a bad store URI; LoraRLError: a bad run id or keep.
     """
-    from lora_rl_core.engines.multi import connect_engines  # lazy: keeps httpx out of in-process use
+    from lora_rl_core.config import EngineConfig
+    from lora_rl_core.engines.registry import build_engine  # lazy: keeps httpx out of in-process use
+    from lora_rl_core.engines.spec import EngineInputs
 
-    engines = connect_engines(engine_kind, engine_urls, api_key=api_key)
+    if engine_kind not in REMOTE_ENGINE_KINDS:
+        raise ConfigError(f"engine kind must be one of {list(REMOTE_ENGINE_KINDS)}, got {engine_kind!r}")
+    kind = cast(RemoteEngineKind, engine_kind)
+    engine_cfg = EngineConfig.model_construct(type=kind, urls=list(engine_urls))  # no urls: connect says so
+    built = build_engine(EngineInputs(engine_cfg, api_key=api_key))
     try:
         store = AdapterStore(store_uri)
-        yield AdapterSubscriber(store, run_id, engines, keep=keep, poll_interval_s=poll_interval_s, on_sync=on_sync)
+        yield AdapterSubscriber(
+            store, run_id, built.engine, keep=keep, poll_interval_s=poll_interval_s, on_sync=on_sync
+        )
     finally:
-        engines.close()
+        built.close()

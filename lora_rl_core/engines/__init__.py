@@ -1,12 +1,24 @@
 """Inference engines behind one protocol (`InferenceEngine`), with SGLang's LoRA semantics.
 
-`base`: the protocol and records; `embedded`: the in-process engine (request lifecycle); `requests`: its
-queue, admission and abort; `peft_model`: its model and adapter injection; `pool`: its adapter registry and
-resident pool; `scheduler`: its batch formation. `http`: the HTTP clients (`SGLangEngine`, `ServerEngine`),
-with `http_wire` (the wire format) and `http_tracking` (their requests in flight); `multi`: several engines
-behind one (`MultiEngine`, `connect_engines`); `server`: our SGLang-compatible server (`lora-rl serve`), with
-`server_api` (request bodies, answers), `server_adapters` (load/unload routes) and `server_metrics`
-(Prometheus); `factory`: `build_engine`. Adapter names, files and checks: `lora_rl_core.adapters`.
+A folder per subsystem, each touching only `base`, `spec` and the rooms below it:
+
+* `base`: the protocol and its records (`GenerationRequest`, `Completion`, `SamplingParams`); `spec`: what an
+  engine builder reads (`EngineInputs`) and returns (`BuiltEngine`: the engine and what it owns).
+* `embedded/`: the in-process transformers + PEFT engine (`engine`: lifecycle, deadlines, worker thread;
+  `requests`: queue, admission, abort; `peft_model`: model and adapter injection; `generation`: batched
+  generation; `pool`: adapter registry and resident pool; `scheduler`: batch formation; `build`).
+* `remote/`: the HTTP client of SGLang-API servers (`client.HTTPEngine`), their `dialect` (a real SGLang or
+  our server), tensor `transport` and `ipc` payloads, the `wire` format, requests in flight (`tracking`),
+  and the clients of `engine.urls` (`connect`).
+* `serve/`: our SGLang-compatible server, `lora-rl serve` (`app`: routes; `api`: bodies and answers;
+  `adapters`: load/unload routes; `metrics`: Prometheus).
+* `launch/`: what a run starts: the SGLang command line (`command`) and process (`process`), the `sglang`
+  kind's builders (`sglang`), replicas as Ray actors (`ray_replicas`: any engine kind; `ray_sglang`: actors
+  that own SGLang servers).
+* `multi`: several engines behind one (`MultiEngine`); `registry`: `engine.type` -> its builder
+  (`ENGINE_KINDS`, `build_engine`), the one place an engine is built from settings.
+
+Adapter names, files and checks: `lora_rl_core.adapters`.
 """
 
 from lora_rl_core.engines.base import (
@@ -16,33 +28,26 @@ from lora_rl_core.engines.base import (
     GenerationRequest,
     InferenceEngine,
     SamplingParams,
+    aborted_completion,
     unknown_adapter_message,
 )
-from lora_rl_core.engines.embedded import EmbeddedEngine
-from lora_rl_core.engines.http import EngineUnavailable, ServerEngine, SGLangEngine
-from lora_rl_core.engines.launch import sglang_launch_command, sglang_launch_command_from_config
-from lora_rl_core.engines.multi import MultiEngine, connect_engines
-from lora_rl_core.engines.pool import EVICTION_POLICIES, AdapterPool
-from lora_rl_core.engines.scheduler import BatchLimits, form_batch
+from lora_rl_core.engines.embedded.engine import EmbeddedEngine
+from lora_rl_core.engines.multi import MultiEngine
+from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
+from lora_rl_core.errors import EngineUnavailable
 
 __all__ = [
     "ABORT_REASONS",
-    "EVICTION_POLICIES",
     "PAUSE_MODES",
-    "AdapterPool",
-    "BatchLimits",
+    "BuiltEngine",
     "Completion",
     "EmbeddedEngine",
+    "EngineInputs",
     "EngineUnavailable",
-    "MultiEngine",
-    "SGLangEngine",
-    "ServerEngine",
-    "connect_engines",
-    "sglang_launch_command",
-    "sglang_launch_command_from_config",
     "GenerationRequest",
     "InferenceEngine",
+    "MultiEngine",
     "SamplingParams",
-    "form_batch",
+    "aborted_completion",
     "unknown_adapter_message",
 ]

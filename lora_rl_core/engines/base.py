@@ -233,3 +233,17 @@ class InferenceEngine(Protocol):
         """Release what the engine holds (worker thread, HTTP connections); queued requests of an in-process
         engine end aborted (`engine_closed`). Idempotent; later calls raise EngineError."""
         ...
+
+
+def aborted_completion(request: GenerationRequest, version: int | None, reason: str) -> Completion:
+    """The Completion of an aborted request: no tokens, `finish_reason="abort"`, `abort_reason=reason`."""
+    return Completion(
+        request_id=request.request_id,
+        prompt_ids=list(request.prompt_ids),
+        completion_ids=[],
+        logprobs=[],
+        finish_reason="abort",
+        adapter=request.adapter,
+        adapter_version=version,
+        abort_reason=reason,
+    )

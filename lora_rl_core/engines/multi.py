@@ -1,5 +1,5 @@
-"""Several engines behind one `InferenceEngine` (`MultiEngine`), and `connect_engines`, which builds the HTTP
-clients for a list of URLs.
+"""Several engines behind one `InferenceEngine` (`MultiEngine`): HTTP clients of several URLs
+(`remote.connect`), Ray replicas (`launch.ray_replicas`, `launch.ray_sglang`), or any mix.
 
 Choices made here:
 
@@ -19,8 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from lora_rl_core.engines.base import Completion, GenerationRequest, InferenceEngine
-from lora_rl_core.engines.http import EngineUnavailable, ServerEngine, SGLangEngine
-from lora_rl_core.errors import EngineError
+from lora_rl_core.errors import EngineError, EngineUnavailable
 
 
 class MultiEngine:
@@ -154,23 +153,6 @@ class MultiEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError(f"{self!r} is closed")
-
-
-def connect_engines(kind: str, urls: Sequence[str], **options: Any) -> SGLangEngine | MultiEngine:
-    """HTTP engines for `urls`: `kind` is `server` (our engine server) or `sglang` (a real one);
-    several URLs give a `MultiEngine`. `options` are the clients' keyword arguments (`api_key`,
-    `timeout_s`, `control_timeout_s`, ...; defaults as `SGLangEngine`).
-
-    Raises:
-        EngineError: unknown kind, no URLs, or a malformed URL.
-    """
-    classes = {"server": ServerEngine, "sglang": SGLangEngine}
-    if kind not in classes:
-        raise EngineError(f"engine kind must be one of {sorted(classes)}, got {kind!r}")
-    if not urls:
-        raise EngineError("give at least one engine URL, e.g. http://127.0.0.1:30000")
-    engines = [classes[kind](url, **options) for url in urls]
-    return engines[0] if len(engines) == 1 else MultiEngine(engines)
 
 
 def _generate_on(

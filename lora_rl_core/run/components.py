@@ -22,9 +22,8 @@ from transformers import PreTrainedTokenizerBase
 from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import DataConfig, RunConfig
 from lora_rl_core.data import Problem, PromptSampler, arithmetic_split, load_dataset
-from lora_rl_core.engines import InferenceEngine
-from lora_rl_core.engines.factory import build_engine
-from lora_rl_core.engines.sglang_server import SGLangServer, launch_sglang
+from lora_rl_core.engines import BuiltEngine, EngineInputs, InferenceEngine
+from lora_rl_core.engines.registry import build_engine
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
@@ -155,13 +154,13 @@ class RunComponents:
         run_dir: the run's own files in the store (phase outputs, config snapshot, fault markers).
         checkpoints: the run's trainer checkpoints.
         workdir: the local folder for the report and plots (`<run.output_dir>/<run_id>`).
-        tokenizer / engine / trainer: the model side. The engine holds its own copy of the base model
-            (embedded) or talks to remote engines; the trainer holds the policy LoRA and the optimizer.
+        tokenizer / trainer: the model side; the trainer holds the policy LoRA and the optimizer.
+        built: the engine (`engine`: its own copy of the base model, or clients of remote engines) with what
+            was started for it (an SGLang server, Ray actors), from the engine registry.
         train_problems / test_problems / sampler: the data.
         rewards: `(name, fn, weight)` reward terms.
         runtime: device, dtype and why, CPU threads (`runtime_info`).
         policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
-        server: the SGLang server this run launched (`engine.launch.enabled`), else None.
     """
 
     cfg: RunConfig
@@ -171,7 +170,7 @@ class RunComponents:
     checkpoints: CheckpointStore
     workdir: Path
     tokenizer: PreTrainedTokenizerBase
-    engine: InferenceEngine
+    built: BuiltEngine
     trainer: Trainer
     train_problems: list[Problem]
     test_problems: list[Problem]
@@ -179,15 +178,17 @@ class RunComponents:
     rewards: list[tuple[str, RewardFn, float]]
     runtime: dict[str, Any]
     policy: PolicyState = field(default_factory=PolicyState)
-    server: SGLangServer | None = None
+
+    @property
+    def engine(self) -> InferenceEngine:
+        """The engine rollouts, syncs and evaluations use."""
+        return self.built.engine
 
     def close(self) -> None:
-        """Stop the trainer's worker processes, the engine (its worker thread, or its HTTP clients) and the
-        SGLang server the run launched (`engine.launch`)."""
+        """Stop the trainer's worker processes, then the engine (its worker thread, or its HTTP clients) and what
+        was started for it (`engine.launch`'s SGLang server, Ray actors)."""
         with ExitStack() as stack:  # closes in reverse order, each one even if an earlier one raised
-            if self.server is not None:
-                stack.callback(self.server.stop)
-            stack.callback(self.engine.close)
+            stack.callback(self.built.close)
             stack.callback(self.trainer.close)
 
 
@@ -195,9 +196,9 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     """Build the components of run `run_id`: set CPU threads, write the config snapshot `run.json`, load data,
     rewards, tokenizer, the engine and the trainer, and seed Python's and torch's RNGs with `run.seed`.
 
-    With `engine.launch.enabled`, an SGLang server is started first (log: `<workdir>/sglang.log`) and the
-    engine talks to it; with `engine.ray_replicas` too, N Ray actors each start one
-    (`lora_rl_core.engines.ray_sglang`, logs `<workdir>/sglang-<i>.log`). If a later part fails, what was
+    The engine comes from the engine registry (`lora_rl_core.engines.registry.build_engine`) with what it
+    starts: with `engine.launch.enabled` an SGLang server (log: `<workdir>/sglang.log`), with
+    `engine.ray_replicas` Ray actors (SGLang logs `<workdir>/sglang-<i>.log`). If a later part fails, what was
     already built is closed or stopped again.
 
     Raises:
@@ -217,21 +218,12 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
     workdir = Path(cfg.run.output_dir) / run_id
-    with ExitStack() as built:  # on a failure, what was built so far is stopped again
-        server, engine_cfg = None, cfg.engine
-        if cfg.engine.launch.enabled and cfg.engine.ray_replicas:  # replica actors launch their own servers
-            from lora_rl_core.engines.ray_sglang import start_sglang_replicas
-
-            engine: InferenceEngine = start_sglang_replicas(cfg, replicas=cfg.engine.ray_replicas, log_dir=workdir)
-        else:
-            server = launch_sglang(cfg, workdir / "sglang.log") if cfg.engine.launch.enabled else None
-            if server is not None:
-                built.callback(server.stop)
-                engine_cfg = cfg.engine.model_copy(update={"urls": [server.url]})
-            engine = build_engine(engine_cfg, cfg.model, store, tokenizer=tokenizer)
-        built.callback(engine.close)
+    inputs = EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer, log_dir=workdir)
+    with ExitStack() as started:  # on a failure, what was built so far is stopped again
+        built = build_engine(inputs)
+        started.callback(built.close)
         trainer = build_trainer(cfg, tokenizer)
-        built.pop_all()  # built: the components own them now
+        started.pop_all()  # built: the components own them now
     return RunComponents(
         cfg=cfg,
         run_id=run_id,
@@ -240,12 +232,11 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
         checkpoints=CheckpointStore(store.uri, cfg.store.storage_options),
         workdir=workdir,
         tokenizer=tokenizer,
-        engine=engine,
+        built=built,
         trainer=trainer,
         train_problems=train_problems,
         test_problems=test_problems,
         sampler=PromptSampler(train_problems, seed=cfg.run.seed),
         rewards=rewards,
         runtime=runtime,
-        server=server,
     )

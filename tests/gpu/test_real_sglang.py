@@ -24,8 +24,8 @@ import torch
 
 from lora_rl_core.config import config_from_dict
 from lora_rl_core.engines import GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import SGLangEngine
-from lora_rl_core.engines.sglang_server import launch_sglang
+from lora_rl_core.engines.launch.process import launch_sglang
+from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_core.errors import EngineError
 from lora_rl_core.store import AdapterStore
 from lora_rl_core.subscriber import retire_stale
@@ -78,7 +78,7 @@ def url(tmp_path_factory):
     )
     log = tmp_path_factory.mktemp("sglang") / "server.log"
     start = time.monotonic()
-    server = launch_sglang(cfg, log)
+    server = launch_sglang(cfg.engine, cfg.model, cfg.lora, log)
     OBSERVED["launch_seconds"] = round(time.monotonic() - start, 1)
     OBSERVED["argv"] = server.argv
     try:
@@ -93,7 +93,7 @@ def _name(version: int) -> str:
 
 
 def test_rows_name_their_adapters_and_completions_record_versions(url, store):
-    with SGLangEngine(url, timeout_s=120) as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=120) as engine:
         engine.load_adapter(_name(1), path=store.ref(RUN, 1).uri)
         engine.load_adapter(_name(2), path=store.ref(RUN, 2).uri)
         rows = [(p, a) for p in ([1, 2, 3, 4], [5, 6, 7]) for a in (None, _name(1), _name(2))]
@@ -116,7 +116,7 @@ def test_tensor_loads_generate_what_the_folder_generates(url, store, transport):
     tensors, config = store.load_tensors(RUN, 2)
     name = f"{transport}-v000002"
     prompts = [[1, 2, 3, 4], [5, 6, 7], [9, 9, 2, 4, 1]]
-    with SGLangEngine(url, timeout_s=120, tensor_transport=transport) as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=120, tensor_transport=transport) as engine:
         start = time.perf_counter()
         engine.load_adapter(name, tensors=tensors, config=config)
         seconds = time.perf_counter() - start
@@ -138,7 +138,7 @@ def test_tensor_loads_generate_what_the_folder_generates(url, store, transport):
 
 
 def test_an_unloaded_adapter_is_reloaded_by_sglang_but_never_by_our_client(url, store):
-    with SGLangEngine(url, timeout_s=120) as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=120) as engine:
         engine.load_adapter(_name(3), path=store.ref(RUN, 3).uri)
         engine.unload_adapter(_name(1))
         with pytest.raises(EngineError, match="this client retired it"):
@@ -156,7 +156,7 @@ def test_an_unloaded_adapter_is_reloaded_by_sglang_but_never_by_our_client(url, 
 
 
 def test_abort_and_pause(url, store):
-    with SGLangEngine(url, timeout_s=120) as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=120) as engine:
         long = SamplingParams(max_new_tokens=2000, temperature=1.0, seed=1)
         future = engine.submit(GenerationRequest([1, 2, 3], _name(2), long))
         time.sleep(0.5)

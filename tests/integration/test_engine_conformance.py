@@ -19,6 +19,7 @@ reason; pause holds requests until resume, pause(abort) ends them as `paused`; f
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -31,8 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.adapters import adapter_version
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, InferenceEngine, SamplingParams
-from lora_rl_core.engines.http import ServerEngine, SGLangEngine
-from lora_rl_core.engines.server import create_app
+from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
+from lora_rl_core.engines.serve.app import create_app
 from lora_rl_core.errors import EngineError
 from tests.support.adapters import random_lora_factory
 from tests.support.servers import serve_app_in_thread
@@ -88,9 +89,9 @@ def subject(request, tiny_model_dir, tokenizer) -> Iterator[Subject]:
             yield Subject(backend, backend)
             return
         if request.param == "server":
-            app, client = create_app(backend, served_model_name="tiny"), ServerEngine
+            app, client = create_app(backend, served_model_name="tiny"), functools.partial(HTTPEngine, SERVER)
         else:
-            app, client = create_sglang_fake_app(backend), SGLangEngine
+            app, client = create_sglang_fake_app(backend), functools.partial(HTTPEngine, SGLANG)
         with serve_app_in_thread(app) as url, client(url, timeout_s=30, control_timeout_s=30) as engine:
             yield Subject(engine, backend)
 

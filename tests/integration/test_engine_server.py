@@ -29,9 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.engines import Completion, EmbeddedEngine, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import ServerEngine, SGLangEngine
 from lora_rl_core.engines.multi import MultiEngine
-from lora_rl_core.engines.server import check_bind, create_app
+from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
+from lora_rl_core.engines.serve.app import check_bind, create_app
 from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.lora import peft_config_dict
 
@@ -367,7 +367,10 @@ class ScriptedEngine:
 
 def test_abort_request_reaches_submitted_requests():
     engine = ScriptedEngine()
-    with live_server(create_app(engine, served_model_name=SERVED)) as url, SGLangEngine(url, timeout_s=30) as client:
+    with (
+        live_server(create_app(engine, served_model_name=SERVED)) as url,
+        HTTPEngine(SGLANG, url, timeout_s=30) as client,
+    ):
         future = client.submit(GenerationRequest([5, 6, 7], None, GREEDY_P, request_id="r1"))
         assert engine.submitted.wait(10)
         assert client.abort("r1") == 1
@@ -391,7 +394,11 @@ def test_generation_deadline_answers_aborted_completions():
 def test_http_clients_match_the_embedded_engine(engine, tok, adapters, tmp_path):
     tensors, config = adapters[0]
     app = create_app(engine, served_model_name=SERVED, tokenizer=tok)
-    with live_server(app) as url, ServerEngine(url, timeout_s=60) as server, SGLangEngine(url, timeout_s=60) as sglang:
+    with (
+        live_server(app) as url,
+        HTTPEngine(SERVER, url, timeout_s=60) as server,
+        HTTPEngine(SGLANG, url, timeout_s=60) as sglang,
+    ):
         server.load_adapter("run-v000001", tensors=tensors, config=config)  # same-host tensor path
         assert server.list_adapters()["run-v000001"]["sha256"] == hashlib.sha256(safetensors_bytes(tensors)).hexdigest()
         requests = [GenerationRequest(p, a, GREEDY_P) for p in prompts(tok, 4) for a in ("run-v000001", None)]
@@ -428,7 +435,7 @@ def test_http_clients_match_the_embedded_engine(engine, tok, adapters, tmp_path)
 def test_multi_engine_spreads_prompts_and_broadcasts_loads(engine, tiny_model_dir, tok, adapters):
     tensors, config = adapters[0]
     with new_engine(tiny_model_dir, tok) as other, live_server(create_app(other, served_model_name=SERVED)) as url:
-        with ServerEngine(url, timeout_s=60) as remote:
+        with HTTPEngine(SERVER, url, timeout_s=60) as remote:
             multi = MultiEngine([engine, remote])
             multi.load_adapter("run-v000001", tensors=tensors, config=config)
             assert "run-v000001" in engine.list_adapters() and "run-v000001" in other.list_adapters()
@@ -466,7 +473,7 @@ def test_subscribe_cli_syncs_store_versions_over_http(engine, tok, adapters, tmp
         result = CliRunner().invoke(cli, [*args, "--poll-interval", "0.2", "--keep", "2"])
         assert result.exit_code == 0, result.output
         assert "synced cli-v000002" in result.output and "active: cli-v000002" in result.output
-        with ServerEngine(url) as server:  # the store path, checked against the server's sha256
+        with HTTPEngine(SERVER, url) as server:  # the store path, checked against the server's sha256
             listed = server.list_adapters()
     assert {name: info["sha256"] for name, info in listed.items()} == {ref.name: ref.sha256 for ref in refs}
 

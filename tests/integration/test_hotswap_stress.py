@@ -77,12 +77,12 @@ def test_http_stress(engine, make_adapter, tok, samples):
 def test_sglang_target_against_the_fake(engine, make_adapter, tok, retire):
     """The `sglang-group` target of the benchmark (an `SGLangEngine`), against the fake SGLang server, which
     revives unloaded adapters as 0.5.17 does: no invariant breaks, and no retired version comes back."""
-    from lora_rl_core.engines.http import SGLangEngine
+    from lora_rl_core.engines.remote import SGLANG, HTTPEngine
     from tests.support.servers import serve_app_in_thread
     from tests.support.sglang_fake import SGLangFakeServer
 
     fake = SGLangFakeServer(engine, served_model_name="tiny", request_timeout_s=30.0, control_timeout_s=30.0)
-    with serve_app_in_thread(fake.app()) as url, SGLangEngine(url, timeout_s=30, retire=retire) as client:
+    with serve_app_in_thread(fake.app()) as url, HTTPEngine(SGLANG, url, timeout_s=30, retire=retire) as client:
         report = run_hotswap_stress(client, make_adapter, **CI_SIZE, vocab_size=len(tok))
         kept = client.metrics()["retired_resident"]
     assert report.ok, f"violations {report.violations()}; examples {report.examples}"

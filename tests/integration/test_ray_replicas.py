@@ -1,4 +1,4 @@
-"""Engine replicas and trainer ranks as Ray actors (`lora_rl_core.engines.ray_replicas`,
+"""Engine replicas and trainer ranks as Ray actors (`lora_rl_core.engines.launch.ray_replicas`,
 `lora_rl_core.trainer_ray`) on a local Ray with 2 CPUs.
 
 Checked: 2 replicas give the same greedy completions as 1 and as the in-process engine, with an adapter
@@ -18,9 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lora_rl_core.config import EngineConfig, ModelConfig
-from lora_rl_core.engines import GenerationRequest, SamplingParams
-from lora_rl_core.engines.factory import build_embedded_engine
-from lora_rl_core.engines.http import EngineUnavailable
+from lora_rl_core.engines import EngineInputs, GenerationRequest, SamplingParams
+from lora_rl_core.engines.embedded.build import build_embedded_engine
+from lora_rl_core.engines.registry import build_engine
+from lora_rl_core.errors import EngineUnavailable
 from lora_rl_core.subscriber import is_paused
 from tests.support.adapters import random_lora_factory
 from tests.support.processes import ended
@@ -57,31 +58,28 @@ def _run(engine, tensors, config, requests) -> list[list[int]]:
 
 
 def test_two_replicas_generate_what_one_and_the_in_process_engine_generate(local_ray, setup):
-    from lora_rl_core.engines.ray_replicas import start_ray_replicas
-
     model_cfg, tensors, config, requests = setup
     with build_embedded_engine(EngineConfig(), model_cfg, None) as local:
         want = _run(local, tensors, config, requests)
-    one = start_ray_replicas(EngineConfig(), model_cfg, replicas=1)
+    one = build_engine(EngineInputs(EngineConfig(ray_replicas=1), model_cfg))  # the registry's Ray replicas
     try:
-        assert _run(one, tensors, config, requests) == want
+        assert _run(one.engine, tensors, config, requests) == want
     finally:
         one.close()
-    two = start_ray_replicas(EngineConfig(), model_cfg, replicas=2)
+    two = build_engine(EngineInputs(EngineConfig(ray_replicas=2), model_cfg))
     try:
-        assert _run(two, tensors, config, requests) == want
-        assert all(NAME in m.list_adapters() for m in two.members())  # the load reached every replica
-        served = [m.metrics()["adapters"].get(NAME, {}).get("requests", 0) for m in two.members()]
+        assert _run(two.engine, tensors, config, requests) == want
+        assert all(NAME in m.list_adapters() for m in two.engine.members())  # the load reached every replica
+        served = [m.metrics()["adapters"].get(NAME, {}).get("requests", 0) for m in two.engine.members()]
         assert all(n > 0 for n in served)  # both replicas took prompts
     finally:
         two.close()
 
 
 def test_a_killed_replica_is_replaced_with_its_adapters_and_the_call_goes_through(local_ray, setup):
-    from lora_rl_core.engines.ray_replicas import start_ray_replicas
-
     model_cfg, tensors, config, requests = setup
-    engines = start_ray_replicas(EngineConfig(), model_cfg, replicas=2)
+    built = build_engine(EngineInputs(EngineConfig(ray_replicas=2), model_cfg))
+    engines = built.engine
     try:
         want = _run(engines, tensors, config, requests)
         victim = engines.members()[1]
@@ -97,14 +95,13 @@ def test_a_killed_replica_is_replaced_with_its_adapters_and_the_call_goes_throug
         assert engines.is_paused() is True  # one replica paused: the group is
         engines.members()[0].resume()
     finally:
-        engines.close()
+        built.close()
 
 
 def test_a_killed_replica_fails_the_call_naming_it_without_replacement(local_ray, setup):
-    from lora_rl_core.engines.ray_replicas import start_ray_replicas
-
     model_cfg, tensors, config, requests = setup
-    engines = start_ray_replicas(EngineConfig(ray_replace_dead=False), model_cfg, replicas=2)
+    built = build_engine(EngineInputs(EngineConfig(ray_replicas=2, ray_replace_dead=False), model_cfg))
+    engines = built.engine
     try:
         engines.load_adapter(NAME, tensors=tensors, config=config)
         victim = engines.members()[1]
@@ -118,7 +115,7 @@ def test_a_killed_replica_fails_the_call_naming_it_without_replacement(local_ray
             engines.is_paused()
         assert is_paused(engines) is True  # it cannot say: nothing is unloaded there
     finally:
-        engines.close()
+        built.close()
 
 
 def test_flow_with_two_engine_replicas_on_ray(local_ray, tiny_model_dir, tmp_path):
@@ -181,7 +178,7 @@ def test_sglang_replicas_on_ray_own_their_servers(local_ray, tiny_model_dir, tmp
     both and equals the in-process engine's; a load reaches both; killing an actor stops its server (its
     reaper) and fails the call naming that server; closing the run stops everything."""
     from lora_rl_core.config import load_config
-    from lora_rl_core.engines.ray_sglang import SGLangReplicas
+    from lora_rl_core.engines import MultiEngine
     from lora_rl_core.run import build_run
     from tests.support.adapters import write_peft_folder
 
@@ -191,12 +188,12 @@ def test_sglang_replicas_on_ray_own_their_servers(local_ray, tiny_model_dir, tmp
     folder = write_peft_folder(tensors, config, tmp_path / "adapter")
     run = build_run(load_config(_sglang_replicas_config(tmp_path, tiny_model_dir, "ray-sgl")), "ray-sgl")
     try:
-        assert isinstance(run.engine, SGLangReplicas) and len(run.engine.members()) == 2
-        pids = ray.get([a.pids.remote() for a in run.engine.actors])
+        assert isinstance(run.engine, MultiEngine) and len(run.engine.members()) == 2
+        pids = ray.get([a.pids.remote() for a in run.built.actors])
         run.engine.load_adapter(NAME, path=str(folder))
         assert all(NAME in m.list_adapters() for m in run.engine.members())
         assert [c.completion_ids for c in run.engine.generate(requests)] == want
-        ray.kill(run.engine.actors[1], no_restart=True)
+        ray.kill(run.built.actors[1], no_restart=True)
         assert ended(pids[1]["server"], 20) and ended(pids[1]["reaper"], 20)  # the reaper stopped the orphaned server
         url = run.engine.members()[1].url
         with pytest.raises(EngineUnavailable, match=url.split("//")[1]):

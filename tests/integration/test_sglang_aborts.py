@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import ServerEngine, SGLangEngine
-from lora_rl_core.engines.server import create_app
+from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
+from lora_rl_core.engines.serve.app import create_app
 from tests.support.servers import serve_app_in_thread
 from tests.support.sglang_fake import SGLangFakeServer
 
@@ -75,7 +75,7 @@ def in_background(call: Callable[[], object]) -> Future:
 
 
 @contextmanager
-def batch_held_in_queue(client: SGLangEngine, backend: EmbeddedEngine, ids: list[str]) -> Iterator[Future]:
+def batch_held_in_queue(client: HTTPEngine, backend: EmbeddedEngine, ids: list[str]) -> Iterator[Future]:
     """`client.generate(batch(ids))` running in the background, its requests queued behind an in-place pause
     until the block ends (then resumed, whatever happened)."""
     client.pause("in_place")
@@ -106,7 +106,7 @@ def test_the_fake_fails_the_whole_batch_with_499_when_one_request_is_aborted(fak
 
 def test_one_aborted_request_of_a_batch_ends_aborted_and_the_others_complete(fake, backend):
     server, url = fake
-    with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as client:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30) as client:
         with batch_held_in_queue(client, backend, ["b0", "b1", "b2"]) as done:
             assert client.abort("b1") == 1
             wait_until(lambda: {"b0~1", "b2~1"} <= set(server.rids), "the other two to be sent again")
@@ -123,7 +123,7 @@ def test_one_aborted_request_of_a_batch_ends_aborted_and_the_others_complete(fak
 
 def test_a_pause_in_abort_mode_ends_every_request_of_the_batch_paused(fake, backend):
     server, url = fake
-    with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as client:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30) as client:
         with batch_held_in_queue(client, backend, ["p0", "p1", "p2"]) as done:
             client.pause("abort")
             out = done.result(timeout=WAIT_S)
@@ -137,7 +137,7 @@ def test_a_pause_in_abort_mode_ends_every_request_of_the_batch_paused(fake, back
 def test_our_engine_server_still_answers_per_row_aborts(backend):
     with (
         serve_app_in_thread(create_app(backend, served_model_name="tiny")) as url,
-        ServerEngine(url, timeout_s=30, control_timeout_s=30) as client,
+        HTTPEngine(SERVER, url, timeout_s=30, control_timeout_s=30) as client,
     ):
         with batch_held_in_queue(client, backend, ["s0", "s1", "s2"]) as done:
             assert client.abort("s1") == 1

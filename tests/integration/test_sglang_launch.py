@@ -15,8 +15,8 @@ import pytest
 
 from lora_rl_core.config import load_config
 from lora_rl_core.engines import GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import SGLangEngine
-from lora_rl_core.engines.sglang_server import launch_sglang
+from lora_rl_core.engines.launch.process import launch_sglang
+from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_core.errors import EngineError
 from lora_rl_core.store import AdapterStore
 from tests.integration.tiny_run import write_tiny_config
@@ -37,7 +37,7 @@ def _config(tmp_path, tiny_model_dir, *extra_args: str, **launch):
 def test_launch_waits_for_health_renders_the_flags_and_stops_the_group(tmp_path, tiny_model_dir):
     record = tmp_path / "argv.json"
     cfg = _config(tmp_path, tiny_model_dir, "--fake-record", str(record))
-    server = launch_sglang(cfg, tmp_path / "sglang.log")
+    server = launch_sglang(cfg.engine, cfg.model, cfg.lora, tmp_path / "sglang.log")
     try:
         argv = json.loads(record.read_text())["argv"]
         helper = json.loads(record.read_text())["helper_pid"]
@@ -45,7 +45,7 @@ def test_launch_waits_for_health_renders_the_flags_and_stops_the_group(tmp_path,
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.5"
         assert argv[argv.index("--cuda-graph-max-bs-decode") + 1] == "32" and "--enable-lora" in argv
         assert argv[argv.index("--attention-backend") + 1] == "triton"
-        with SGLangEngine(server.url, timeout_s=60) as engine:
+        with HTTPEngine(SGLANG, server.url, timeout_s=60) as engine:
             [done] = engine.generate([GenerationRequest([5, 6, 7], None, SamplingParams(max_new_tokens=2))])
             assert done.finish_reason in ("stop", "length")
         assert pid_alive(helper) and server.running
@@ -57,7 +57,7 @@ def test_launch_waits_for_health_renders_the_flags_and_stops_the_group(tmp_path,
 def test_a_server_that_dies_at_start_names_its_exit_code_and_log(tmp_path, tiny_model_dir):
     cfg = _config(tmp_path, tiny_model_dir, "--fake-exit-at-start", "3")
     with pytest.raises(EngineError, match=r"exited with code 3 during start-up(.|\n)*fake start-up failure"):
-        launch_sglang(cfg, tmp_path / "sglang.log")
+        launch_sglang(cfg.engine, cfg.model, cfg.lora, tmp_path / "sglang.log")
 
 
 def test_a_server_never_healthy_is_stopped_after_the_timeout(tmp_path, tiny_model_dir):
@@ -65,7 +65,7 @@ def test_a_server_never_healthy_is_stopped_after_the_timeout(tmp_path, tiny_mode
     cfg = _config(tmp_path, tiny_model_dir, "--fake-never-healthy", "--fake-record", str(record), startup_timeout_s=3)
     start = time.monotonic()
     with pytest.raises(EngineError, match=r"not healthy after 3 s \(engine.launch.startup_timeout_s\)"):
-        launch_sglang(cfg, tmp_path / "sglang.log")
+        launch_sglang(cfg.engine, cfg.model, cfg.lora, tmp_path / "sglang.log")
     assert time.monotonic() - start < 60
     assert ended(json.loads(record.read_text())["helper_pid"])
 

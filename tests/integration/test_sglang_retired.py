@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import SGLangEngine
+from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_core.errors import EngineError
 from lora_rl_core.subscriber import retire_stale
 from tests.support.adapters import random_lora_factory
@@ -74,7 +74,7 @@ def test_the_fake_reloads_an_unloaded_adapter_as_sglang_does(served):
 
 def test_sglang_engine_never_sends_a_retired_version(served):
     fake, url, folders = served
-    with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30) as engine:
         engine.load_adapter(V1, path=folders[V1])
         engine.load_adapter(V2, path=folders[V2])
         engine.unload_adapter(V1)
@@ -89,7 +89,7 @@ def test_sglang_engine_never_sends_a_retired_version(served):
 
 def test_a_revived_version_is_noticed_and_retired_again(served):
     fake, url, folders = served
-    with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30) as engine:
         for name in (V1, V2, V3):
             engine.load_adapter(name, path=folders[name])
         assert retire_stale(engine, RUN, keep=2, protect={V3}) == [V1]
@@ -104,7 +104,7 @@ def test_a_version_this_client_holds_is_not_retired(served):
     """SGLang lists no in-flight counts; the client's own requests in flight stand in, so `retire_stale`
     keeps a version while one of them still runs (SGLang's unload would wait for it)."""
     _, url, folders = served
-    with SGLangEngine(url, timeout_s=60, control_timeout_s=30) as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=60, control_timeout_s=30) as engine:
         for name in (V1, V2):
             engine.load_adapter(name, path=folders[name])
         httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}, timeout=30)  # another client pauses
@@ -124,7 +124,7 @@ def test_retire_keep_leaves_the_weights_but_never_serves_the_version_again(serve
     """`retire="keep"` (engine.sglang_retire): no `/unload_lora_adapter` (SGLang 0.5.17's can hang under
     traffic); the version is retired in the client alone and is not listed to the protocol any more."""
     fake, url, folders = served
-    with SGLangEngine(url, timeout_s=30, control_timeout_s=30, retire="keep") as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30, retire="keep") as engine:
         for name in (V1, V2, V3):
             engine.load_adapter(name, path=folders[name])
         assert retire_stale(engine, RUN, keep=2, protect={V3}) == [V1]
@@ -145,7 +145,7 @@ def test_health_while_paused_does_not_wait_for_sglangs_health_generation(served)
     timeout (0.5.17 on the GPU host; the fake waits `health_check_timeout_s`). `SGLangEngine.health()`, which
     `retire_stale` asks before retiring, must not wait for it, or a sync holds up the resume for 20 s."""
     fake, url, folders = served
-    with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30) as engine:
         engine.load_adapter(V1, path=folders[V1])
         engine.load_adapter(V2, path=folders[V2])
         engine.load_adapter(V3, path=folders[V3])

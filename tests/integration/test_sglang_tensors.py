@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import SGLangEngine
+from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_core.errors import EngineError
 from tests.support.adapters import random_lora_factory
 from tests.support.servers import serve_app_in_thread
@@ -53,13 +53,13 @@ def served(tiny_model_dir, tmp_path):
             yield url, tensors, config, str(folder)
 
 
-def _tokens(engine: SGLangEngine, adapter: str | None) -> list[list[int]]:
+def _tokens(engine: HTTPEngine, adapter: str | None) -> list[list[int]]:
     return [c.completion_ids for c in engine.generate([GenerationRequest(p, adapter, GREEDY) for p in PROMPTS])]
 
 
 def test_inline_tensors_generate_what_the_folder_generates(served):
     url, tensors, config, folder = served
-    with SGLangEngine(url, timeout_s=30, control_timeout_s=30, tensor_transport="inline") as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30, tensor_transport="inline") as engine:
         engine.load_adapter("a-v000001", path=folder)
         engine.load_adapter("t-v000001", tensors=tensors, config=config, path=folder)
         from_folder, from_tensors, base = (
@@ -76,7 +76,7 @@ def test_inline_tensors_generate_what_the_folder_generates(served):
 
 def test_auto_on_cpu_loads_the_published_folder_or_else_inline(served):
     url, tensors, config, folder = served
-    with SGLangEngine(url, timeout_s=30, control_timeout_s=30) as engine:  # auto, no CUDA in this process
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30) as engine:  # auto, no CUDA in this process
         engine.load_adapter("a-v000001", tensors=tensors, config=config, path=folder)
         engine.load_adapter("a-v000002", tensors=tensors, config=config)
         listed = engine.list_adapters()
@@ -87,7 +87,7 @@ def test_auto_on_cpu_loads_the_published_folder_or_else_inline(served):
 def test_a_refused_tensor_load_falls_back_to_the_folder_for_good(served):
     url, tensors, config, folder = served
     bad = {k: v[:, :1] if "lora_A" in k else v for k, v in tensors.items()}  # rank 1 A against rank-r B
-    with SGLangEngine(url, timeout_s=30, control_timeout_s=30, tensor_transport="inline") as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30, tensor_transport="inline") as engine:
         engine.load_adapter("a-v000001", tensors=bad, config=config, path=folder)
         why = engine.metrics()["tensor_fallback"]
         engine.load_adapter("a-v000002", tensors=tensors, config=config, path=folder)  # straight to the folder
@@ -100,7 +100,7 @@ def test_a_refused_tensor_load_falls_back_to_the_folder_for_good(served):
 
 def test_tensors_without_a_config_or_cuda_are_refused_with_the_fix(served):
     url, tensors, config, folder = served
-    with SGLangEngine(url, timeout_s=30, control_timeout_s=30, tensor_transport="ipc") as engine:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30, tensor_transport="ipc") as engine:
         with pytest.raises(EngineError, match="needs config="):
             engine.load_adapter("a-v000001", tensors=tensors)
         if not torch.cuda.is_available():

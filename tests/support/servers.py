@@ -25,7 +25,7 @@ def serve_in_thread(engine: Any, *, start_timeout_s: float = 15.0, **app_options
     Raises:
         RuntimeError: uvicorn did not start in time.
     """
-    from lora_rl_core.engines.server import create_app
+    from lora_rl_core.engines.serve.app import create_app
 
     app = create_app(engine, **{"served_model_name": "stress", **app_options})
     with serve_app_in_thread(app, start_timeout_s=start_timeout_s) as url:

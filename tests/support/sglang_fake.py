@@ -1,6 +1,6 @@
 """A fake SGLang server: an embedded engine behind our engine server, answering in real SGLang 0.5.x shapes.
 
-Our server (`lora_rl_core.engines.server`) already speaks SGLang's wire format for the requests and the
+Our server (`lora_rl_core.engines.serve.app`) already speaks SGLang's wire format for the requests and the
 error bodies; where its answers carry more than SGLang's, this fake answers as SGLang does (sglang 0.5.23
 `srt/entrypoints/http_server.py`, 0.5.17 as seen on the GPU host, docs/SGLANG.md):
 
@@ -26,7 +26,7 @@ error bodies; where its answers carry more than SGLang's, this fake answers as S
   _raise_if_logical_rid_aborted` raises `RequestAbortedError`, status 499; `_discard_pending_req_states`
   drops the other rows; seen on the GPU host under the stress run); the fake does it whenever a row is
   aborted so, the harder case for a client. Rows that end by the server's own deadline (`timeout`) or
-  because their adapter was unloaded keep per-row abort finishes. Our server (`lora_rl_core.engines.server`)
+  because their adapter was unloaded keep per-row abort finishes. Our server (`lora_rl_core.engines.serve.app`)
   answers per-row aborts in every case.
 * `/load_lora_adapter_from_tensors` takes SGLang's own payload: base64 of a pickled `{peft_key: tensor}`
   (`MultiprocessingSerializer`), unpickled with an allow-list as SGLang's `SafeUnpickler` does. Only
@@ -48,9 +48,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from lora_rl_core.engines.base import Completion, GenerationRequest, InferenceEngine
-from lora_rl_core.engines.server import HEALTH_CHECK_TIMEOUT_S, EngineServer
-from lora_rl_core.engines.server_adapters import TENSOR_ROOT, AdapterRoutes
-from lora_rl_core.engines.server_api import (
+from lora_rl_core.engines.serve.adapters import TENSOR_ROOT, AdapterRoutes
+from lora_rl_core.engines.serve.api import (
     AbortIn,
     GenerateIn,
     HTTPError,
@@ -59,6 +58,7 @@ from lora_rl_core.engines.server_api import (
     SamplingIn,
     run_blocking,
 )
+from lora_rl_core.engines.serve.app import HEALTH_CHECK_TIMEOUT_S, EngineServer
 from lora_rl_core.errors import EngineError
 
 SGLANG_ABORT_MESSAGE = "Aborted by AbortReq."  # sglang/srt/managers/scheduler.py, abort_request

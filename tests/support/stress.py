@@ -64,7 +64,7 @@ import httpx
 
 from lora_rl_core.adapters import adapter_version
 from lora_rl_core.engines.base import PAUSE_MODES, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import ServerEngine, SGLangEngine
+from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
 from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.subscriber import retire_stale
 from tests.support.adapters import AdapterFactory
@@ -128,7 +128,7 @@ class _InProcess(_Target):
 class _Http(_Target):
     """Our engine server over HTTP through `ServerEngine`; `samples="n"` sends SGLang's `n` itself."""
 
-    def __init__(self, engine: SGLangEngine, settings: StressSettings) -> None:
+    def __init__(self, engine: HTTPEngine, settings: StressSettings) -> None:
         super().__init__(engine, settings)
         self.label = engine.url
         self.samples = settings.samples or "n"
@@ -178,7 +178,7 @@ class _SGLang(_Http):
 
     exact_abort_counts = False
 
-    def __init__(self, engine: SGLangEngine, settings: StressSettings) -> None:
+    def __init__(self, engine: HTTPEngine, settings: StressSettings) -> None:
         super().__init__(engine, settings)
         self.samples = settings.samples or "group"
 
@@ -217,12 +217,12 @@ def _target(engine: Any, settings: StressSettings) -> tuple[_Target, bool]:
     """The target for an engine or URL; True when this function opened the client (and must close it)."""
     owned = isinstance(engine, str)
     if owned:
-        engine = ServerEngine(
-            engine, timeout_s=settings.request_timeout_s, control_timeout_s=settings.control_timeout_s
+        engine = HTTPEngine(
+            SERVER, engine, timeout_s=settings.request_timeout_s, control_timeout_s=settings.control_timeout_s
         )
-    if type(engine) is SGLangEngine:  # a real SGLang server
+    if isinstance(engine, HTTPEngine) and engine.dialect is SGLANG:  # a real SGLang server
         return _SGLang(engine, settings), owned
-    if isinstance(engine, ServerEngine):
+    if isinstance(engine, HTTPEngine):
         return _Http(engine, settings), owned
     if settings.samples == "n":
         raise EngineError("samples='n' (SGLang's n) needs an HTTP target; in-process groups are n requests")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from lora_rl_core.engines.pool import AdapterPool
+from lora_rl_core.engines.embedded.pool import AdapterPool
 from lora_rl_core.errors import EngineError
 
 
@@ -175,7 +175,11 @@ def test_idle_draining_adapters_are_evicted_first():
 
 
 def test_bad_pool_arguments():
-    with pytest.raises(ValueError, match="eviction policy"):
-        AdapterPool(policy="random")
+    """An unknown eviction policy is refused once, by the engine config (`EngineConfig.eviction_policy`)."""
+    from lora_rl_core.config import config_from_dict
+    from lora_rl_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="engine.eviction_policy"):
+        config_from_dict({"engine": {"eviction_policy": "random"}})
     with pytest.raises(ValueError):
         AdapterPool(max_loaded=0)

@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lora_rl_core.engines import SamplingParams
-from lora_rl_core.engines.generation import InverseCdfSampler, generate_batch, left_pad, shared_prefill
+from lora_rl_core.engines.embedded.generation import InverseCdfSampler, generate_batch, left_pad, shared_prefill
 
 PAD, EOS = 0, 2
 

@@ -15,15 +15,15 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from lora_rl_core.engines import ServerEngine, SGLangEngine
 from lora_rl_core.engines.base import GenerationRequest, SamplingParams
+from lora_rl_core.engines.remote import SERVER, SGLANG, Dialect, HTTPEngine
 
 SGLANG_PROSE = "Aborted by AbortReq."
 
 
-def _client(cls: type[SGLangEngine], message: str, during: Callable[[SGLangEngine], None]) -> SGLangEngine:
+def _client(dialect: Dialect, message: str, during: Callable[[HTTPEngine], None]) -> HTTPEngine:
     """A client whose server answers every `/generate` prompt as aborted with `message`, after `during`."""
-    engine = cls("http://fake")
+    engine = HTTPEngine(dialect, "http://fake")
 
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/abort_request":
@@ -40,33 +40,33 @@ def _client(cls: type[SGLangEngine], message: str, during: Callable[[SGLangEngin
     return engine
 
 
-def _one(engine: SGLangEngine) -> str | None:
+def _one(engine: HTTPEngine) -> str | None:
     request = GenerationRequest([1, 2, 3], "run-v000001", SamplingParams(max_new_tokens=2), request_id="r0")
     return engine.generate([request])[0].abort_reason
 
 
 @pytest.mark.parametrize(("server_reason", "client_call"), [("paused", "abort"), ("aborted", "pause")])
 def test_our_server_reason_wins(server_reason: str, client_call: str) -> None:
-    def during(engine: SGLangEngine) -> None:
+    def during(engine: HTTPEngine) -> None:
         if client_call == "abort":
             engine.abort("r0")
         else:
             engine.pause("abort")
 
-    with _client(ServerEngine, server_reason, during) as engine:
+    with _client(SERVER, server_reason, during) as engine:
         assert _one(engine) == server_reason
 
 
 def test_sglang_prose_takes_the_first_reason_the_client_gave() -> None:
-    def during(engine: SGLangEngine) -> None:
+    def during(engine: HTTPEngine) -> None:
         engine.abort("r0", reason="timeout")
         engine.pause("abort")  # the request has ended already: it keeps `timeout`
 
-    with _client(SGLangEngine, SGLANG_PROSE, during) as engine:
+    with _client(SGLANG, SGLANG_PROSE, during) as engine:
         assert _one(engine) == "timeout"
         assert engine._requests.kept_reasons() == {}  # forgotten once the call ended
 
 
 def test_sglang_prose_without_a_client_reason_is_aborted() -> None:
-    with _client(SGLangEngine, SGLANG_PROSE, lambda engine: None) as engine:
+    with _client(SGLANG, SGLANG_PROSE, lambda engine: None) as engine:
         assert _one(engine) == "aborted"

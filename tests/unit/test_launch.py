@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from lora_rl_core.config import EngineConfig, config_from_dict
-from lora_rl_core.engines.launch import render, sglang_launch_command, sglang_launch_command_from_config
+from lora_rl_core.engines.launch.command import render, sglang_launch_command, sglang_launch_command_from_config
 from lora_rl_core.errors import ConfigError
 
 POOL_FIELDS = {"max_loras_per_batch", "max_loaded_loras", "eviction_policy", "max_lora_rank"}
@@ -66,7 +66,6 @@ def test_defaults_all_linear_and_no_cap():
         ({"max_loaded_loras": 2}, "--max-loaded-loras"),
         ({"target_modules": ["all", "q_proj"]}, "stand alone"),
         ({"target_modules": []}, "at least one"),
-        ({"eviction_policy": "random"}, "lru"),
         ({"max_lora_rank": 0}, "--max-lora-rank"),
         ({"lora_paths": [(f"r-v00000{i}", f"/a/{i}", True) for i in range(4)]}, "at most"),
         ({"lora_paths": [("r-v000001", "/a", False), ("r-v000001", "/b", False)]}, "more than once"),
@@ -78,6 +77,12 @@ def test_refuses_what_sglang_refuses(kwargs, message):
     args = {"max_lora_rank": 8, "target_modules": ["q_proj"], "max_loras_per_batch": 4, **kwargs}
     with pytest.raises(ConfigError, match=message):
         sglang_launch_command("m", **args)
+
+
+def test_an_eviction_policy_sglang_refuses_is_refused_by_the_config():
+    """The allowed policies are checked once, by `EngineConfig` (the launch command trusts it)."""
+    with pytest.raises(ConfigError, match="lru"):
+        config_from_dict({"engine": {"eviction_policy": "random"}})
 
 
 def test_three_pinned_of_four_slots_is_allowed():
@@ -97,7 +102,9 @@ def test_from_config_uses_model_lora_and_engine_sections():
             "engine": {"max_loras_per_batch": 4, "max_loaded_loras": 6, "eviction_policy": "lru"},
         }
     )
-    argv = sglang_launch_command_from_config(cfg, lora_paths=[("r-v000001", "/a", True)], port=30001)
+    argv = sglang_launch_command_from_config(
+        cfg.engine, cfg.model, cfg.lora, lora_paths=[("r-v000001", "/a", True)], port=30001
+    )
     assert flag(argv, "--model-path") == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
     assert flag(argv, "--max-lora-rank") == ["8"]
     assert flag(argv, "--lora-target-modules") == ["q_proj", "v_proj"]
@@ -105,12 +112,12 @@ def test_from_config_uses_model_lora_and_engine_sections():
     assert flag(argv, "--dtype") == ["bfloat16"] and flag(argv, "--port") == ["30001"]
     cfg = config_from_dict({"lora": {"exclude_modules": ["o_proj"]}})
     with pytest.raises(ConfigError, match="exclude_modules"):
-        sglang_launch_command_from_config(cfg)
+        sglang_launch_command_from_config(cfg.engine, cfg.model, cfg.lora)
 
 
 def test_launch_flags_follow_the_launch_section():
     from lora_rl_core.config import SGLangLaunchConfig
-    from lora_rl_core.engines.launch import launch_flags
+    from lora_rl_core.engines.launch.command import launch_flags
 
     flags = launch_flags(SGLangLaunchConfig())
     assert flags[flags.index("--mem-fraction-static") + 1] == "0.5"
@@ -123,7 +130,7 @@ def test_launch_flags_follow_the_launch_section():
 
 
 def test_server_command_runs_the_launch_interpreter_on_the_local_folder():
-    from lora_rl_core.engines.launch import sglang_server_command
+    from lora_rl_core.engines.launch.command import sglang_server_command
 
     cfg = config_from_dict(
         {
@@ -135,7 +142,7 @@ def test_server_command_runs_the_launch_interpreter_on_the_local_folder():
             "lora": {"rank": 8},
         }
     )
-    argv = sglang_server_command(cfg, "/models/smollm2")
+    argv = sglang_server_command(cfg.engine, cfg.model, cfg.lora, "/models/smollm2")
     assert argv[:3] == ["/opt/py", "-m", "sglang.launch_server"]
     assert flag(argv, "--model-path") == ["/models/smollm2"] and flag(argv, "--port") == ["31234"]
     assert flag(argv, "--max-lora-rank") == ["8"] and "--mem-fraction-static" in argv

@@ -49,7 +49,7 @@ def test_a_failing_trainer_build_closes_the_engine(cfg, monkeypatch):
         build_run(cfg, "comp-2")
     assert len(built) == 1
     with pytest.raises(EngineError):
-        built[0].generate([])
+        built[0].engine.generate([])
 
 
 def test_bad_run_id_fails_before_anything_is_built(cfg):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_rl_core.engines.scheduler import BatchLimits, form_batch
+from lora_rl_core.engines.embedded.scheduler import BatchLimits, form_batch
 
 G, H = "greedy", "hot"  # stand-ins for SamplingParams (any hashable)
 

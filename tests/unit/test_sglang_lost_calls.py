@@ -1,4 +1,4 @@
-"""`SGLangEngine` when SGLang fails a whole `/generate` batch with HTTP 499, and `is_paused` without HTTP.
+"""`HTTPEngine` when SGLang fails a whole `/generate` batch with HTTP 499, and `is_paused` without HTTP.
 
 SGLang 0.5.17 answers `{"error": {"message": "Request RID was aborted"}}` with HTTP 499 for the whole call when
 one of its requests was aborted (by id, or by a pause in `abort` mode) before the batch reached its scheduler
@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from lora_rl_core.engines import SGLangEngine
 from lora_rl_core.engines.base import GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import MAX_UNEXPLAINED_LOSSES
+from lora_rl_core.engines.remote import SGLANG, HTTPEngine
+from lora_rl_core.engines.remote.client import MAX_UNEXPLAINED_LOSSES
 from lora_rl_core.errors import EngineError
 from lora_rl_core.subscriber import is_paused, retire_stale
 
@@ -32,11 +32,11 @@ class Server:
     """A mock SGLang: `/generate` call k (from 0) runs `during[k]` (the client acting while the call is in
     flight), then answers 499 when `lose[k]`, else one completion `[7, 8]` per rid. Records every call."""
 
-    def __init__(self, lose: list[bool], during: dict[int, Callable[[SGLangEngine], None]] | None = None) -> None:
+    def __init__(self, lose: list[bool], during: dict[int, Callable[[HTTPEngine], None]] | None = None) -> None:
         self.lose, self.during = lose, during or {}
         self.calls: list[tuple[str, Any]] = []
         self.generates: list[list[str]] = []  # the rids of each /generate
-        self.engine = SGLangEngine("http://fake", timeout_s=30)
+        self.engine = HTTPEngine(SGLANG, "http://fake", timeout_s=30)
         self.engine._http = httpx.Client(base_url="http://fake", transport=httpx.MockTransport(self.handle))
 
     def handle(self, request: httpx.Request) -> httpx.Response:
@@ -87,7 +87,7 @@ def test_a_row_aborted_by_id_ends_aborted_and_the_others_are_sent_again():
 
 
 def test_an_abort_after_the_resend_reaches_the_resent_rid():
-    def abort_r2(engine: SGLangEngine) -> None:
+    def abort_r2(engine: HTTPEngine) -> None:
         assert engine.abort("r2", reason="timeout") == 1
 
     server = Server(lose=[True, True], during={0: lambda engine: engine.abort("r1"), 1: abort_r2})
@@ -133,7 +133,7 @@ def test_an_unexplained_loss_is_sent_again():
 
 
 def test_rows_lost_after_the_deadline_end_as_timeout():
-    def abort_late(engine: SGLangEngine) -> None:
+    def abort_late(engine: HTTPEngine) -> None:
         engine.abort("r1")
         time.sleep(0.3)  # the call's deadline passes while it is out (the mock transport has no timeout)
 

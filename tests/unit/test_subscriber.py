@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.adapters import adapter_version
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http import EngineUnavailable
+from lora_rl_core.errors import EngineUnavailable
 from lora_rl_core.lora import peft_config_dict
 from lora_rl_core.store import AdapterStore
 from lora_rl_core.subscriber import AdapterSubscriber, retire_stale, sync_version

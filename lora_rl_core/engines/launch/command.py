@@ -4,11 +4,11 @@ The flags and their checks mirror sglang 0.5.23 `sglang/srt/arg_groups/fields/lo
 `server_args.py` (see docs/SGLANG.md): `--max-loaded-loras` must be at least
 `--max-loras-per-batch`, `all` stands alone in `--lora-target-modules`, at most
 `max_loras_per_batch - 1` adapters are pinned (the base model needs a slot: sglang#23141),
-and the eviction policy is `lru` or `fifo`. Pinned adapters are rendered as JSON objects
+and the eviction policy is `lru` or `fifo` (`EngineConfig` checks that). Pinned adapters are rendered as JSON objects
 `{"lora_name", "lora_path", "pinned": true}`, the others as `NAME=PATH`.
 
 `launch_flags` adds what `engine.launch` sets beyond LoRA (backends, memory fraction, CUDA graphs);
-`sglang_server_command` is the whole argv that `lora_rl_core.engines.sglang_server` starts.
+`sglang_server_command` is the whole argv that `lora_rl_core.engines.launch.process` starts.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from lora_rl_core.adapters import check_adapter_name
-from lora_rl_core.config import ENGINE_DEFAULTS, EVICTION_POLICIES, SGLANG_DEFAULT_PORT
+from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_DEFAULT_PORT
 from lora_rl_core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lora_rl_core.config import RunConfig, SGLangLaunchConfig
+    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig, SGLangLaunchConfig
 
 
 LoraPath = tuple[str, str, bool]  # (name, path, pinned)
@@ -97,8 +97,6 @@ def _check_pool(rank: int, per_batch: int, loaded: int | None, policy: str, path
             f"--max-loaded-loras ({loaded}) must be >= --max-loras-per-batch ({per_batch}): "
             "SGLang refuses a CPU cap smaller than the GPU pool"
         )
-    if policy not in EVICTION_POLICIES:
-        raise ConfigError(f"--lora-eviction-policy must be one of {EVICTION_POLICIES}, got {policy!r}")
     names = [name for name, _, _ in paths]
     for name in names:
         try:
@@ -126,7 +124,9 @@ def _render_path(path: LoraPath) -> str:
 
 
 def sglang_launch_command_from_config(
-    cfg: RunConfig,
+    engine: EngineConfig,
+    model: ModelConfig,
+    lora: LoRAConfig,
     *,
     model_path: str | None = None,
     lora_paths: Iterable[LoraPath] = (),
@@ -135,12 +135,12 @@ def sglang_launch_command_from_config(
     python: str = "python",
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """`sglang_launch_command` for a run config: base model, dtype, LoRA rank and targets, and the
-    engine section's pool (`max_loras_per_batch`, `max_loaded_loras`, `eviction_policy`,
+    """`sglang_launch_command` for a run's `engine`, `model` and `lora` sections: base model, dtype, LoRA rank
+    and targets, and the engine section's pool (`max_loras_per_batch`, `max_loaded_loras`, `eviction_policy`,
     `max_lora_rank`, default `lora.rank`).
 
     Args:
-        model_path: overrides `cfg.model.name_or_path` (an offline alias such as
+        model_path: overrides `model.name_or_path` (an offline alias such as
             `smollm2-135m-instruct` is rendered as its hub id).
 
     Raises:
@@ -148,25 +148,24 @@ def sglang_launch_command_from_config(
     """
     from lora_rl_core.models import OFFLINE_MODELS  # lazy: pulls in torch
 
-    name = model_path or cfg.model.name_or_path
+    name = model_path or model.name_or_path
     name = OFFLINE_MODELS[name].hub_id if name in OFFLINE_MODELS else name
-    targets = cfg.lora.target_modules
-    if cfg.lora.exclude_modules:
+    targets = lora.target_modules
+    if lora.exclude_modules:
         if not isinstance(targets, list):
             raise ConfigError(
                 "lora.exclude_modules cannot be expressed with SGLang's `--lora-target-modules all`: "
                 "list lora.target_modules explicitly"
             )
-        targets = [t for t in targets if t not in set(cfg.lora.exclude_modules)]
-    model_flags = ["--dtype", cfg.model.dtype]
-    if cfg.model.revision:
-        model_flags += ["--revision", cfg.model.revision]
-    if cfg.model.trust_remote_code:
+        targets = [t for t in targets if t not in set(lora.exclude_modules)]
+    model_flags = ["--dtype", model.dtype]
+    if model.revision:
+        model_flags += ["--revision", model.revision]
+    if model.trust_remote_code:
         model_flags.append("--trust-remote-code")
-    engine = cfg.engine
     return sglang_launch_command(
         name,
-        max_lora_rank=engine.max_lora_rank or cfg.lora.rank,
+        max_lora_rank=engine.max_lora_rank or lora.rank,
         target_modules=targets,
         max_loras_per_batch=engine.max_loras_per_batch,
         max_loaded_loras=engine.max_loaded_loras,
@@ -198,16 +197,23 @@ def launch_flags(launch: SGLangLaunchConfig) -> list[str]:
     return flags + list(launch.extra_args)
 
 
-def sglang_server_command(cfg: RunConfig, model_path: str) -> list[str]:
+def sglang_server_command(engine: EngineConfig, model: ModelConfig, lora: LoRAConfig, model_path: str) -> list[str]:
     """The argv `engine.launch` starts: `sglang_launch_command_from_config` for the local model folder
     `model_path`, with `engine.launch`'s interpreter, address and flags (`launch_flags`).
 
     Raises:
         ConfigError: as `sglang_launch_command`.
     """
-    launch = cfg.engine.launch
+    launch = engine.launch
     return sglang_launch_command_from_config(
-        cfg, model_path=model_path, host=launch.host, port=launch.port, python=launch.python, extra=launch_flags(launch)
+        engine,
+        model,
+        lora,
+        model_path=model_path,
+        host=launch.host,
+        port=launch.port,
+        python=launch.python,
+        extra=launch_flags(launch),
     )
 
 

@@ -1,8 +1,9 @@
-"""Engine replicas as Ray actors: N embedded engines, each in its own Ray actor, behind one `InferenceEngine`.
+"""Engine replicas as Ray actors: N engines, each built in its own Ray actor, behind one `InferenceEngine`.
 
-`start_ray_replicas(engine_cfg, model_cfg, replicas=N)` joins the Ray cluster named by `RAY_ADDRESS` (or
-starts a local one, `ray.init()`), starts N `EngineReplica` actors (each loads the model and runs an
-`EmbeddedEngine`, `num_cpus` CPUs each), and returns a `MultiEngine` over one `RayEngine` handle per actor:
+`start_ray_replicas(build, inputs)` joins the Ray cluster named by `RAY_ADDRESS` (or starts a local one,
+`ray.init()`), starts `engine.ray_replicas` `EngineReplica` actors, each building its engine with `build`
+(an engine kind's builder from the registry, e.g. the embedded engine; one CPU each), and returns a
+`BuiltEngine` whose engine is a `MultiEngine` over one `RayEngine` handle per actor:
 the samples of one prompt stay on one replica, adapter loads and unloads go to every replica
 (`lora_rl_core.engines.multi`). Tensors for a load travel through Ray's object store (shared memory on one
 node); a path (store version) is read by each replica itself.
@@ -19,12 +20,13 @@ Choices made here:
   protocol loaded, and serve stale state silently.
 * `close()` kills the actors and gives back the run's use of Ray (`lora_rl_core.ray_cluster`).
 
-SGLang replicas (one SGLang server per actor) are `lora_rl_core.engines.ray_sglang`; the trainer on Ray is
+SGLang replicas (one SGLang server per actor) are `lora_rl_core.engines.launch.ray_sglang`; the trainer on Ray is
 `lora_rl_core.trainer_ray`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -32,35 +34,30 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from lora_rl_core.config import EngineConfig, ModelConfig
 from lora_rl_core.engines.base import Completion, GenerationRequest
-from lora_rl_core.engines.http import EngineUnavailable
 from lora_rl_core.engines.multi import MultiEngine
-from lora_rl_core.errors import EngineError
+from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
+from lora_rl_core.errors import EngineError, EngineUnavailable
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
 
 log = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    """The body of one replica actor: an `EmbeddedEngine` built as `build_embedded_engine` builds it, with
-    `torch` limited to `num_threads` threads. Its methods are the engine's own."""
+    """The body of one replica actor: the engine `build(inputs)` makes (what it starts is owned here and
+    stopped with it), with `torch` limited to `num_threads` threads. Its methods are the engine's own."""
 
-    def __init__(
-        self, engine_cfg: EngineConfig, model_cfg: ModelConfig, store_uri: str | None, num_threads: int
-    ) -> None:
+    def __init__(self, build: Callable[[EngineInputs], BuiltEngine], inputs: EngineInputs, num_threads: int) -> None:
         import torch
 
-        from lora_rl_core.engines.factory import build_embedded_engine
-        from lora_rl_core.store import AdapterStore
-
         torch.set_num_threads(max(1, num_threads))
-        store = AdapterStore(store_uri) if store_uri else None
-        self.engine = build_embedded_engine(engine_cfg, model_cfg, store)
+        self.built = build(inputs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`engine.<method>(*args, **kwargs)`."""
-        return getattr(self.engine, method)(*args, **kwargs)
+        """`engine.<method>(*args, **kwargs)`; `close` also stops what the builder started."""
+        if method == "close":
+            return self.built.close()
+        return getattr(self.built.engine, method)(*args, **kwargs)
 
     def pid(self) -> int:
         """The actor's process id."""
@@ -234,44 +231,37 @@ class RayEngine:
 
 
 def start_ray_replicas(
-    engine_cfg: EngineConfig,
-    model_cfg: ModelConfig,
-    *,
-    replicas: int,
-    store_uri: str | None = None,
-    num_cpus: float = 1.0,
-    num_gpus: float = 0.0,
-) -> RayReplicas:
-    """Start `replicas` `EngineReplica` actors and return a `RayReplicas` (`MultiEngine`) over them.
+    build: Callable[[EngineInputs], BuiltEngine], inputs: EngineInputs, *, num_cpus: float = 1.0
+) -> BuiltEngine:
+    """Start `engine.ray_replicas` `EngineReplica` actors, each building its engine with `build(inputs)` (Ray
+    replicas switched off in the copy it gets), and return a `BuiltEngine` over them: a `MultiEngine` of
+    `RayEngine` handles, owning the run's use of Ray.
 
-    Takes one use of Ray (`ray_cluster.acquire_ray`: `RAY_ADDRESS`, else a local Ray), given back by
-    `close()`. Each actor reserves `num_cpus` CPUs and `num_gpus` GPUs (Ray hides the GPUs from an actor that
-    reserves none); it loads the model itself (as the in-process engine would) and reads store versions
-    from `store_uri`.
+    Takes one use of Ray (`ray_cluster.acquire_ray`: `RAY_ADDRESS`, else a local Ray), given back when the
+    `BuiltEngine` closes. Each actor reserves `num_cpus` CPUs (torch gets as many threads), and
+    `engine.ray_gpus_per_replica` GPUs when the model runs on CUDA (Ray hides the GPUs from an actor that
+    reserves none).
 
     Raises:
-        EngineError: `replicas` < 1, or an actor failed to start (the ones started are killed).
+        EngineError: an actor failed to start (the ones started are killed).
     """
     import ray
 
-    if replicas < 1:
-        raise EngineError(f"engine replicas must be >= 1, got {replicas}")
+    cfg = inputs.engine
+    on_gpu = inputs.model is not None and inputs.model.device.startswith("cuda")
+    actor_inputs = dataclasses.replace(
+        inputs, engine=cfg.model_copy(update={"ray_replicas": 0}), tokenizer=None
+    )  # a tokenizer object does not travel; each actor loads its own
     acquire_ray()
-    options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 0}
+    options = {"num_cpus": num_cpus, "num_gpus": cfg.ray_gpus_per_replica if on_gpu else 0.0, "max_restarts": 0}
     actor_cls: Any = ray.remote(EngineReplica).options(**options)  # Ray's stubs: untyped
-    threads = max(1, int(num_cpus))
-    actors: list[Any] = [actor_cls.remote(engine_cfg, model_cfg, store_uri, threads) for _ in range(replicas)]
 
     def restart() -> Any:
-        return actor_cls.remote(engine_cfg, model_cfg, store_uri, threads)
+        return actor_cls.remote(build, actor_inputs, max(1, int(num_cpus)))
 
+    actors: list[Any] = [restart() for _ in range(cfg.ray_replicas)]
     engines = [
-        RayEngine(
-            a,
-            f"replica-{i}",
-            timeout_s=engine_cfg.timeout_s,
-            restart=restart if engine_cfg.ray_replace_dead else None,
-        )
+        RayEngine(a, f"replica-{i}", timeout_s=cfg.timeout_s, restart=restart if cfg.ray_replace_dead else None)
         for i, a in enumerate(actors)
     ]
     try:
@@ -281,15 +271,4 @@ def start_ray_replicas(
             ray.kill(a, no_restart=True)
         release_ray()
         raise EngineError(f"engine replicas did not start: {type(exc).__name__}: {exc}") from None
-    return RayReplicas(engines)
-
-
-class RayReplicas(MultiEngine):
-    """`MultiEngine` over `RayEngine` replicas; `close()` also gives back its use of Ray (`release_ray`)."""
-
-    def close(self) -> None:
-        """Kill the replicas, then `release_ray()` (once: idempotent)."""
-        if self._closed:
-            return
-        super().close()
-        release_ray()
+    return BuiltEngine(MultiEngine(engines), owned=[release_ray], actors=actors)

@@ -17,9 +17,9 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from lora_rl_core.adapters import adapter_version
-from lora_rl_core.engines.base import Completion, GenerationRequest, unknown_adapter_message
-from lora_rl_core.engines.pool import AdapterPool
-from lora_rl_core.engines.scheduler import BatchLimits, form_batch
+from lora_rl_core.engines.base import Completion, GenerationRequest, aborted_completion, unknown_adapter_message
+from lora_rl_core.engines.embedded.pool import AdapterPool
+from lora_rl_core.engines.embedded.scheduler import BatchLimits, form_batch
 from lora_rl_core.errors import EngineError
 
 
@@ -205,17 +205,3 @@ def check_request(request: GenerationRequest) -> None:
         raise EngineError(f"request {request.request_id}: empty prompt")
     if request.sampling.max_new_tokens < 1:
         raise EngineError(f"request {request.request_id}: max_new_tokens must be >= 1")
-
-
-def aborted_completion(request: GenerationRequest, version: int | None, reason: str) -> Completion:
-    """The Completion of an aborted request: no tokens, `finish_reason="abort"`, `abort_reason=reason`."""
-    return Completion(
-        request_id=request.request_id,
-        prompt_ids=list(request.prompt_ids),
-        completion_ids=[],
-        logprobs=[],
-        finish_reason="abort",
-        adapter=request.adapter,
-        adapter_version=version,
-        abort_reason=reason,
-    )

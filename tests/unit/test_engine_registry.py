@@ -1,4 +1,5 @@
-"""`build_engine`: every engine is built from `EngineConfig`, and `lora-rl eval` builds through it.
+"""`build_engine` (the registry of engine kinds): every engine is built from `EngineConfig`, and `lora-rl eval`
+builds through it.
 
 The embedded engine gets every limit of the config (here: the rank cap refuses a larger adapter, the pool
 cap evicts); `server`/`sglang` give the HTTP clients (a `MultiEngine` for several URLs) with the Bearer
@@ -17,8 +18,9 @@ from typer.testing import CliRunner
 
 from cli.main import app as cli
 from lora_rl_core.config import load_config
-from lora_rl_core.engines import EmbeddedEngine, MultiEngine, ServerEngine, SGLangEngine
-from lora_rl_core.engines.factory import build_engine
+from lora_rl_core.engines import EmbeddedEngine, EngineInputs, MultiEngine
+from lora_rl_core.engines.registry import ENGINE_KINDS, build_engine
+from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
 from lora_rl_core.errors import ConfigError, EngineError
 from tests.integration.tiny_run import write_tiny_config
 from tests.support.adapters import random_lora_factory
@@ -33,7 +35,8 @@ def lora(tiny_model_dir):
 
 def test_embedded_engine_gets_the_config_limits(tiny_model_dir, lora, tmp_path):
     cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", "model.dtype=float32", "engine.max_lora_rank=1"])
-    with build_engine(cfg.engine, cfg.model, None) as engine:
+    with build_engine(EngineInputs(cfg.engine, cfg.model)) as built:
+        engine = built.engine
         assert isinstance(engine, EmbeddedEngine)
         tensors, config = lora(1)
         with pytest.raises(EngineError, match="rank"):
@@ -41,7 +44,8 @@ def test_embedded_engine_gets_the_config_limits(tiny_model_dir, lora, tmp_path):
 
     overrides = ["engine.max_loras_per_batch=1", "engine.max_loaded_loras=1", "engine.eviction_policy=fifo"]
     cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", "model.dtype=float32", *overrides])
-    with build_engine(cfg.engine, cfg.model, None) as engine:
+    with build_engine(EngineInputs(cfg.engine, cfg.model)) as built:
+        engine = built.engine
         for version in (1, 2):
             tensors, config = lora(version)
             engine.load_adapter(f"r-v{version:06d}", tensors=tensors, config=config)
@@ -49,22 +53,22 @@ def test_embedded_engine_gets_the_config_limits(tiny_model_dir, lora, tmp_path):
         assert resident == {"r-v000001": False, "r-v000002": True}  # one resident adapter at most
 
 
-@pytest.mark.parametrize(("kind", "cls"), [("server", ServerEngine), ("sglang", SGLangEngine)])
-def test_remote_engines_are_http_clients_with_the_key_from_the_env(kind, cls, monkeypatch):
+@pytest.mark.parametrize(("kind", "dialect"), [("server", SERVER), ("sglang", SGLANG)])
+def test_remote_engines_are_http_clients_with_the_key_from_the_env(kind, dialect, monkeypatch):
     monkeypatch.setenv("MY_KEY", "s3cret")
     sync = ["engine.sync=store"] if kind == "sglang" else []
     one = ["engine.urls=[http://127.0.0.1:1]", "engine.api_key_env=MY_KEY", "engine.timeout_s=7"]
     cfg = load_config(None, [f"engine.type={kind}", *one, *sync])
-    engine = build_engine(cfg.engine, cfg.model, None)
+    engine = build_engine(EngineInputs(cfg.engine)).engine
     try:
-        assert type(engine) is cls and engine.timeout_s == 7
+        assert isinstance(engine, HTTPEngine) and engine.dialect is dialect and engine.timeout_s == 7
         assert engine._http.headers["authorization"] == "Bearer s3cret"
         assert engine.members() == [engine]
     finally:
         engine.close()
 
     cfg = load_config(None, [f"engine.type={kind}", "engine.urls=[http://127.0.0.1:1,http://127.0.0.1:2]", *sync])
-    engines = build_engine(cfg.engine, cfg.model, None)
+    engines = build_engine(EngineInputs(cfg.engine)).engine
     try:
         assert isinstance(engines, MultiEngine)
         assert [e.url for e in engines.members()] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
@@ -75,16 +79,27 @@ def test_remote_engines_are_http_clients_with_the_key_from_the_env(kind, cls, mo
 def test_sglang_clients_get_the_tensor_transport_and_retire_policy():
     urls = "engine.urls=[http://127.0.0.1:1]"
     cfg = load_config(None, ["engine.type=sglang", urls, "engine.tensor_transport=inline", "engine.sglang_retire=keep"])
-    engine = build_engine(cfg.engine, cfg.model, None)
+    engine = build_engine(EngineInputs(cfg.engine)).engine
     try:
-        assert engine.tensor_transport == "inline" and engine.retire == "keep"
+        assert engine.tensors.transport == "inline" and engine.retire == "keep"
     finally:
         engine.close()
-    server = build_engine(load_config(None, ["engine.type=server", urls]).engine, cfg.model, None)
+    server = build_engine(EngineInputs(load_config(None, ["engine.type=server", urls]).engine)).engine
     try:
         assert server.retire == "unload"  # our server unloads without hanging: the SGLang-only policy is not applied
     finally:
         server.close()
+
+
+def test_every_engine_type_has_a_kind_and_replicas_only_where_the_config_allows_them():
+    """One registry entry per value of `EngineConfig.type`; `ray_replicas` has a builder exactly for the kinds
+    whose config the validator accepts with replicas."""
+    from typing import get_args
+
+    from lora_rl_core.config import EngineConfig
+
+    assert set(ENGINE_KINDS) == set(get_args(EngineConfig.model_fields["type"].annotation))
+    assert {k for k, kind in ENGINE_KINDS.items() if kind.replicate is not None} == {"embedded", "sglang"}
 
 
 def test_ray_replicas_need_the_embedded_engine():

@@ -14,7 +14,7 @@ Two transports (docs/SGLANG.md, "Tensor path"):
 * `ipc`: CUDA tensors pickled by torch's `ForkingPickler` reductions, i.e. CUDA IPC handles, not data;
   the device is named by UUID as SGLang's patched reduction does, so the server may see the GPU under
   another index. Same host only; the sender keeps the tensors alive until the answer and then calls
-  `release_ipc` (`torch.cuda.ipc_collect`). Three layouts (`IPC_LAYOUTS`):
+  `release_ipc` (`torch.cuda.ipc_collect`). Three layouts (`config.IPC_LAYOUTS`):
 
   - `per-tensor`: each tensor its own CUDA copy. The server pays per tensor an IPC event open and wait, a
     `cudaIpcOpenMemHandle` per distinct allocator segment, a refcount release and a synchronous `.cpu()`.
@@ -56,7 +56,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's ForkingPickler reductions (CUDA IPC handles)
 from torch.multiprocessing import reductions
 
-from lora_rl_core.config import ENGINE_DEFAULTS, IPC_LAYOUTS, TENSOR_TRANSPORTS
+from lora_rl_core.config import ENGINE_DEFAULTS, IpcLayout, TensorTransport
 from lora_rl_core.errors import EngineError
 
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -69,17 +69,13 @@ def is_loopback(url: str) -> bool:
     return (urlsplit(url).hostname or "") in _LOOPBACK_HOSTS
 
 
-def pick_transport(requested: str, *, url: str, has_path: bool) -> str:
+def pick_transport(requested: TensorTransport, *, url: str, has_path: bool) -> str:
     """The transport for one tensor load.
 
     `auto`: `ipc` when the server is on this host and this process has CUDA; else `disk` when a published
-    folder is given (`has_path`); else `inline`. Any other value is returned as given.
-
-    Raises:
-        EngineError: `requested` is not one of `TENSOR_TRANSPORTS`.
+    folder is given (`has_path`); else `inline`. Any other value (checked by `EngineConfig.tensor_transport`)
+    is returned as given.
     """
-    if requested not in TENSOR_TRANSPORTS:
-        raise EngineError(f"engine.tensor_transport must be one of {TENSOR_TRANSPORTS}, got {requested!r}")
     if requested != "auto":
         return requested
     if is_loopback(url) and torch.cuda.is_available():
@@ -226,7 +222,7 @@ def ipc_payload(
     tensors: Mapping[str, torch.Tensor],
     device: torch.device | str = "cuda",
     *,
-    layout: str = DEFAULT_IPC_LAYOUT,
+    layout: IpcLayout = DEFAULT_IPC_LAYOUT,
     dtype: torch.dtype | None = None,
 ) -> tuple[str, dict[str, torch.Tensor]]:
     """One `serialized_named_tensors` entry carrying CUDA IPC handles of `tensors` copied to `device`.
@@ -234,7 +230,7 @@ def ipc_payload(
     Args:
         tensors: PEFT-keyed adapter weights, any device and dtype.
         device: the CUDA device to share them from.
-        layout: `per-tensor`, `packed` or `host` (`IPC_LAYOUTS`, module docstring).
+        layout: `per-tensor`, `packed` or `host` (module docstring; `EngineConfig.tensor_layout` checks it).
         dtype: cast to it before sharing (the server model's dtype saves bytes and casts; None keeps each
             tensor's dtype).
 
@@ -242,10 +238,8 @@ def ipc_payload(
         (base64 payload, the CUDA tensors it refers to: keep them alive until the server has answered).
 
     Raises:
-        EngineError: an unknown layout, or this process has no CUDA device.
+        EngineError: this process has no CUDA device.
     """
-    if layout not in IPC_LAYOUTS:
-        raise EngineError(f"IPC layout must be one of {IPC_LAYOUTS}, got {layout!r}")
     if not torch.cuda.is_available():
         raise EngineError("engine.tensor_transport 'ipc' needs CUDA in this process; use 'inline' or 'disk'")
     target = torch.device(device)

@@ -2,10 +2,10 @@
 through `SGLangEngine` clients behind one `MultiEngine` (`engine.type: sglang`, `engine.launch.enabled`,
 `engine.ray_replicas: N`).
 
-`start_sglang_replicas(cfg, replicas=N, log_dir=...)` joins the Ray cluster of `RAY_ADDRESS` (or starts a local
-one), starts N `SGLangReplica` actors, each reserving `engine.ray_gpus_per_replica` GPUs (a fraction shares a
-GPU, e.g. with a trainer rank of `trainer.ray_gpus_per_rank`) and launching the server `engine.launch`
-describes on port `launch.port + i` (`lora_rl_core.engines.sglang_server.launch_sglang`; Ray gives the actor,
+`start_sglang_replicas(inputs, connect)` joins the Ray cluster of `RAY_ADDRESS` (or starts a local one),
+starts `engine.ray_replicas` `SGLangReplica` actors, each reserving `engine.ray_gpus_per_replica` GPUs (a
+fraction shares a GPU, e.g. with a trainer rank of `trainer.ray_gpus_per_rank`) and launching the server `engine.launch`
+describes on port `launch.port + i` (`lora_rl_core.engines.launch.process.launch_sglang`; Ray gives the actor,
 and so the server, its GPU through `CUDA_VISIBLE_DEVICES`). Generation, loads and retirement then go over
 HTTP as with one launched server: the samples of a prompt stay on one replica, versions load into every
 replica (tensor path by CUDA IPC when the server is on this host, `engine.tensor_transport: auto`).
@@ -14,7 +14,7 @@ Choices made here:
 
 * The actor owns its server: `stop()` stops the server's process group, and a reaper process started beside
   the server stops the group if the actor's process dies (`ray.kill`, a crash), so no server outlives its
-  actor. `SGLangReplicas.close()` stops every server, kills the actors and gives back the run's use of Ray.
+  actor. Closing the `BuiltEngine` stops every server, kills the actors and gives back the run's use of Ray.
 * A replica whose server or actor died fails the call with `EngineUnavailable` naming its URL (the step
   fails cleanly; resume the run). It is not replaced: a new server needs minutes to start, longer than a
   step, and the version history to reload is the run's to replay on resume.
@@ -29,16 +29,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_rl_core.engines.multi import MultiEngine
-from lora_rl_core.errors import EngineError
+from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
+from lora_rl_core.errors import ConfigError, EngineError
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
 
 if TYPE_CHECKING:
-    from lora_rl_core.config import RunConfig
-    from lora_rl_core.engines.sglang_server import SGLangServer
+    from lora_rl_core.engines.launch.process import SGLangServer
 
 # The reaper: while the actor (argv[1]) lives, wait; then stop the server's process group (argv[2]). It ends on
 # its own when the group is gone (the server was stopped normally). It forks away first and prints its pid:
@@ -71,20 +71,23 @@ while alive(os.killpg, group):
 
 
 class SGLangReplica:
-    """The body of one replica actor: launches the SGLang server of `cfg.engine.launch` on port
+    """The body of one replica actor: launches the SGLang server of `engine.launch` on port
     `launch.port + index`, logs to `<log_dir>/sglang-<index>.log`, and starts its reaper.
 
     Raises:
         EngineError: the server did not become healthy (from `launch_sglang`).
     """
 
-    def __init__(self, cfg: RunConfig, index: int, log_dir: str) -> None:
-        from lora_rl_core.engines.sglang_server import launch_sglang
+    def __init__(self, inputs: EngineInputs, index: int, log_dir: str) -> None:
+        from lora_rl_core.engines.launch.process import launch_sglang
 
-        launch = cfg.engine.launch.model_copy(update={"port": cfg.engine.launch.port + index})
-        run_cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"launch": launch})})
+        assert inputs.model is not None and inputs.lora is not None  # start_sglang_replicas checked
+        launch = inputs.engine.launch.model_copy(update={"port": inputs.engine.launch.port + index})
+        engine = inputs.engine.model_copy(update={"launch": launch})
         self.host = launch.host
-        self.server: SGLangServer = launch_sglang(run_cfg, Path(log_dir) / f"sglang-{index}.log")
+        self.server: SGLangServer = launch_sglang(
+            engine, inputs.model, inputs.lora, Path(log_dir) / f"sglang-{index}.log"
+        )
         assert self.server.pid is not None
         starter = subprocess.Popen(
             [sys.executable, "-c", _REAPER, str(os.getpid()), str(self.server.pid)],
@@ -122,59 +125,39 @@ class SGLangReplica:
         os.kill(self.reaper_pid, signal.SIGKILL)
 
 
-def start_sglang_replicas(cfg: RunConfig, *, replicas: int, log_dir: str | Path) -> SGLangReplicas:
-    """Start `replicas` `SGLangReplica` actors and return `SGLangReplicas` over clients of their servers.
+def start_sglang_replicas(inputs: EngineInputs, connect: Callable[[list[str]], BuiltEngine]) -> BuiltEngine:
+    """Start `engine.ray_replicas` `SGLangReplica` actors and return a `BuiltEngine` over clients of their
+    servers (`connect(urls)`, a `MultiEngine`), owning the actors and the run's use of Ray.
 
-    Takes one use of Ray (`ray_cluster.acquire_ray`), given back by `close()`. Each actor reserves one CPU and
+    Takes one use of Ray (`ray_cluster.acquire_ray`), given back on close. Each actor reserves one CPU and
     `engine.ray_gpus_per_replica` GPUs.
 
     Raises:
-        EngineError: `replicas` < 1, or a server did not start (the replicas started are stopped; the message
-            names the log).
+        ConfigError: no model or lora section given.
+        EngineError: a server did not start (the replicas started are stopped; the message names the log).
     """
     import ray
 
-    from lora_rl_core.engines.factory import build_remote_engine
-
-    if replicas < 1:
-        raise EngineError(f"engine replicas must be >= 1, got {replicas}")
-    engine = cfg.engine
+    if inputs.model is None or inputs.lora is None:
+        raise ConfigError("launching SGLang replicas needs the model and lora sections (EngineInputs)")
+    engine = inputs.engine
+    log_dir = str(inputs.log_dir or Path.cwd())
     acquire_ray()
     options = {"num_cpus": 1, "num_gpus": engine.ray_gpus_per_replica, "max_restarts": 0}
     actor_cls: Any = ray.remote(SGLangReplica).options(**options)  # Ray's stubs: untyped
-    actors = [actor_cls.remote(cfg, i, str(log_dir)) for i in range(replicas)]
+    actors = [actor_cls.remote(inputs, i, log_dir) for i in range(engine.ray_replicas)]
     try:
         urls = ray.get([a.url.remote() for a in actors], timeout=engine.launch.startup_timeout_s + 120)
-        clients = list(build_remote_engine(engine.model_copy(update={"urls": urls})).members())
+        clients = connect(urls)
     except Exception as exc:
         _stop_actors(actors)
         release_ray()
         raise EngineError(
             f"SGLang replicas did not start ({type(exc).__name__}: {exc}); their logs: {log_dir}/sglang-*.log"
         ) from None
-    return SGLangReplicas(clients, actors)
-
-
-class SGLangReplicas(MultiEngine):
-    """`MultiEngine` over the `SGLangEngine` clients of replica actors; `close()` also stops the servers, kills
-    the actors and gives back the run's use of Ray.
-
-    Args:
-        engines: one client per replica, in replica order.
-        actors: the `SGLangReplica` actor handles.
-    """
-
-    def __init__(self, engines: list[Any], actors: list[Any]) -> None:
-        super().__init__(engines)
-        self.actors = actors
-
-    def close(self) -> None:
-        """Close the clients, stop every server, kill the actors, then `release_ray()` (once: idempotent)."""
-        if self._closed:
-            return
-        super().close()
-        _stop_actors(self.actors)
-        release_ray()
+    clients.owned += [lambda: _stop_actors(actors), release_ray]
+    clients.actors += actors
+    return clients
 
 
 def _stop_actors(actors: list[Any]) -> None:

@@ -34,8 +34,8 @@ from lora_rl_core.adapters import (
     read_store_uri,
 )
 from lora_rl_core.engines.base import Completion, GenerationRequest
-from lora_rl_core.engines.generation import BASE_ADAPTER, generate_batch
-from lora_rl_core.engines.pool import AdapterPool
+from lora_rl_core.engines.embedded.generation import BASE_ADAPTER, generate_batch
+from lora_rl_core.engines.embedded.pool import AdapterPool
 from lora_rl_core.errors import EngineError, StoreError
 
 _CONFIG_DROP = {"peft_type", "base_model_name_or_path", "revision"}  # not LoraConfig arguments

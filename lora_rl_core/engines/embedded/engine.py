@@ -57,11 +57,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lora_rl_core.adapters import STORE_URI_PREFIX, adapter_run, adapter_version, check_adapter_name
-from lora_rl_core.config import ENGINE_DEFAULTS
+from lora_rl_core.config import ENGINE_DEFAULTS, EvictionPolicy
 from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest
-from lora_rl_core.engines.peft_model import PeftAdapterModel, adapter_loader
-from lora_rl_core.engines.pool import AdapterPool
-from lora_rl_core.engines.requests import Job, RequestQueue, check_request
+from lora_rl_core.engines.embedded.peft_model import PeftAdapterModel, adapter_loader
+from lora_rl_core.engines.embedded.pool import AdapterPool
+from lora_rl_core.engines.embedded.requests import Job, RequestQueue, check_request
 from lora_rl_core.errors import EngineError, StoreError
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class EmbeddedEngine:
         max_batch_size: int = ENGINE_DEFAULTS.max_batch_size,
         max_loras_per_batch: int = ENGINE_DEFAULTS.max_loras_per_batch,
         max_loaded_loras: int | None = ENGINE_DEFAULTS.max_loaded_loras,
-        eviction_policy: str = ENGINE_DEFAULTS.eviction_policy,
+        eviction_policy: EvictionPolicy = ENGINE_DEFAULTS.eviction_policy,
         max_lora_rank: int | None = ENGINE_DEFAULTS.max_lora_rank,
         store: Any = None,
         default_timeout_s: float = ENGINE_DEFAULTS.timeout_s,

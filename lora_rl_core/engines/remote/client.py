@@ -1,12 +1,12 @@
-"""HTTP engines: a client of a real SGLang server (`SGLangEngine`) and of our engine server (`ServerEngine`).
+"""The HTTP client of an SGLang-API server (`HTTPEngine`): a real SGLang server or our engine server.
 
-`SGLangEngine` speaks the SGLang API exactly as docs/SGLANG.md lists it (sglang
-0.5.23 `sglang/srt/entrypoints/http_server.py`, structs in `sglang/srt/managers/io_struct.py`):
-`/generate` with `input_ids` batches, a `lora_path` list (adapter name per prompt, null = base
-model), `rid` list and `return_logprob`; `/load_lora_adapter`, `/unload_lora_adapter`,
-`/pause_generation`, `/continue_generation`, `/flush_cache`, `/abort_request`, `/v1/models`.
-`ServerEngine` adds what only our server (`lora_rl_core.engines.server`) offers: tensor loads as
-safetensors bytes, adapter checksums, engine health and metrics.
+One client speaks the SGLang API exactly as docs/SGLANG.md lists it (sglang 0.5.23
+`sglang/srt/entrypoints/http_server.py`, structs in `sglang/srt/managers/io_struct.py`): `/generate` with
+`input_ids` batches, a `lora_path` list (adapter name per prompt, null = base model), `rid` list and
+`return_logprob`; `/load_lora_adapter`, `/load_lora_adapter_from_tensors`, `/unload_lora_adapter`,
+`/pause_generation`, `/continue_generation`, `/flush_cache`, `/abort_request`, `/v1/models`. What differs
+between a real SGLang and our server (`lora_rl_core.engines.serve`) is its `Dialect` (`remote.dialect`:
+`SGLANG`, `SERVER`); how adapter tensors travel is its `TensorLoader` (`remote.transport`).
 
 Choices made here:
 
@@ -14,34 +14,28 @@ Choices made here:
   A transport failure, a timeout or HTTP 502/503/504 raises `EngineUnavailable` (retry later);
   any other error status raises `EngineError` carrying the server's message.
 * `generate` groups requests with equal sampling params into `/generate` batch calls of at most
-  `max_batch_requests` prompts, sent concurrently, and maps the answers back by position.
-  Against real SGLang a seeded batch gets one seed per request (`sampling_seed + i`), since
-  SGLang seeds each request and equal seeds would make a group's samples identical; our server
-  takes one seed per call.
+  `max_batch_requests` prompts, sent concurrently, and maps the answers back by position (seeds:
+  `Dialect.sampling_payload`).
 * Real SGLang reads adapters from local folders: `file://` URIs are turned into paths and a store
-  version folder into the folder of its files (`peft_folder`); other URIs are refused (pull the
-  version first). Tensors go to SGLang's `/load_lora_adapter_from_tensors` as torch multiprocessing
-  pickles (`sglang_tensors`): CUDA IPC handles to a server on this host; else, or when SGLang refuses
-  them, the published folder; the data inline when asked (`tensor_transport="inline"`) or no folder is given.
+  version folder into the folder of its files (`Dialect.server_path`); other URIs are refused (pull the
+  version first).
 * `pause`/`resume` state of a real SGLang server is known only from this client's own calls (`is_paused`
-  makes no HTTP call).
+  makes no HTTP call); our server reports it (`Dialect.reports_state`).
 * Abort reasons: the server's reason wins where it names one (ours does); for SGLang's prose this client
-  keeps the reason it gave (`http_tracking.InFlightRequests`).
+  keeps the reason it gave (`remote.tracking.InFlightRequests`).
 * SGLang 0.5.17 answers a whole `/generate` batch HTTP 499 ("Request RID was aborted") when one of its requests
   was aborted (by id, or by `/pause_generation` in `abort` mode) before the batch reached its scheduler:
   the requests this client aborted end with their kept reason; the others are sent again under fresh rids
   (an `abort` follows them), bounded (`MAX_UNEXPLAINED_LOSSES`) and within the call's deadline.
 
 Modules: the wire format (payloads, answers into `Completion`s, error messages, metrics text) is
-`http_wire`; what a client keeps about its requests is `http_tracking`; several engines behind one
-(`MultiEngine`, `connect_engines`) are `lora_rl_core.engines.multi`.
+`remote.wire`; what a client keeps about its requests is `remote.tracking`.
 
 Left out: streaming, OpenAI-compatible endpoints, retries (the caller decides).
 """
 
 from __future__ import annotations
 
-import base64
 import itertools
 import logging
 import threading
@@ -52,72 +46,57 @@ from typing import Any
 
 import httpx
 
-from lora_rl_core.adapters import adapter_version, safetensors_bytes
-from lora_rl_core.config import (
-    ENGINE_DEFAULTS,
-    IPC_LAYOUTS,
-    SGLANG_RETIRE_POLICIES,
-    TENSOR_DTYPES,
-    TENSOR_TRANSPORTS,
-)
-from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, SamplingParams
-from lora_rl_core.engines.http_tracking import InFlightRequests, RetiredAdapters
-from lora_rl_core.engines.http_wire import (
+from lora_rl_core.adapters import adapter_version
+from lora_rl_core.config import ENGINE_DEFAULTS, IpcLayout, SGLangRetire, TensorDtype, TensorTransport
+from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, aborted_completion
+from lora_rl_core.engines.remote.dialect import Dialect
+from lora_rl_core.engines.remote.tracking import InFlightRequests, RetiredAdapters
+from lora_rl_core.engines.remote.transport import tensor_loader
+from lora_rl_core.engines.remote.wire import (
     adapters_from_models,
     check_name,
     chunks,
     error_message,
     json_or_empty,
-    json_safe,
-    local_peft_folder,
     parse_metrics,
-    sampling_body,
     to_completion,
 )
-from lora_rl_core.engines.requests import aborted_completion
-from lora_rl_core.errors import EngineError
+from lora_rl_core.errors import EngineError, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
 MAX_UNEXPLAINED_LOSSES = 3
 """How many times SGLang may lose one batch call (HTTP 499) with no request of it aborted by this client
-before `SGLangEngine.generate` gives up with an EngineError (each loss that this client's abort explains
+before `HTTPEngine.generate` gives up with an EngineError (each loss that this client's abort explains
 ends that request, so those are bounded by the batch size)."""
 
 
-class EngineUnavailable(EngineError):
-    """The engine could not be reached, or did not answer in time; the call may succeed later."""
-
-
-class SGLangEngine:
-    """`InferenceEngine` over a real SGLang server's HTTP API.
+class HTTPEngine:
+    """`InferenceEngine` over the HTTP API of a real SGLang server or of our engine server.
 
     Args:
+        dialect: which server it is (`remote.dialect.SGLANG`, `remote.dialect.SERVER`).
         url: server root, e.g. `http://127.0.0.1:30000`.
         api_key: sent as `Authorization: Bearer KEY` on every call.
         timeout_s: deadline of one `generate` call, seconds.
         control_timeout_s: deadline of every other call, seconds.
         max_batch_requests: prompts per `/generate` call.
         max_concurrency: `/generate` calls in flight at once from this client.
-        tensor_transport: how adapters given as tensors are sent (`config.TENSOR_TRANSPORTS`).
+        tensor_transport: how SGLang receives adapters given as tensors (`engine.tensor_transport`).
         retire: `unload` (`unload_adapter` calls `/unload_lora_adapter`) or `keep` (it only retires the name
             in this client and leaves the weights resident on the server; `engine.sglang_retire`).
-        tensor_layout: how `ipc` shares the tensors (`engine.tensor_layout`, `config.IPC_LAYOUTS`).
-        tensor_dtype: the dtype tensors are sent in, or `keep` (`engine.tensor_dtype`, `config.TENSOR_DTYPES`).
+        tensor_layout: how `ipc` shares the tensors (`engine.tensor_layout`).
+        tensor_dtype: the dtype tensors are sent to SGLang in, or `keep` (`engine.tensor_dtype`).
+
+    The allowed values of the last four are checked once, by `EngineConfig`.
 
     Raises:
-        EngineError: `url` is not http(s), or an unknown `tensor_transport`, `retire`, `tensor_layout` or
-            `tensor_dtype`.
+        EngineError: `url` is not http(s).
     """
-
-    reports_adapter_version = False
-    """Whether `meta_info.weight_version` is the adapter's version (ours) or the base weights' (SGLang's)."""
-    guards_retired = True
-    """Whether this client refuses requests for adapters it unloaded (`RetiredAdapters`): SGLang reloads an
-    unloaded adapter silently when a request names it; our server refuses such a request itself."""
 
     def __init__(
         self,
+        dialect: Dialect,
         url: str,
         *,
         api_key: str | None = None,
@@ -125,13 +104,14 @@ class SGLangEngine:
         control_timeout_s: float = 60.0,
         max_batch_requests: int = 256,
         max_concurrency: int = 4,
-        tensor_transport: str = ENGINE_DEFAULTS.tensor_transport,
-        retire: str = ENGINE_DEFAULTS.sglang_retire,
-        tensor_layout: str = ENGINE_DEFAULTS.tensor_layout,
-        tensor_dtype: str = ENGINE_DEFAULTS.tensor_dtype,
+        tensor_transport: TensorTransport = ENGINE_DEFAULTS.tensor_transport,
+        retire: SGLangRetire = ENGINE_DEFAULTS.sglang_retire,
+        tensor_layout: IpcLayout = ENGINE_DEFAULTS.tensor_layout,
+        tensor_dtype: TensorDtype = ENGINE_DEFAULTS.tensor_dtype,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise EngineError(f"engine URL {url!r} must start with http:// or https://")
+        self.dialect = dialect
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(control_timeout_s, connect=min(10.0, control_timeout_s))
@@ -142,18 +122,9 @@ class SGLangEngine:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="engine-http")
         self._requests = InFlightRequests()
         self._retired = RetiredAdapters()
-        if tensor_transport not in TENSOR_TRANSPORTS:
-            raise EngineError(f"tensor_transport must be one of {TENSOR_TRANSPORTS}, got {tensor_transport!r}")
-        if retire not in SGLANG_RETIRE_POLICIES:
-            raise EngineError(f"retire must be one of {SGLANG_RETIRE_POLICIES}, got {retire!r}")
-        if tensor_layout not in IPC_LAYOUTS:
-            raise EngineError(f"tensor_layout must be one of {IPC_LAYOUTS}, got {tensor_layout!r}")
-        if tensor_dtype not in TENSOR_DTYPES:
-            raise EngineError(f"tensor_dtype must be one of {TENSOR_DTYPES}, got {tensor_dtype!r}")
-        self.tensor_transport = tensor_transport
-        self.tensor_layout = tensor_layout
-        self.tensor_dtype = tensor_dtype
-        self._tensor_fallback: str | None = None
+        self.tensors = tensor_loader(
+            dialect.tensor_upload, transport=tensor_transport, layout=tensor_layout, dtype=tensor_dtype
+        )
         self.retire = retire
         self._kept: set[str] = set()  # retired here, left resident on the server (retire="keep")
         self._loads: Counter[str] = Counter()
@@ -163,7 +134,7 @@ class SGLangEngine:
         self._paused = False
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r})"
+        return f"HTTPEngine({self.dialect.name}, {self.url!r})"
 
     def close(self) -> None:
         """Close the HTTP connections and the worker threads (idempotent); later calls raise EngineError.
@@ -172,11 +143,11 @@ class SGLangEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
-    def members(self) -> list[SGLangEngine]:
+    def members(self) -> list[HTTPEngine]:
         """`[self]`: a single engine (`InferenceEngine.members`)."""
         return [self]
 
-    def __enter__(self) -> SGLangEngine:
+    def __enter__(self) -> HTTPEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -246,7 +217,7 @@ class SGLangEngine:
     def _generate_chunk(self, requests: list[GenerationRequest], deadline: float) -> list[Completion]:
         """One `/generate` batch call; where SGLang loses the whole call to an abort (HTTP 499), the rows this
         client aborted end with their kept reason and the others are sent again (`_resolve_lost`)."""
-        if self.guards_retired:  # never send a retired name: SGLang would load that version again
+        if self.dialect.guards_retired:  # never send a retired name: SGLang would load that version again
             self._retired.check(requests, self.url)
         outs: dict[str, dict[str, Any]] = {}  # request id -> its /generate output
         lost: dict[str, str] = {}  # request id -> abort reason, for rows that ended with a call SGLang lost
@@ -269,7 +240,7 @@ class SGLangEngine:
                 r,
                 outs[r.request_id],
                 self.url,
-                check_version=self.reports_adapter_version,
+                check_version=self.dialect.reports_adapter_version,
                 reason=reasons.get(r.request_id),
             )
             for r in requests
@@ -293,7 +264,7 @@ class SGLangEngine:
             raise EngineUnavailable(f"POST {self.url}/generate: deadline passed before the call was sent")
         payload = {
             "input_ids": [list(r.prompt_ids) for r in requests],
-            "sampling_params": self._sampling_payload(requests[0].sampling, len(requests)),
+            "sampling_params": self.dialect.sampling_payload(requests[0].sampling, len(requests)),
             "lora_path": [r.adapter for r in requests],
             "rid": [rids[r.request_id] for r in requests],
             "return_logprob": True,
@@ -348,13 +319,6 @@ class SGLangEngine:
         rids.update(fresh)
         return [r for r in pending if r.request_id in fresh], bool(kept)
 
-    def _sampling_payload(self, params: SamplingParams, n: int) -> dict[str, Any] | list[dict[str, Any]]:
-        """SGLang seeds each request: give request i the seed `seed + i` so a group's samples differ."""
-        base = sampling_body(params)
-        if params.seed is None:
-            return base
-        return [{**base, "sampling_seed": params.seed + i} for i in range(n)]
-
     def _abort_quietly(self, request_ids: list[str]) -> None:
         """Best effort, at most ~5 s in all: the server may be what is failing."""
         deadline = time.monotonic() + 5.0
@@ -389,13 +353,9 @@ class SGLangEngine:
             body: dict[str, Any] = {"rid": "", "abort_all": True}
         else:  # the rid it is sent under now: a fresh one if a lost call made this client send it again
             body = {"rid": self._requests.rid_of(request_id), "abort_all": False}
-        response = self._call("POST", "/abort_request", json_body=self._abort_body(body, reason))
+        response = self._call("POST", "/abort_request", json_body=self.dialect.abort_body(body, reason))
         reported = json_or_empty(response).get("aborted")
         return reported if isinstance(reported, int) else len(known)
-
-    def _abort_body(self, body: dict[str, Any], reason: str) -> dict[str, Any]:
-        """The `/abort_request` body: SGLang's `AbortReq` fields only."""
-        return body
 
     # ------------------------------------------------------------- adapters
 
@@ -409,11 +369,10 @@ class SGLangEngine:
         pinned: bool = False,
         timeout_s: float | None = None,
     ) -> None:
-        """Load a PEFT adapter under `name`: from a folder (`/load_lora_adapter`), or from `tensors` + PEFT
-        `config` (`/load_lora_adapter_from_tensors`) by the transport `pick_transport` chooses from
-        `tensor_transport`: CUDA IPC handles (same host), the data inline, or `path` (the published folder).
-        If SGLang refuses the tensors and `path` is given, the folder is loaded instead, and this client
-        keeps to the folder from then on (`metrics()["tensor_fallback"]` says why).
+        """Load a PEFT adapter under `name`: from a folder (`/load_lora_adapter`; our server also reads any
+        fsspec URI), or from `tensors` + PEFT `config` by this client's `TensorLoader` (`self.tensors`; for
+        SGLang: CUDA IPC handles, the data inline, or `path`, falling back to `path` when SGLang refuses the
+        tensors, `metrics()["tensor_fallback"]` says why).
 
         Raises:
             EngineError: bad name, a path the server cannot read, tensors without config, transport `disk`
@@ -424,71 +383,26 @@ class SGLangEngine:
         if tensors is None:
             if path is None:
                 raise EngineError(f"load_adapter({name!r}) needs path=, or tensors= and config=")
-            self._load_path(name, path, pinned, timeout_s)
+            self.load_path(name, path, pinned, timeout_s)
             return
         if config is None:
             raise EngineError(f"load_adapter({name!r}, tensors=...) needs config= (the PEFT config dict)")
-        from lora_rl_core.engines.sglang_tensors import pick_transport  # lazy: torch only for tensor loads
+        used = self.tensors.load(self, name, tensors, config, path=path, pinned=pinned, timeout_s=timeout_s)
+        if used is not None:
+            self._loads[used] += 1
 
-        transport = (
-            "disk"
-            if self._tensor_fallback
-            else pick_transport(self.tensor_transport, url=self.url, has_path=path is not None)
-        )
-        if transport == "disk":
-            if path is None:
-                raise EngineError(
-                    f"load_adapter({name!r}): engine.tensor_transport is 'disk' (or fell back to it) but no "
-                    "published folder was given (path=)"
-                )
-            self._load_path(name, path, pinned, timeout_s)
-            return
-        try:
-            self._load_tensors(name, tensors, config, pinned, timeout_s, transport)
-        except EngineUnavailable:
-            raise  # the server may still be loading it: a second load under the name would be refused
-        except EngineError as exc:
-            if path is None:
-                raise
-            self._tensor_fallback = f"{transport}: {' '.join(str(exc).split())}"
-            log.warning("%s refused the adapter tensors (%s); loading published folders from now on", self.url, exc)
-            self._load_path(name, path, pinned, timeout_s)
-
-    def _load_path(self, name: str, path: str, pinned: bool, timeout_s: float | None) -> None:
-        body = {"lora_name": name, "lora_path": self._server_path(path), "pinned": pinned}
-        self._update("/load_lora_adapter", body, timeout_s)
+    def load_path(self, name: str, path: str, pinned: bool, timeout_s: float | None) -> None:
+        """`/load_lora_adapter` of the folder `path` (as the server can read it: `Dialect.server_path`)."""
+        body = {"lora_name": name, "lora_path": self.dialect.server_path(path, self.url), "pinned": pinned}
+        self.update("/load_lora_adapter", body, timeout_s)
         self._loads["disk"] += 1
 
-    def _load_tensors(
-        self, name: str, tensors: dict, config: dict, pinned: bool, timeout_s: float | None, transport: str
-    ) -> None:
-        """`/load_lora_adapter_from_tensors` with one payload (tensor parallelism 1); the CUDA tensors an
-        `ipc` payload refers to live until the server has answered (SGLang copies them to its CPU pool)."""
-        import torch
+    def update(self, path: str, body: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
+        """POST a LoRA update and check `LoRAUpdateOutput.success`.
 
-        from lora_rl_core.engines.sglang_tensors import inline_payload, ipc_payload, release_ipc
-
-        dtype = None if self.tensor_dtype == "keep" else getattr(torch, self.tensor_dtype)
-        shared: dict | None = None
-        if transport == "ipc":
-            payload, shared = ipc_payload(tensors, layout=self.tensor_layout, dtype=dtype)
-        else:
-            payload = inline_payload(tensors, dtype=dtype)
-        body = {"lora_name": name, "config_dict": json_safe(config), "serialized_named_tensors": [payload]}
-        try:
-            self._update("/load_lora_adapter_from_tensors", {**body, "pinned": pinned}, timeout_s)
-        finally:
-            if shared is not None:
-                del shared  # the last reference: ipc_collect can free the blocks SGLang has released
-                release_ipc()
-        self._loads[transport] += 1
-
-    def _server_path(self, path: str) -> str:
-        """A PEFT folder SGLang can read (`local_peft_folder`)."""
-        return local_peft_folder(path, self.url)
-
-    def _update(self, path: str, body: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
-        """POST a LoRA update and check `LoRAUpdateOutput.success`."""
+        Raises:
+            EngineError: the server refused (its `error_message`); EngineUnavailable: no answer.
+        """
         answer = json_or_empty(self._call("POST", path, json_body=body, timeout_s=timeout_s))
         if answer.get("success") is False:
             raise EngineError(f"{answer.get('error_message') or 'refused'} ({self.url}{path})")
@@ -503,14 +417,14 @@ class SGLangEngine:
             EngineUnavailable: no answer within `timeout_s`: SGLang's unload waits without timeout for
                 the adapter's requests (hangs: sglang#36894); the server may be stuck.
         """
-        if self.guards_retired:
+        if self.dialect.guards_retired:
             self._retired.retire(name)
         if self.retire == "keep":  # SGLang 0.5.17's unload can hang under traffic (docs/HOTSWAP.md)
             if name not in self._listed_raw():
                 raise EngineError(f"{self.url}: LoRA adapter {name!r} is not loaded")
             self._kept.add(name)
             return
-        self._update("/unload_lora_adapter", {"lora_name": name}, timeout_s)
+        self.update("/unload_lora_adapter", {"lora_name": name}, timeout_s)
 
     def _listed_raw(self) -> dict[str, dict[str, Any]]:
         return adapters_from_models(json_or_empty(self._call("GET", "/v1/models")))
@@ -521,7 +435,7 @@ class SGLangEngine:
         this client's own requests in flight naming the adapter, so `retire_stale` keeps those versions.
         With `retire="keep"`, versions retired in this client are left out though the server keeps them."""
         adapters = {n: a for n, a in self._listed_raw().items() if n not in self._kept}
-        back = self._retired.revived_in(adapters) if self.guards_retired else []
+        back = self._retired.revived_in(adapters) if self.dialect.guards_retired else []
         if back:
             log.warning("%s lists retired adapters again (reloaded by a request naming them): %s", self.url, back)
         held = self._requests.held()
@@ -551,121 +465,59 @@ class SGLangEngine:
         return self._call("POST", "/flush_cache", accept=(400,)).status_code < 400
 
     def is_paused(self) -> bool:
-        """Whether this client has paused generation (`pause` without `resume` since); no HTTP call: SGLang
+        """Whether generation is paused. Our server reports it in `/health` (other clients may pause it). For
+        SGLang, whether this client paused it (`pause` without `resume` since), with no HTTP call: SGLang
         reports no paused state, and its `/health` runs a 1-token generation (at least 1 s on 0.5.17, which
         every adapter sync paid while `retire_stale` asked `health()`).
 
         Raises:
-            EngineError: the client is closed.
+            EngineUnavailable: our server did not answer within 20 s, or is unreachable.
+            EngineError: our server's answer says nothing about pausing (its engine's health failed); closed.
         """
         if self._closed:
             raise EngineError(f"{self!r} is closed")
-        return self._paused
-
-    def health(self) -> dict[str, Any]:
-        """`{"ok", "paused", "url"}` from `/health` (never raises: an unreachable server is not ok).
-
-        While this client has paused generation it asks `/model_info` instead: SGLang's `/health` runs a
-        1-token generation, which cannot run while paused, and answers only after its 20 s health timeout
-        (`SGLANG_HEALTH_CHECK_TIMEOUT`; seen on 0.5.17: `retire_stale` asks `health()` and held a sync for
-        those 20 s while the resume waited behind it)."""
-        path = "/model_info" if self._paused else "/health"
-        try:
-            response = self._http.get(path, timeout=20.0)
-        except httpx.HTTPError as exc:
-            return {"ok": False, "paused": self._paused, "url": self.url, "error": str(exc)}
-        return {"ok": response.status_code == 200, "paused": self._paused, "url": self.url}
-
-    def metrics(self) -> dict[str, Any]:
-        """This client's counters: `{"adapters": {name: {"requests", "tokens"}}, "in_flight", "paused",
-        "revived_adapters", "adapter_loads": {transport: count}, "tensor_fallback": why or None,
-        "retired_resident": versions retired here but left on the server (`retire="keep"`), "lost_calls":
-        `/generate` calls SGLang failed whole (HTTP 499), "resent_requests": requests of them to be sent again
-        (a fresh rid; those past the deadline end `timeout` instead)}`."""
-        return {
-            "adapters": self._requests.counts(),
-            "in_flight": len(self._requests),
-            "paused": self._paused,
-            "revived_adapters": self._retired.revived,
-            "adapter_loads": dict(self._loads),
-            "tensor_fallback": self._tensor_fallback,
-            "retired_resident": len(self._kept),
-            "lost_calls": self._lost["calls"],
-            "resent_requests": self._lost["resent"],
-        }
-
-
-class ServerEngine(SGLangEngine):
-    """`SGLangEngine` for our engine server (`lora-rl serve`): adds tensor loads (safetensors bytes),
-    fsspec URIs as adapter paths, the server's health facts and its Prometheus metrics."""
-
-    reports_adapter_version = True
-    guards_retired = False
-
-    def _server_path(self, path: str) -> str:
-        return path  # the server reads any fsspec URI
-
-    def _abort_body(self, body: dict[str, Any], reason: str) -> dict[str, Any]:
-        """Our server also takes the reason (`abort_message`, a field of SGLang's `AbortReq` that its
-        `/abort_request` ignores), so requests this client did not send end with it too."""
-        return {**body, "abort_message": reason}
-
-    def _sampling_payload(self, params: SamplingParams, n: int) -> dict[str, Any]:
-        payload = sampling_body(params)
-        return payload if params.seed is None else {**payload, "sampling_seed": params.seed}
-
-    def load_adapter(
-        self,
-        name: str,
-        *,
-        path: str | None = None,
-        tensors: dict | None = None,
-        config: dict | None = None,
-        pinned: bool = False,
-        timeout_s: float | None = None,
-    ) -> None:
-        """Load from a folder / fsspec URI (`path`), or from `tensors` + PEFT `config` sent as one
-        base64 safetensors file (`/load_lora_adapter_from_tensors`, `load_format: "safetensors"`).
-
-        The bytes are serialised as the store writes them, so the server's sha256 of them equals the
-        store's checksum for the same tensors.
-        """
-        if tensors is None:
-            super().load_adapter(name, path=path, pinned=pinned, timeout_s=timeout_s)
-            return
-        check_name(name)
-        if config is None:
-            raise EngineError(f"load_adapter({name!r}, tensors=...) needs config= (the PEFT config dict)")
-        body = {
-            "lora_name": name,
-            "config_dict": json_safe(config),
-            "serialized_named_tensors": [base64.b64encode(safetensors_bytes(tensors)).decode("ascii")],
-            "load_format": "safetensors",
-            "pinned": pinned,
-        }
-        self._update("/load_lora_adapter_from_tensors", body, timeout_s)
-
-    def is_paused(self) -> bool:
-        """The server engine's `paused` fact from `/health` (our server knows it; other clients may pause it).
-
-        Raises:
-            EngineUnavailable: no answer within 20 s, or unreachable.
-            EngineError: the answer says nothing about pausing (the engine's health failed), or closed.
-        """
+        if not self.dialect.reports_state:
+            return self._paused
         facts = json_or_empty(self._call("GET", "/health", timeout_s=20.0, accept=(503,)))
         if not isinstance(facts.get("paused"), bool):
             raise EngineError(f"{self.url}/health does not say whether generation is paused: {facts}")
         return facts["paused"]
 
     def health(self) -> dict[str, Any]:
-        """The server engine's `health()` facts from `/health`, plus `url`."""
+        """`{"ok", "paused", "url"}` from `/health`, with every fact our server reports (never raises: an
+        unreachable server is not ok).
+
+        While this client has paused an SGLang server it asks `/model_info` instead: SGLang's `/health` runs a
+        1-token generation, which cannot run while paused, and answers only after its 20 s health timeout
+        (`SGLANG_HEALTH_CHECK_TIMEOUT`; seen on 0.5.17: `retire_stale` asks `health()` and held a sync for
+        those 20 s while the resume waited behind it)."""
+        path = "/model_info" if self._paused and not self.dialect.reports_state else "/health"
         try:
-            response = self._http.get("/health", timeout=20.0)
+            response = self._http.get(path, timeout=20.0)
         except httpx.HTTPError as exc:
-            return {"ok": False, "url": self.url, "error": str(exc)}
+            return {"ok": False, "paused": self._paused, "url": self.url, "error": str(exc)}
+        if not self.dialect.reports_state:
+            return {"ok": response.status_code == 200, "paused": self._paused, "url": self.url}
         facts = json_or_empty(response)
         return {**facts, "ok": response.status_code == 200 and facts.get("ok", True), "url": self.url}
 
     def metrics(self) -> dict[str, Any]:
-        """The server's `/metrics`, read back into `{"adapters": {name: {field: value}}, ...}`."""
-        return parse_metrics(self._call("GET", "/metrics").text)
+        """Our server's `/metrics`, read back into `{"adapters": {name: {field: value}}, ...}`. For SGLang this
+        client's counters: `{"adapters": {name: {"requests", "tokens"}}, "in_flight", "paused",
+        "revived_adapters", "adapter_loads": {transport: count}, "tensor_fallback": why or None,
+        "retired_resident": versions retired here but left on the server (`retire="keep"`), "lost_calls":
+        `/generate` calls SGLang failed whole (HTTP 499), "resent_requests": requests of them to be sent again
+        (a fresh rid; those past the deadline end `timeout` instead)}`."""
+        if self.dialect.reports_state:
+            return parse_metrics(self._call("GET", "/metrics").text)
+        return {
+            "adapters": self._requests.counts(),
+            "in_flight": len(self._requests),
+            "paused": self._paused,
+            "revived_adapters": self._retired.revived,
+            "adapter_loads": dict(self._loads),
+            "tensor_fallback": self.tensors.fallback,
+            "retired_resident": len(self._kept),
+            "lost_calls": self._lost["calls"],
+            "resent_requests": self._lost["resent"],
+        }

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_rl_core.config import EVICTION_POLICIES
+from lora_rl_core.config import ENGINE_DEFAULTS, EvictionPolicy
 from lora_rl_core.engines.base import unknown_adapter_message
 from lora_rl_core.errors import EngineError
 
@@ -94,19 +94,17 @@ class AdapterPool:
         cond: the condition guarding the pool (a new re-entrant one by default).
 
     Raises:
-        ValueError: unknown policy, or caps below 1 / 0.
+        ValueError: caps below 1 / 0 (the policy is checked by `EngineConfig`).
     """
 
     def __init__(
         self,
         *,
         max_loaded: int | None = None,
-        policy: str = "lru",
+        policy: EvictionPolicy = ENGINE_DEFAULTS.eviction_policy,
         max_pinned: int = 7,
         cond: threading.Condition | None = None,
     ) -> None:
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction policy {policy!r} is not one of {EVICTION_POLICIES}")
         if (max_loaded is not None and max_loaded < 1) or max_pinned < 0:
             raise ValueError(f"max_loaded must be >= 1 and max_pinned >= 0, got {max_loaded}, {max_pinned}")
         self.max_loaded = max_loaded

@@ -28,7 +28,7 @@ from prometheus_client import Histogram
 
 from lora_rl_core.adapters import load_safetensors, peft_folder
 from lora_rl_core.engines.base import InferenceEngine
-from lora_rl_core.engines.server_api import HTTPError, LoadIn, LoadTensorsIn, UnloadIn, error_response, run_blocking
+from lora_rl_core.engines.serve.api import HTTPError, LoadIn, LoadTensorsIn, UnloadIn, error_response, run_blocking
 from lora_rl_core.errors import EngineError, LoraRLError, StoreError
 
 TENSOR_ROOT = "__tensor__"  # SGLang's lora_path for adapters loaded from tensors

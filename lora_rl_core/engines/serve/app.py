@@ -3,7 +3,7 @@
 Mirrors sglang 0.5.23 `sglang/srt/entrypoints/http_server.py` with the request and response
 structs of `sglang/srt/managers/io_struct.py` (`GenerateReqInput`, `LoadLoRAAdapterReqInput`,
 `LoadLoRAAdapterFromTensorsReqInput`, `UnloadLoRAAdapterReqInput`, `LoRAUpdateOutput`,
-`AbortReq`), so one client (`lora_rl_core.engines.http`) drives both this server and a real
+`AbortReq`), so one client (`lora_rl_core.engines.remote.client`) drives both this server and a real
 SGLang server. See docs/SGLANG.md for the contract.
 
 Choices made here:
@@ -68,8 +68,8 @@ from lora_rl_core.engines.base import (
     SamplingParams,
     unknown_adapter_message,
 )
-from lora_rl_core.engines.server_adapters import AdapterRoutes
-from lora_rl_core.engines.server_api import (
+from lora_rl_core.engines.serve.adapters import AdapterRoutes
+from lora_rl_core.engines.serve.api import (
     AbortIn,
     GenerateIn,
     HTTPError,
@@ -82,7 +82,7 @@ from lora_rl_core.engines.server_api import (
     prompt_ids,
     run_blocking,
 )
-from lora_rl_core.engines.server_metrics import server_registry
+from lora_rl_core.engines.serve.metrics import server_registry
 from lora_rl_core.errors import LoraRLError
 
 if TYPE_CHECKING:
@@ -373,7 +373,7 @@ def serve(cfg: RunConfig, *, host: str, port: int, api_key: str | None, served_m
     """
     import uvicorn
 
-    from lora_rl_core.engines.factory import build_embedded_engine
+    from lora_rl_core.engines.embedded.build import build_embedded_engine
     from lora_rl_core.models import load_tokenizer
 
     check_bind(host, api_key)

@@ -1,4 +1,4 @@
-"""The SGLang wire format as the HTTP clients (`lora_rl_core.engines.http`) write and read it.
+"""The SGLang wire format as the HTTP clients (`lora_rl_core.engines.remote.client`) write and read it.
 
 Requests: `sampling_params` (`sglang/srt/sampling/sampling_params.py`; top_k -1 = off) and the grouping of
 requests into `/generate` batches of equal sampling params. Answers: one `/generate` output into a

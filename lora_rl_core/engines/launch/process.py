@@ -2,10 +2,11 @@
 logged to a file, and stopped with its whole group (SGLang runs a tokenizer manager, a scheduler and a
 detokenizer as separate processes; killing only the parent would leave the GPU held).
 
-`launch_sglang(cfg, log_path)` starts what `engine.launch` describes for the run's model (the local folder
-`lora_rl_core.models.model_folder` resolves, so an offline host needs no hub) and returns a running
-`SGLangServer`; the run (`lora_rl_core.run.components.build_run`) owns it and stops it on close, on failure
-and on SIGTERM (the CLI turns signals into an exception, so every `finally` runs).
+`launch_sglang(engine, model, lora, log_path)` starts what `engine.launch` describes for the run's model (the
+local folder `lora_rl_core.models.model_folder` resolves, so an offline host needs no hub) and returns a
+running `SGLangServer`; the engine registry (`lora_rl_core.engines.registry`) hands it to the run with the
+engine, which stops it on close, on failure and on SIGTERM (the CLI turns signals into an exception, so every
+`finally` runs).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import httpx
 from lora_rl_core.errors import EngineError
 
 if TYPE_CHECKING:
-    from lora_rl_core.config import RunConfig
+    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig
 
 _POLL_S = 1.0
 
@@ -32,7 +33,7 @@ class SGLangServer:
     """One SGLang server process group.
 
     Args:
-        argv: the command (`lora_rl_core.engines.launch.sglang_server_command`).
+        argv: the command (`lora_rl_core.engines.launch.command.sglang_server_command`).
         url: where it will answer, e.g. `http://127.0.0.1:30000`.
         log_path: file that receives the server's stdout and stderr (appended).
         env: extra environment variables of the server.
@@ -148,7 +149,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-def launch_sglang(cfg: RunConfig, log_path: str | Path) -> SGLangServer:
+def launch_sglang(engine: EngineConfig, model: ModelConfig, lora: LoRAConfig, log_path: str | Path) -> SGLangServer:
     """Start the SGLang server `cfg.engine.launch` describes, for the run's model, and wait until it is healthy.
 
     Raises:
@@ -156,11 +157,11 @@ def launch_sglang(cfg: RunConfig, log_path: str | Path) -> SGLangServer:
         ConfigError: a pool SGLang would refuse (`sglang_launch_command`).
         EngineError: the server did not become healthy (the log's tail is in the message).
     """
-    from lora_rl_core.engines.launch import sglang_server_command
+    from lora_rl_core.engines.launch.command import sglang_server_command
     from lora_rl_core.models import model_folder
 
-    launch = cfg.engine.launch
-    argv = sglang_server_command(cfg, str(model_folder(cfg.model)))
+    launch = engine.launch
+    argv = sglang_server_command(engine, model, lora, str(model_folder(model)))
     server = SGLangServer(
         argv,
         url=f"http://{launch.host}:{launch.port}",

@@ -1,0 +1,57 @@
+"""The `sglang` kind's builders: clients of the servers at `engine.urls`, or of servers this run launches
+(`engine.launch.enabled`: one subprocess, or with `engine.ray_replicas` one server per Ray actor)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from lora_rl_core.engines.launch.process import launch_sglang
+from lora_rl_core.engines.launch.ray_sglang import start_sglang_replicas
+from lora_rl_core.engines.remote.connect import connect
+from lora_rl_core.engines.remote.dialect import SGLANG
+from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
+from lora_rl_core.errors import ConfigError
+
+
+def sglang_engine(inputs: EngineInputs) -> BuiltEngine:
+    """Clients of `engine.urls`, or (`engine.launch.enabled`) of an SGLang server started here and owned by
+    the result (log: `<log_dir>/sglang.log`; stopped with its process group when the engine closes, or when
+    connecting fails).
+
+    Raises:
+        ConfigError: launching without the model or lora section.
+        ModelError / EngineError: the model folder cannot be had, or the server did not become healthy.
+    """
+    if not inputs.engine.launch.enabled:
+        return connect(SGLANG, inputs)
+    if inputs.model is None or inputs.lora is None:
+        raise ConfigError("engine.launch needs the model and lora sections (EngineInputs)")
+    log = (inputs.log_dir or Path.cwd()) / "sglang.log"
+    server = launch_sglang(inputs.engine, inputs.model, inputs.lora, log)
+    try:
+        built = connect(SGLANG, _at(inputs, [server.url]))
+    except BaseException:
+        server.stop()
+        raise
+    built.owned.append(server.stop)
+    built.servers.append(server)
+    return built
+
+
+def sglang_replicas(inputs: EngineInputs) -> BuiltEngine:
+    """`engine.ray_replicas` Ray actors that each launch and own an SGLang server
+    (`launch.ray_sglang.start_sglang_replicas`), and clients of their servers here.
+
+    Raises:
+        ConfigError / EngineError: as `start_sglang_replicas`.
+    """
+    travelling = dataclasses.replace(inputs, tokenizer=None)  # a tokenizer object does not travel to actors
+    return start_sglang_replicas(travelling, lambda urls: connect(SGLANG, _at(inputs, urls)))
+
+
+def _at(inputs: EngineInputs, urls: list[str]) -> EngineInputs:
+    """`inputs` pointed at running servers: their URLs, launching off."""
+    launch = inputs.engine.launch.model_copy(update={"enabled": False})
+    engine = inputs.engine.model_copy(update={"urls": urls, "launch": launch, "ray_replicas": 0})
+    return dataclasses.replace(inputs, engine=engine)

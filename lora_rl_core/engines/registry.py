@@ -1,0 +1,64 @@
+"""The engine kinds: `engine.type` -> how to build that engine; the one place an engine is made from settings.
+
+`build_engine(inputs)` gives a `BuiltEngine`: the engine and what was started for it (an SGLang server,
+Ray actors), stopped when it closes. The training run (`lora_rl_core.run.components.build_run`),
+`lora-rl eval`, the subscriber (`lora_rl_core.subscriber.open_subscriber`) and Ray replicas (each actor builds
+its engine with the kind's builder) all build through here, so an engine setting means the same everywhere.
+
+Adding an engine kind (e.g. vLLM) is a value of `EngineConfig.type`, its module (a builder
+`EngineInputs -> BuiltEngine`) and one entry in `ENGINE_KINDS`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lora_rl_core.engines.embedded.build import embedded_engine
+from lora_rl_core.engines.launch.ray_replicas import start_ray_replicas
+from lora_rl_core.engines.launch.sglang import sglang_engine, sglang_replicas
+from lora_rl_core.engines.remote.connect import connect
+from lora_rl_core.engines.remote.dialect import SERVER
+from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
+from lora_rl_core.errors import ConfigError
+
+Builder = Callable[[EngineInputs], BuiltEngine]
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """How one value of `engine.type` is built.
+
+    Attributes:
+        build: the engine in this process (or the clients of remote ones).
+        replicate: `engine.ray_replicas` replicas as Ray actors; None = the kind has no replicas
+            (`EngineConfig` refuses `ray_replicas` for it).
+    """
+
+    build: Builder
+    replicate: Builder | None = None
+
+
+ENGINE_KINDS: dict[str, EngineKind] = {
+    "embedded": EngineKind(build=embedded_engine, replicate=functools.partial(start_ray_replicas, embedded_engine)),
+    "server": EngineKind(build=functools.partial(connect, SERVER)),
+    "sglang": EngineKind(build=sglang_engine, replicate=sglang_replicas),
+}
+"""Every engine kind, by `EngineConfig.type`."""
+
+
+def build_engine(inputs: EngineInputs) -> BuiltEngine:
+    """The engine `inputs.engine` describes, with what it owns.
+
+    Raises:
+        ConfigError: a kind without replicas asked for `engine.ray_replicas`, or a missing section.
+        ModelError: the embedded engine's model cannot be loaded.
+        EngineError: a malformed engine URL, or a launched server that did not start.
+    """
+    kind = ENGINE_KINDS[inputs.engine.type]
+    if not inputs.engine.ray_replicas:
+        return kind.build(inputs)
+    if kind.replicate is None:
+        raise ConfigError(f"engine.ray_replicas: engine.type {inputs.engine.type} has no Ray replicas")
+    return kind.replicate(inputs)

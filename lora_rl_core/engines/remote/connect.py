@@ -1,0 +1,41 @@
+"""The `server` and `sglang` kinds' clients: `connect(dialect, inputs)` gives one `HTTPEngine` per URL of
+`engine.urls` (a `MultiEngine` over several), with every client setting of the `engine` section."""
+
+from __future__ import annotations
+
+import os
+
+from lora_rl_core.engines.base import InferenceEngine
+from lora_rl_core.engines.multi import MultiEngine
+from lora_rl_core.engines.remote.client import HTTPEngine
+from lora_rl_core.engines.remote.dialect import SGLANG, Dialect
+from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
+from lora_rl_core.errors import EngineError
+
+
+def connect(dialect: Dialect, inputs: EngineInputs) -> BuiltEngine:
+    """HTTP clients of `inputs.engine.urls` in `dialect`, with the Bearer key (`inputs.api_key`, else the
+    environment variable `engine.api_key_env`), the generation deadline `engine.timeout_s` and the tensor
+    settings (`tensor_transport`, `tensor_layout`, `tensor_dtype`); SGLang clients also retire as
+    `engine.sglang_retire` says (our server unloads without hanging).
+
+    Raises:
+        EngineError: no URLs, or a malformed URL.
+    """
+    cfg = inputs.engine
+    if not cfg.urls:
+        raise EngineError("give at least one engine URL, e.g. http://127.0.0.1:30000")
+    clients: list[InferenceEngine] = [
+        HTTPEngine(
+            dialect,
+            url,
+            api_key=inputs.api_key or os.environ.get(cfg.api_key_env),
+            timeout_s=cfg.timeout_s,
+            tensor_transport=cfg.tensor_transport,
+            retire=cfg.sglang_retire if dialect is SGLANG else "unload",
+            tensor_layout=cfg.tensor_layout,
+            tensor_dtype=cfg.tensor_dtype,
+        )
+        for url in cfg.urls
+    ]
+    return BuiltEngine(clients[0] if len(clients) == 1 else MultiEngine(clients))

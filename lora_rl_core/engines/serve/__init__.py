@@ -1,0 +1,5 @@
+"""Our SGLang-compatible engine server, `lora-rl serve`: the SGLang HTTP API subset over any `InferenceEngine`.
+
+`app`: the routes (`EngineServer`, `create_app`, `serve`); `api`: request bodies, error answers and output
+shape; `adapters`: the adapter load/unload routes; `metrics`: the Prometheus collector.
+"""
