@@ -1,9 +1,10 @@
 """One GRPO step of the default job on the CPU, per phase, for model.dtype bfloat16, float32 and auto.
 
 Each dtype runs in its own process (so peak RSS is its own) on the real model and the default config
-(`configs/smollm2-arith-grpo.yaml`), phase by phase through `lora_rl_core.run` (`build_run`, phases),
-without Prefect: rollout (generation), score (rewards + advantages), train (one PPO/GRPO update), publish
-(adapter to the store), sync (the engine loads the new version). By default every group is trained on
+(`configs/smollm2-arith-grpo.yaml`), phase by phase through the library's step loop
+(`lora_rl_core.run.loop.run_steps` over `RunPhases`), without Prefect: rollout (generation), score
+(rewards + advantages), train (one PPO/GRPO update), publish (adapter to the store), sync (the engine loads
+the new version). By default every group is trained on
 (`algorithm.skip_uniform_groups=false`), so the train phase has the same 64 rows whatever the rewards; the
 first `--warmup` steps are reported apart. With `--busy`, the `auto` run is repeated while `yes > /dev/null`
 keeps one core busy, and the table shows the busy/idle step-time ratio.
@@ -38,9 +39,11 @@ PHASES = ("rollout", "score", "train", "publish", "sync")
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
-    """In a child process: build a run for one dtype and time `args.steps` steps phase by phase."""
+    """In a child process: build a run for one dtype and time `args.steps` steps of the library's step loop
+    (`lora_rl_core.run.loop.run_steps`) phase by phase."""
     from lora_rl_core.config import load_config
-    from lora_rl_core.run import build_run, phases, versions
+    from lora_rl_core.run import build_run
+    from lora_rl_core.run.loop import RunPhases, run_steps
 
     with tempfile.TemporaryDirectory(prefix="cpu-step-") as tmp:
         overrides = [
@@ -55,29 +58,29 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         run = build_run(cfg, "cpu-step")
         setup_s = time.perf_counter() - start
+        steps: list[dict[str, Any]] = []
         try:
-            versions.sync(run, versions.publish(run, 0))
-            steps = []
-            for step in range(1, args.steps + 1):
-                times: dict[str, float] = {}
-                rollout = _timed(times, "rollout", phases.rollout, run, step).metrics()
-                score = _timed(times, "score", phases.score, run, step).metrics()
-                train = _timed(times, "train", phases.train, run, step).metrics()
-                ref = _timed(times, "publish", versions.publish, run, step)
-                _timed(times, "sync", versions.sync, run, ref)
-                steps.append(
-                    {
-                        "step": step,
-                        "seconds": times,
-                        "step_seconds": sum(times.values()),
-                        "completions": rollout["completions"],
-                        "completion_tokens": rollout["completion_tokens"],
-                        "train_sequences": train.get("train_sequences", 0.0),
-                        "train_tokens": train.get("train_tokens", 0.0),
-                        "accuracy": score["accuracy"],
-                    }
-                )
-                print(f"  {args.dtype}: step {step} {sum(times.values()):.1f} s {times}", file=sys.stderr, flush=True)
+            with RunPhases(run) as inner:
+                timed = TimedPhases(inner)
+
+                def on_step(metrics: dict[str, Any]) -> None:
+                    times = timed.take()
+                    steps.append(
+                        {
+                            "step": metrics["step"],
+                            "seconds": times,
+                            "step_seconds": sum(times.values()),
+                            "completions": metrics["completions"],
+                            "completion_tokens": metrics["completion_tokens"],
+                            "train_sequences": metrics.get("train_sequences", 0.0),
+                            "train_tokens": metrics.get("train_tokens", 0.0),
+                            "accuracy": metrics["accuracy"],
+                        }
+                    )
+                    line = f"  {args.dtype}: step {metrics['step']} {sum(times.values()):.1f} s {times}"
+                    print(line, file=sys.stderr, flush=True)
+
+                run_steps(timed, steps=args.steps, ahead=0, on_step=on_step)
             runtime = run.runtime
         finally:
             run.close()
@@ -90,12 +93,52 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _timed(times: dict[str, float], phase: str, fn: Any, *args: Any) -> Any:
-    """Call `fn(*args)`, record its wall seconds under `phase`, return its result."""
-    start = time.perf_counter()
-    result = fn(*args)
-    times[phase] = time.perf_counter() - start
-    return result
+class TimedPhases:
+    """`StepPhases` that time each call of another's phases (wall seconds by phase name, `take()` empties)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.times: dict[str, float] = {}
+
+    def take(self) -> dict[str, float]:
+        """The seconds recorded since the last `take`, by phase."""
+        times, self.times = self.times, {}
+        return times
+
+    def _timed(self, phase: str, fn: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+    def publish(self, step: int, metrics: Any) -> Any:
+        """Timed `publish`; version 0 (set-up, before step 1) is not timed."""
+        if step == 0:
+            return self.inner.publish(step, metrics)
+        return self._timed("publish", self.inner.publish, step, metrics)
+
+    def sync(self, ref: Any) -> Any:
+        """Timed `sync`; version 0's is not timed."""
+        if ref.version == 0:
+            return self.inner.sync(ref)
+        return self._timed("sync", self.inner.sync, ref)
+
+    def rollout(self, step: int) -> Any:
+        """Timed `rollout`."""
+        return self._timed("rollout", self.inner.rollout, step)
+
+    def submit_rollout(self, step: int) -> Any:
+        """Not timed: this benchmark runs sync mode."""
+        return self.inner.submit_rollout(step)
+
+    def score(self, step: int) -> Any:
+        """Timed `score`."""
+        return self._timed("score", self.inner.score, step)
+
+    def train(self, step: int) -> Any:
+        """Timed `train`."""
+        return self._timed("train", self.inner.train, step)
 
 
 def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:

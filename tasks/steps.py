@@ -1,4 +1,5 @@
-"""Prefect tasks of one training step: thin wrappers over `lora_rl_core.run` (phases, versions, resume).
+"""Prefect tasks of one training step: thin wrappers over `lora_rl_core.run` (phases, versions, resume), and
+`TaskPhases`, which hands them to the library's step loop (`lora_rl_core.run.loop.run_steps`).
 
 Tasks take the run id and small values and return small typed records (`lora_rl_core.records` stats,
 `AdapterRef`s); models, engines and tensors stay in the run's components, which `tasks.registry` keeps.
@@ -16,12 +17,14 @@ behind it.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
+from prefect.futures import PrefectFuture
 
 from lora_rl_core.config import StoreConfig, config_from_dict
 from lora_rl_core.records import ResumeInfo, RolloutStats, ScoreStats, SyncStats, TrainStats
@@ -147,3 +150,37 @@ def step_tasks(storage: WritableFileSystem) -> StepTasks:
         evaluate=evaluate.with_options(result_storage=storage),
         write_report=write_report,
     )
+
+
+@dataclass(frozen=True)
+class TaskPhases:
+    """The step phases of run `run_id` as Prefect tasks, for `lora_rl_core.run.loop.run_steps`: each phase is a
+    task run (cached, retried and persisted as its decorator says); async rollouts are task futures, run by the
+    flow's task runner while the flow goes on to train."""
+
+    t: StepTasks
+    run_id: str
+
+    def publish(self, step: int, metrics: Mapping[str, Any]) -> AdapterRef:
+        """The `publish_adapter` task."""
+        return self.t.publish_adapter(self.run_id, step, dict(metrics))
+
+    def sync(self, ref: AdapterRef) -> SyncStats:
+        """The `sync_engines` task."""
+        return self.t.sync_engines(self.run_id, ref)
+
+    def rollout(self, step: int) -> RolloutStats:
+        """The `rollout` task, run now."""
+        return self.t.rollout(self.run_id, step)
+
+    def submit_rollout(self, step: int) -> PrefectFuture[RolloutStats]:
+        """The `rollout` task, submitted to the flow's task runner."""
+        return self.t.rollout.submit(self.run_id, step)
+
+    def score(self, step: int) -> ScoreStats:
+        """The `score` task."""
+        return self.t.score(self.run_id, step)
+
+    def train(self, step: int) -> TrainStats:
+        """The `train_step` task."""
+        return self.t.train_step(self.run_id, step)

@@ -85,3 +85,22 @@ def test_a_version_held_by_a_rollout_is_not_retired_until_released(cfg):
         assert listed() == ["comp-hold-v000003", "comp-hold-v000004"]
     finally:
         run.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_library_loop_trains_a_tiny_run_without_prefect(tmp_path, tiny_model_dir, mode):
+    """`run_steps` over `RunPhases`: two steps publish versions 1 and 2 and the engine serves the last; in async
+    mode the rollouts run on a worker thread, one step ahead, and stay within `max_staleness`."""
+    from lora_rl_core.run.loop import RunPhases, run_steps
+
+    cfg = load_config(write_tiny_config(tmp_path, tiny_model_dir, f"loop-{mode}"), [f"rollout.mode={mode}"])
+    run = build_run(cfg, f"loop-{mode}")
+    try:
+        with RunPhases(run) as phases:
+            done = run_steps(phases, steps=2, ahead=cfg.rollouts_ahead())
+        assert done.final.version == 2 and [m["step"] for m in done.history] == [1, 2]
+        assert run.policy.version == 2 and f"loop-{mode}-v000002" in run.engine.list_adapters()
+        assert run.store.versions(f"loop-{mode}") == [0, 1, 2]
+        assert all(m["stale_rejected"] == 0 for m in done.history)
+    finally:
+        run.close()

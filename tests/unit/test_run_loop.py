@@ -1,0 +1,114 @@
+"""`run_steps`: the one place that says the step order, in sync and async mode, and what it does on a failure.
+
+A recording `StepPhases` stands in for the run (no model): the test asserts the exact sequence of phase calls,
+the metrics handed to `on_step`, and that rollouts submitted ahead are waited for when a step fails. The real
+phases run through the same loop in the flow tests and `benchmarks/cpu_step.py`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import pytest
+
+from lora_rl_core.run.loop import run_steps
+
+
+@dataclass
+class Stats:
+    values: dict
+
+    def metrics(self) -> dict:
+        return dict(self.values)
+
+
+@dataclass
+class Ref:
+    version: int
+
+    @property
+    def name(self) -> str:
+        return f"r-v{self.version:06d}"
+
+
+class Recorder:
+    """Records every phase call; `fail_train` makes that step's train raise."""
+
+    def __init__(self, fail_train: int | None = None) -> None:
+        self.calls: list[str] = []
+        self.fail_train = fail_train
+        self.waited: list[int] = []
+
+    def publish(self, step, metrics):
+        self.calls.append(f"publish{step}")
+        return Ref(step)
+
+    def sync(self, ref):
+        self.calls.append(f"sync{ref.version}")
+        return Stats({"adapter": ref.name})
+
+    def rollout(self, step):
+        self.calls.append(f"rollout{step}")
+        return Stats({"completions": 4, "rollout_step": step})
+
+    def submit_rollout(self, step):
+        self.calls.append(f"submit{step}")
+        recorder = self
+
+        class Pending(Future):
+            def result(self, timeout=None):
+                recorder.waited.append(step)
+                recorder.calls.append(f"result{step}")
+                return Stats({"completions": 4, "rollout_step": step})
+
+        return Pending()
+
+    def score(self, step):
+        self.calls.append(f"score{step}")
+        return Stats({"reward_mean": step / 10})
+
+    def train(self, step):
+        self.calls.append(f"train{step}")
+        if step == self.fail_train:
+            raise RuntimeError(f"train {step} failed")
+        return Stats({"loss": -step})
+
+
+def test_sync_mode_runs_the_phases_in_order_and_reports_each_step():
+    phases, seen = Recorder(), []
+    done = run_steps(phases, steps=2, on_step=seen.append)
+    assert phases.calls == [
+        "publish0", "sync0",
+        "rollout1", "score1", "train1", "publish1", "sync1",
+        "rollout2", "score2", "train2", "publish2", "sync2",
+    ]  # fmt: skip
+    assert done.final.version == 2 and done.history == seen
+    assert [m["step"] for m in seen] == [1, 2] and all(m["steps"] == 2 for m in seen)
+    assert seen[1]["rollout_step"] == 2 and seen[1]["reward_mean"] == 0.2 and seen[1]["loss"] == -2
+    assert seen[1]["adapter"] == "r-v000002" and seen[1]["step_seconds"] >= 0
+
+
+def test_async_mode_submits_rollouts_ahead_of_the_step_that_trains():
+    phases = Recorder()
+    run_steps(phases, steps=3, ahead=1)
+    assert phases.calls == [
+        "publish0", "sync0",
+        "submit1", "submit2", "result1", "score1", "train1", "publish1", "sync1",
+        "submit3", "result2", "score2", "train2", "publish2", "sync2",
+        "result3", "score3", "train3", "publish3", "sync3",
+    ]  # fmt: skip
+
+
+def test_a_failed_step_waits_for_the_rollouts_running_ahead_then_raises():
+    phases = Recorder(fail_train=1)
+    with pytest.raises(RuntimeError, match="train 1 failed"):
+        run_steps(phases, steps=3, ahead=2)
+    assert phases.calls[-1] == "result3" and sorted(phases.waited) == [1, 2, 3]  # nothing left running
+    assert "publish1" not in phases.calls
+
+
+def test_zero_steps_publishes_and_syncs_version_zero_only():
+    phases = Recorder()
+    done = run_steps(phases, steps=0, ahead=1)
+    assert phases.calls == ["publish0", "sync0"] and done.final.version == 0 and done.history == []
