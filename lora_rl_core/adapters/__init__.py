@@ -1,7 +1,8 @@
 """LoRA adapters as files and names: the rules the store, the engines, the server and the CLI share.
 
 `names`: adapter, run, version, tag and file names (``adapter_name`` / ``parse_adapter_name``, the one
-parser of ``<run>-v<NNNNNN>``); `io`: safetensors, PEFT folders and store versions (no pickle, ever);
+parser of ``<run>-v<NNNNNN>``); `io`: safetensors files and PEFT folders (no pickle, ever; reading a store version is
+`lora_rl_core.store.sources`);
 `validation`: the checks an adapter passes before anything loads it (``AdapterRules``).
 """
 
@@ -9,9 +10,6 @@ from lora_rl_core.adapters.io import (
     TensorsAndConfig,
     load_safetensors,
     peft_folder,
-    read_adapter_folder,
-    read_store_uri,
-    read_store_version,
     refuse_pickles,
     safetensors_bytes,
     safetensors_shapes,
@@ -68,9 +66,6 @@ __all__ = [
     "parse_adapter_spec",
     "parse_version_uri",
     "peft_folder",
-    "read_adapter_folder",
-    "read_store_uri",
-    "read_store_version",
     "refuse_pickles",
     "safetensors_bytes",
     "safetensors_shapes",

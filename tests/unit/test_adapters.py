@@ -20,7 +20,6 @@ from lora_rl_core.adapters import (
     parse_adapter_spec,
     parse_version_uri,
     peft_folder,
-    read_adapter_folder,
     refuse_pickles,
     safetensors_bytes,
     safetensors_shapes,
@@ -28,6 +27,7 @@ from lora_rl_core.adapters import (
 )
 from lora_rl_core.errors import StoreError
 from lora_rl_core.lora import linear_suffixes
+from lora_rl_core.store.sources import read_adapter_folder
 from tests.unit.test_store import SMALL_CONFIG, _tiny_base, small_lora
 
 # ----------------------------------------------------------------- names

@@ -26,17 +26,12 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lora_rl_core.adapters import (
-    STORE_URI_PREFIX,
-    AdapterRules,
-    TensorsAndConfig,
-    read_adapter_folder,
-    read_store_uri,
-)
+from lora_rl_core.adapters import STORE_URI_PREFIX, AdapterRules, TensorsAndConfig
 from lora_rl_core.engines.base import Completion, GenerationRequest
 from lora_rl_core.engines.embedded.generation import BASE_ADAPTER, generate_batch
 from lora_rl_core.engines.embedded.pool import AdapterPool
 from lora_rl_core.errors import EngineError, StoreError
+from lora_rl_core.store.sources import read_adapter_folder, read_store_uri
 
 _CONFIG_DROP = {"peft_type", "base_model_name_or_path", "revision"}  # not LoraConfig arguments
 
