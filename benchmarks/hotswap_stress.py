@@ -1,7 +1,7 @@
 """Hot-swap stress at full size: 200 adapter swaps while 32 clients sample groups of n=4, with random aborts
 and pauses, in-process and over HTTP; prints the counts and writes `benchmarks/results/hotswap_stress.json`.
 
-The run and its checks are `tests.support.stress.run_hotswap_stress` (read its docstring for the invariants).
+The run and its checks are `lora_rl_testing.stress.run_hotswap_stress` (read its docstring for the invariants).
 Targets: `in-process` (`EmbeddedEngine`, groups of n requests), `http-n` (our engine server over HTTP, one
 SGLang `/generate` with `sampling_params.n` per group, versions as the server reports them) and `http-group`
 (n requests per group through `ServerEngine.generate`, the rollout path); the server runs in a thread of
@@ -42,9 +42,9 @@ from _common import RESULTS, machine_info, model_config, print_table, random_mod
 
 from lora_rl_core.config import SGLANG_RETIRE_POLICIES
 from lora_rl_core.engines import EmbeddedEngine
-from tests.support.adapters import random_lora_factory
-from tests.support.servers import serve_in_thread
-from tests.support.stress import StressReport, run_hotswap_stress
+from lora_rl_testing.adapters import random_lora_factory
+from lora_rl_testing.servers import serve_in_thread
+from lora_rl_testing.stress import StressReport, run_hotswap_stress
 
 TARGETS = ("in-process", "http-n", "http-group", "sglang-group", "sglang-n")
 ROWS = (

@@ -36,7 +36,7 @@ import torch
 from _common import ALL_LINEAR, MODEL_CONFIGS, RESULTS, machine_info, print_table, random_model, write_json
 
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
-from tests.support.adapters import random_lora_factory
+from lora_rl_testing.adapters import random_lora_factory
 
 
 def requests_for(prompts: list[list[int]], names: list[str | None], params: SamplingParams) -> list[GenerationRequest]:

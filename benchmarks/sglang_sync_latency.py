@@ -47,7 +47,7 @@ Usage, on the GPU host (docs/SGLANG.md, "GPU host")::
         --sglang-pythonpath /tmp/sglsite --graphs prefill --startup-timeout 270 \\
         --out $OUT/sglang_sync_latency_h100.json --server-log $OUT/sglang_server.log
     PYTHONPATH=. python benchmarks/sglang_sync_latency.py --tiny --tokenizer-dir TOKENIZER_DIR \\
-        --sglang-python "$(which python)" --sglang-pythonpath tests/support/fake_sglang:. --paths disk,inline
+        --sglang-python "$(which python)" --sglang-pythonpath lora_rl_testing/fake_sglang:. --paths disk,inline
         # CPU smoke test against the fake server
 """
 
@@ -77,7 +77,7 @@ from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_core.engines.remote import ipc as sglang_tensors
 from lora_rl_core.errors import EngineError
 from lora_rl_core.store import AdapterStore
-from tests.support.adapters import random_lora_factory
+from lora_rl_testing.adapters import random_lora_factory
 
 TRANSPORTS = ("disk", "ipc", "inline")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

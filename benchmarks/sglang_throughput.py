@@ -23,7 +23,7 @@ Usage, on the GPU host (docs/SGLANG.md, "GPU host")::
     PYTHONPATH=/tmp/ours:. python3 benchmarks/sglang_throughput.py --model-dir /tmp/models/smollm2-random \\
         --sglang-pythonpath /tmp/sglsite --compare-embedded
     PYTHONPATH=. python benchmarks/sglang_throughput.py --model-dir DIR --tiny \\
-        --sglang-python "$(which python)" --sglang-pythonpath tests/support/fake_sglang:. \
+        --sglang-python "$(which python)" --sglang-pythonpath lora_rl_testing/fake_sglang:. \
         --dtype float32 --device cpu --compare-embedded         # CPU smoke test against the fake server
 """
 
@@ -48,7 +48,7 @@ from lora_rl_core.config import config_from_dict
 from lora_rl_core.engines import EmbeddedEngine, InferenceEngine, SamplingParams
 from lora_rl_core.engines.launch.process import launch_sglang
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
-from tests.support.adapters import random_lora_factory
+from lora_rl_testing.adapters import random_lora_factory
 
 
 def adapter_folders(model: torch.nn.Module, count: int, rank: int, root: Path) -> dict[str, str]:

@@ -38,7 +38,7 @@ from _common import ALL_LINEAR, MODEL_CONFIGS, RESULTS, machine_info, print_tabl
 
 from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
-from tests.support.adapters import random_lora_factory
+from lora_rl_testing.adapters import random_lora_factory
 
 PATHS = ("tensor", "store", "sync_version")
 PARTS = ("publish_s", "load_s", "first_s", "total_s")

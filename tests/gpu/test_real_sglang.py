@@ -29,7 +29,7 @@ from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_core.errors import EngineError
 from lora_rl_core.store import AdapterStore
 from lora_rl_core.subscriber import retire_stale
-from tests.support.adapters import random_lora_factory
+from lora_rl_testing.adapters import random_lora_factory
 
 MODEL = os.environ.get("LORA_RL_SGLANG_MODEL")
 pytestmark = [

@@ -135,7 +135,7 @@ def test_async_rollouts_against_a_launched_sglang(tmp_path, tiny_model_dir, reti
     """The same overlap through `SGLangEngine` (HTTP from the task runner's thread while the flow syncs),
     against the look-alike SGLang server the run launches, with both retire policies."""
     from flows.grpo_lora import train
-    from tests.support.fake_launch import fake_launch
+    from lora_rl_testing.fake_launch import fake_launch
 
     path = write_tiny_config(
         tmp_path,

@@ -27,10 +27,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.engines import EmbeddedEngine
 from lora_rl_core.store import AdapterStore
+from lora_rl_testing.adapters import random_lora_factory
+from lora_rl_testing.servers import serve_in_thread
 from tests.integration.tiny_run import write_tiny_config
 from tests.support import processes
-from tests.support.adapters import random_lora_factory
-from tests.support.servers import serve_in_thread
 
 pytestmark = pytest.mark.slow  # `lora-rl` processes, Prefect's ephemeral server, trainer workers
 

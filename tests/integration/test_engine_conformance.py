@@ -5,7 +5,7 @@ Subjects, each doing its work on an `EmbeddedEngine` over the tiny random model 
 * `embedded`: the `EmbeddedEngine` itself, in process.
 * `server`: `ServerEngine` (our HTTP client) talking to `lora-rl serve`'s app (`create_app`), uvicorn in a
   thread on 127.0.0.1.
-* `sglang`: `SGLangEngine` talking to a fake SGLang server (`tests.support.sglang_fake`): our app with
+* `sglang`: `SGLangEngine` talking to a fake SGLang server (`lora_rl_testing.sglang_fake`): our app with
   SGLang 0.5.x's answers where ours carry more (empty `/abort_request` and `/health` answers,
   `finish_reason` message "Aborted by AbortReq.", `weight_version` "default", bare `/v1/models` cards),
   so the client is held to real SGLang's wire format, not to our server's extras.
@@ -35,9 +35,9 @@ from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, InferenceEng
 from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
 from lora_rl_core.engines.serve.app import create_app
 from lora_rl_core.errors import EngineError
-from tests.support.adapters import random_lora_factory
-from tests.support.servers import serve_app_in_thread
-from tests.support.sglang_fake import create_sglang_fake_app
+from lora_rl_testing.adapters import random_lora_factory
+from lora_rl_testing.servers import serve_app_in_thread
+from lora_rl_testing.sglang_fake import create_sglang_fake_app
 
 pytestmark = pytest.mark.slow  # uvicorn in a thread for the HTTP subjects
 

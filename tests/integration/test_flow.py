@@ -84,7 +84,7 @@ def test_flow_against_an_engine_server(flow_config, tiny_model_dir, sync):
     as safetensors bytes (tensor path) or is read by the server from the store (store path)."""
     from flows.grpo_lora import train
     from lora_rl_core.engines import EmbeddedEngine
-    from tests.support.servers import serve_in_thread
+    from lora_rl_testing.servers import serve_in_thread
 
     path, tmp = flow_config
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.engines import EmbeddedEngine
-from tests.support.adapters import random_lora_factory
-from tests.support.servers import serve_in_thread
-from tests.support.stress import StressReport, run_hotswap_stress
+from lora_rl_testing.adapters import random_lora_factory
+from lora_rl_testing.servers import serve_in_thread
+from lora_rl_testing.stress import StressReport, run_hotswap_stress
 
 pytestmark = pytest.mark.slow  # uvicorn in a thread, stress at CI size
 
@@ -78,8 +78,8 @@ def test_sglang_target_against_the_fake(engine, make_adapter, tok, retire):
     """The `sglang-group` target of the benchmark (an `SGLangEngine`), against the fake SGLang server, which
     revives unloaded adapters as 0.5.17 does: no invariant breaks, and no retired version comes back."""
     from lora_rl_core.engines.remote import SGLANG, HTTPEngine
-    from tests.support.servers import serve_app_in_thread
-    from tests.support.sglang_fake import SGLangFakeServer
+    from lora_rl_testing.servers import serve_app_in_thread
+    from lora_rl_testing.sglang_fake import SGLangFakeServer
 
     fake = SGLangFakeServer(engine, served_model_name="tiny", request_timeout_s=30.0, control_timeout_s=30.0)
     with serve_app_in_thread(fake.app()) as url, HTTPEngine(SGLANG, url, timeout_s=30, retire=retire) as client:

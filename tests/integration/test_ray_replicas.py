@@ -23,7 +23,7 @@ from lora_rl_core.engines.embedded.build import build_embedded_engine
 from lora_rl_core.engines.registry import build_engine
 from lora_rl_core.errors import EngineUnavailable
 from lora_rl_core.subscriber import is_paused
-from tests.support.adapters import random_lora_factory
+from lora_rl_testing.adapters import random_lora_factory
 from tests.support.processes import ended
 
 ray = pytest.importorskip("ray")
@@ -156,12 +156,12 @@ def test_flow_with_two_trainer_ranks_on_ray_matches_in_process(local_ray, tiny_m
 
 
 def _sglang_replicas_config(tmp_path, tiny_model_dir, name: str):
-    """Two SGLang replicas on Ray, each launching the look-alike server (tests/support/fake_sglang) on its
+    """Two SGLang replicas on Ray, each launching the look-alike server (lora_rl_testing/fake_sglang) on its
     own port (`launch.port + i`)."""
     import socket
 
+    from lora_rl_testing.fake_launch import fake_launch
     from tests.integration.tiny_run import write_tiny_config
-    from tests.support.fake_launch import fake_launch
 
     def free(port: int) -> bool:
         with socket.socket() as s:
@@ -180,7 +180,7 @@ def test_sglang_replicas_on_ray_own_their_servers(local_ray, tiny_model_dir, tmp
     from lora_rl_core.config import load_config
     from lora_rl_core.engines import MultiEngine
     from lora_rl_core.run import build_run
-    from tests.support.adapters import write_peft_folder
+    from lora_rl_testing.adapters import write_peft_folder
 
     model_cfg, tensors, config, requests = setup
     with build_embedded_engine(EngineConfig(), model_cfg, None) as local:

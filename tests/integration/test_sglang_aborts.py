@@ -1,5 +1,5 @@
 """Aborts inside a `/generate` batch against the look-alike SGLang server, which fails the whole call with HTTP
-499 as SGLang 0.5.17 does (`tests.support.sglang_fake`; docs/SGLANG.md, "Seen with our client").
+499 as SGLang 0.5.17 does (`lora_rl_testing.sglang_fake`; docs/SGLANG.md, "Seen with our client").
 
 The fake first, raw: a batch with one request aborted by id answers 499 `Request RID was aborted` and its other
 requests are dropped. Then through `SGLangEngine`: the aborted request comes back aborted with the reason the
@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
 from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
 from lora_rl_core.engines.serve.app import create_app
-from tests.support.servers import serve_app_in_thread
-from tests.support.sglang_fake import SGLangFakeServer
+from lora_rl_testing.servers import serve_app_in_thread
+from lora_rl_testing.sglang_fake import SGLangFakeServer
 
 pytestmark = pytest.mark.slow  # uvicorn in a thread
 

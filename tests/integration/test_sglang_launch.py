@@ -2,7 +2,7 @@
 stops its whole process group; a training run talks to it through `SGLangEngine` with store sync.
 
 SGLang itself needs a GPU, so here `python -m sglang.launch_server` is the stand-in package
-`tests/support/fake_sglang` (the fake SGLang server over the tiny model); the launcher, the flags it
+`lora_rl_testing/fake_sglang` (the fake SGLang server over the tiny model); the launcher, the flags it
 renders and the run's ownership of the process are what is tested. The real server: tests marked `gpu`.
 """
 
@@ -19,8 +19,8 @@ from lora_rl_core.engines.launch.process import launch_sglang
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_core.errors import EngineError
 from lora_rl_core.store import AdapterStore
+from lora_rl_testing.fake_launch import fake_launch
 from tests.integration.tiny_run import write_tiny_config
-from tests.support.fake_launch import fake_launch
 from tests.support.processes import ended, pid_alive
 
 pytestmark = pytest.mark.slow  # subprocesses and the Prefect test server

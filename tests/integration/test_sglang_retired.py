@@ -1,7 +1,7 @@
 """Retiring adapter versions from an SGLang server, which reloads an unloaded adapter when a request names it.
 
 SGLang 0.5.17 answers a `/generate` naming an unloaded adapter by loading it again from the path it
-remembers, with HTTP 200 (docs/SGLANG.md, "Hazards"); the fake server (`tests.support.sglang_fake`) does
+remembers, with HTTP 200 (docs/SGLANG.md, "Hazards"); the fake server (`lora_rl_testing.sglang_fake`) does
 the same. These tests show the hazard on the fake, then that `SGLangEngine` never brings a retired version
 back (it refuses requests for it as for an unknown adapter), and that a version another client revives is
 noticed (`revived_adapters`) and retired again by `subscriber.retire_stale`.
@@ -22,9 +22,9 @@ from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingPara
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_core.errors import EngineError
 from lora_rl_core.subscriber import retire_stale
-from tests.support.adapters import random_lora_factory
-from tests.support.servers import serve_app_in_thread
-from tests.support.sglang_fake import SGLangFakeServer
+from lora_rl_testing.adapters import random_lora_factory
+from lora_rl_testing.servers import serve_app_in_thread
+from lora_rl_testing.sglang_fake import SGLangFakeServer
 
 pytestmark = pytest.mark.slow  # uvicorn in a thread
 

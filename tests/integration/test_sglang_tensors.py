@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_core.errors import EngineError
-from tests.support.adapters import random_lora_factory
-from tests.support.servers import serve_app_in_thread
-from tests.support.sglang_fake import SGLangFakeServer
+from lora_rl_testing.adapters import random_lora_factory
+from lora_rl_testing.servers import serve_app_in_thread
+from lora_rl_testing.sglang_fake import SGLangFakeServer
 
 pytestmark = pytest.mark.slow  # uvicorn in a thread
 

@@ -22,8 +22,8 @@ from lora_rl_core.engines import EmbeddedEngine, EngineInputs, MultiEngine
 from lora_rl_core.engines.registry import ENGINE_KINDS, build_engine
 from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
 from lora_rl_core.errors import ConfigError, EngineError
+from lora_rl_testing.adapters import random_lora_factory
 from tests.integration.tiny_run import write_tiny_config
-from tests.support.adapters import random_lora_factory
 
 
 @pytest.fixture()

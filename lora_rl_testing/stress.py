@@ -2,7 +2,7 @@
 
 The hot-swap protocol's acceptance run (docs/HOTSWAP.md); the CI test (`tests/integration/test_hotswap_stress.py`,
 reduced size) and the benchmark (`benchmarks/hotswap_stress.py`, full size) both call `run_hotswap_stress`. The
-records and the checks are in `tests/support/stress_report.py`, the random adapters in `tests/support/adapters.py`.
+records and the checks are in `lora_rl_testing/stress_report.py`, the random adapters in `lora_rl_testing/adapters.py`.
 
 Threads:
 
@@ -67,8 +67,8 @@ from lora_rl_core.engines.base import PAUSE_MODES, GenerationRequest, SamplingPa
 from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
 from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.subscriber import retire_stale
-from tests.support.adapters import AdapterFactory
-from tests.support.stress_report import Group, Sample, Shared, StressReport, StressSettings, build_report
+from lora_rl_testing.adapters import AdapterFactory
+from lora_rl_testing.stress_report import Group, Sample, Shared, StressReport, StressSettings, build_report
 
 __all__ = ["StressReport", "StressSettings", "run_hotswap_stress"]
 

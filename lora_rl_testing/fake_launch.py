@@ -1,4 +1,4 @@
-"""`engine.launch` settings that start the look-alike SGLang server (`tests/support/fake_sglang`, which
+"""`engine.launch` settings that start the look-alike SGLang server (`lora_rl_testing/fake_sglang`, which
 stands in for `python -m sglang.launch_server`) instead of a real one: for tests of the launcher and of runs
 that launch SGLang."""
 
@@ -11,8 +11,8 @@ from typing import Any
 
 from lora_rl_core.distributed import free_port
 
-REPO = Path(__file__).resolve().parents[2]
-FAKE_SGLANG = REPO / "tests" / "support" / "fake_sglang"
+REPO = Path(__file__).resolve().parents[1]
+FAKE_SGLANG = REPO / "lora_rl_testing" / "fake_sglang"
 
 
 def fake_launch(**overrides: Any) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lora_rl_core.engines import EmbeddedEngine
-    from tests.support.sglang_fake import create_sglang_fake_app
+    from lora_rl_testing.sglang_fake import create_sglang_fake_app
 
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
     with EmbeddedEngine(model, AutoTokenizer.from_pretrained(args.model_path), max_batch_size=16) as engine:

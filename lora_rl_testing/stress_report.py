@@ -1,6 +1,6 @@
 """The hot-swap stress run's records and checks: settings, the report, what the threads record, the invariants.
 
-`tests/support/stress.py` runs the threads (its docstring lists the invariants); this module holds what they
+`lora_rl_testing/stress.py` runs the threads (its docstring lists the invariants); this module holds what they
 share (`Shared`: settings, the event log, the groups sent, counters) and turns it into a `StressReport`.
 """
 
