@@ -1,6 +1,7 @@
 """One behavioural suite for every `InferenceEngine`: the same tests, run against each implementation.
 
-Subjects, each doing its work on an `EmbeddedEngine` over the tiny random model (`tiny_model_dir`):
+Subjects, one per engine kind that can run on a CPU, each doing its work on `EmbeddedEngine`s over the tiny
+random model (`tiny_model_dir`):
 
 * `embedded`: the `EmbeddedEngine` itself, in process.
 * `server`: `ServerEngine` (our HTTP client) talking to `lora-rl serve`'s app (`create_app`), uvicorn in a
@@ -9,12 +10,16 @@ Subjects, each doing its work on an `EmbeddedEngine` over the tiny random model 
   SGLang 0.5.x's answers where ours carry more (empty `/abort_request` and `/health` answers,
   `finish_reason` message "Aborted by AbortReq.", `weight_version` "default", bare `/v1/models` cards),
   so the client is held to real SGLang's wire format, not to our server's extras.
+* `multi`: a `MultiEngine` over two embedded engines (prompts dealt round-robin, adapter changes broadcast).
+* `ray`: the registry's Ray replicas (`engine.ray_replicas: 1`, a local Ray with 2 CPUs): a `MultiEngine` over
+  a `RayEngine` whose embedded engine lives in a Ray actor.
 
 Behaviours: generation keeps request order and names adapter and version per completion; `submit`
 resolves as `generate`; an unknown adapter is an error, never base-model output; load, list, unload
 (SGLang's no-upsert rule); abort with a reason ends a request with `finish_reason` abort and that
 reason; pause holds requests until resume, pause(abort) ends them as `paused`; flush, health,
-`members()`, close. Adapters are loaded by path: the one source all three take. About 10 s in all.
+`members()`, close. Adapters are loaded by path: the one source all of them take. About 40 s in all (Ray's
+start and an actor per test are most of it).
 """
 
 from __future__ import annotations
@@ -31,7 +36,16 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.adapters import adapter_version
-from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, InferenceEngine, SamplingParams
+from lora_rl_core.config import EngineConfig, ModelConfig
+from lora_rl_core.engines import (
+    EmbeddedEngine,
+    EngineInputs,
+    GenerationRequest,
+    InferenceEngine,
+    MultiEngine,
+    SamplingParams,
+)
+from lora_rl_core.engines.registry import build_engine
 from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
 from lora_rl_core.engines.serve.app import create_app
 from lora_rl_core.errors import EngineError
@@ -41,7 +55,7 @@ from lora_rl_testing.sglang_fake import create_sglang_fake_app
 
 pytestmark = pytest.mark.slow  # uvicorn in a thread for the HTTP subjects
 
-KINDS = ("embedded", "server", "sglang")
+KINDS = ("embedded", "server", "sglang", "multi", "ray")
 GREEDY = SamplingParams(max_new_tokens=5, temperature=0.0)
 V1, V2 = "conf-v000001", "conf-v000002"
 WAIT_S = 10.0
@@ -55,10 +69,26 @@ def prefect_harness():
 
 @dataclass
 class Subject:
-    """The engine under test and the in-process engine that does its work (to observe its queue)."""
+    """The engine under test and the engines that do its work, seen through their own `health()` and
+    `metrics()` (in process, or through a Ray actor).
+
+    Attributes:
+        engine: the engine under test.
+        backends: the embedded engines behind it (or handles that answer for them).
+        members: what `engine.members()` must list.
+    """
 
     engine: InferenceEngine
-    backend: EmbeddedEngine
+    backends: list[InferenceEngine]
+    members: list[InferenceEngine]
+
+    def queue_depth(self) -> int:
+        """Requests waiting in the backends' queues."""
+        return sum(b.health()["queue_depth"] for b in self.backends)
+
+    def base_requests(self) -> int:
+        """Requests the backends served with the base model."""
+        return sum(b.metrics()["base"]["requests"] for b in self.backends)
 
 
 @pytest.fixture(scope="module")
@@ -81,19 +111,48 @@ def adapter_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
     return out
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray with 2 CPUs for the `ray` subject, started only when that subject runs."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(params=KINDS)
 def subject(request, tiny_model_dir, tokenizer) -> Iterator[Subject]:
+    if request.param == "ray":
+        request.getfixturevalue("local_ray")
+        yield from _ray_subject(tiny_model_dir)
+        return
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with EmbeddedEngine(model, tokenizer, max_batch_size=8) as backend:
         if request.param == "embedded":
-            yield Subject(backend, backend)
+            yield Subject(backend, [backend], [backend])
+            return
+        if request.param == "multi":
+            second = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+            with EmbeddedEngine(second, tokenizer, max_batch_size=8) as other:
+                yield Subject(MultiEngine([backend, other]), [backend, other], [backend, other])
             return
         if request.param == "server":
             app, client = create_app(backend, served_model_name="tiny"), functools.partial(HTTPEngine, SERVER)
         else:
             app, client = create_sglang_fake_app(backend), functools.partial(HTTPEngine, SGLANG)
         with serve_app_in_thread(app) as url, client(url, timeout_s=30, control_timeout_s=30) as engine:
-            yield Subject(engine, backend)
+            yield Subject(engine, [backend], [engine])
+
+
+def _ray_subject(tiny_model_dir) -> Iterator[Subject]:
+    """The registry's Ray replicas: one replica actor, its engine answering health and metrics itself."""
+    model_cfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32", device="cpu")
+    built = build_engine(EngineInputs(EngineConfig(ray_replicas=1, max_batch_size=8, timeout_s=30), model_cfg))
+    try:
+        replicas = list(built.engine.members())
+        yield Subject(built.engine, replicas, replicas)
+    finally:
+        built.close()
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
@@ -108,7 +167,7 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
 
 
 def queued(subject: Subject, n: int = 1) -> Callable[[], bool]:
-    return lambda: subject.backend.health()["queue_depth"] >= n
+    return lambda: subject.queue_depth() >= n
 
 
 # ----------------------------------------------------------------- generation
@@ -142,7 +201,7 @@ def test_unknown_adapter_is_an_error_not_base_output(subject, tokenizer):
     requests = [GenerationRequest(p, "ghost-v000001", GREEDY) for p in prompts(tokenizer, 2)]
     with pytest.raises(EngineError, match="ghost-v000001"):
         subject.engine.generate(requests)
-    assert subject.backend.metrics()["base"]["requests"] == 0  # nothing was served by the base model instead
+    assert subject.base_requests() == 0  # nothing was served by the base model instead
 
 
 # ----------------------------------------------------------------- adapters
@@ -224,7 +283,7 @@ def test_flush_health_members_and_close(subject, tokenizer):
     engine = subject.engine
     assert engine.flush_cache() is True  # idle
     assert engine.health()["ok"] is True
-    assert list(engine.members()) == [engine]
+    assert list(engine.members()) == subject.members
     engine.close()
     engine.close()  # idempotent
     with pytest.raises(EngineError, match="closed"):

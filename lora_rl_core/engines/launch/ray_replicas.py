@@ -11,6 +11,8 @@ node); a path (store version) is read by each replica itself.
 Choices made here:
 
 * Every call waits with a deadline (`ray.get(..., timeout=)`); a call past it raises `EngineUnavailable`.
+* The actor is threaded (`ACTOR_CONCURRENCY`): a generate call held by a paused engine does not block the abort,
+  resume or health call that ends it (found by the conformance suite: a single-threaded actor timed out there).
 * A replica whose actor died is replaced (`engine.ray_replace_dead`, the default): `RayEngine` starts a new
   actor, loads into it every adapter the dead one held (it records the loads and unloads that went
   through it), and retries the failed call there once; `metrics()["replica_replacements"]` counts them.
@@ -41,6 +43,10 @@ from lora_rl_core.errors import EngineError, EngineUnavailable
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
 
 log = logging.getLogger(__name__)
+
+ACTOR_CONCURRENCY = 32
+"""Calls one replica actor runs at once (Ray's `max_concurrency`): generate calls from several submitters, plus
+the control calls (abort, pause, resume, health) that must get through while they wait."""
 
 
 class EngineReplica:
@@ -253,7 +259,10 @@ def start_ray_replicas(
         inputs, engine=cfg.model_copy(update={"ray_replicas": 0}), tokenizer=None
     )  # a tokenizer object does not travel; each actor loads its own
     acquire_ray()
-    options = {"num_cpus": num_cpus, "num_gpus": cfg.ray_gpus_per_replica if on_gpu else 0.0, "max_restarts": 0}
+    gpus = cfg.ray_gpus_per_replica if on_gpu else 0.0
+    # Threaded actor: a generate call waiting in a paused engine must not hold off the abort, resume or health
+    # call that ends the wait (the engine is thread-safe; one thread per call, as our server's are).
+    options = {"num_cpus": num_cpus, "num_gpus": gpus, "max_restarts": 0, "max_concurrency": ACTOR_CONCURRENCY}
     actor_cls: Any = ray.remote(EngineReplica).options(**options)  # Ray's stubs: untyped
 
     def restart() -> Any:
