@@ -364,7 +364,7 @@ class TrainerConfig(Section):
     backend: Literal["local", "ray"] = "local"
     """Where the `world_size` >= 1 FSDP2 ranks run: `local` spawned processes on this machine, or `ray` Ray
     actors in a placement group (one CPU or GPU each), joining `RAY_ADDRESS` or a local Ray
-    (`lora_rl_core/trainer_ray.py`). No effect with world_size 0."""
+    (`lora_rl_core/trainer/ray_actors.py`). No effect with world_size 0."""
     checkpoint_every: int = Field(1, ge=1)
     """Save a checkpoint (LoRA weights, optimizer, scheduler, RNG states) every this many steps. The prompts
     of a step are a function of `run.seed` and the step, so no data cursor is saved."""

@@ -32,7 +32,7 @@ from lora_rl_core.run.rundir import RunDir
 from lora_rl_core.runtime import configure_threads, cpu_threads
 from lora_rl_core.store import AdapterStore, validate_run_id
 from lora_rl_core.trainer import PolicyTrainer, Trainer
-from lora_rl_core.trainer_workers import TrainerWorkers
+from lora_rl_core.trainer.workers import TrainerWorkers
 
 
 def build_problems(cfg: DataConfig, split: Literal["train", "test"], seed: int) -> list[Problem]:
@@ -87,7 +87,7 @@ def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer
     `trainer.world_size` persistent FSDP2 ranks: spawned processes (`trainer.backend: local`) or Ray actors
     (`ray`)."""
     if cfg.trainer.world_size >= 1 and cfg.trainer.backend == "ray":
-        from lora_rl_core.trainer_ray import RayTrainer  # lazy: Ray only when asked for
+        from lora_rl_core.trainer.ray_actors import RayTrainer  # lazy: Ray only when asked for
 
         return RayTrainer(cfg, world_size=cfg.trainer.world_size, device=cfg.trainer.device)
     if cfg.trainer.world_size >= 1:

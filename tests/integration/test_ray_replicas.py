@@ -1,5 +1,5 @@
 """Engine replicas and trainer ranks as Ray actors (`lora_rl_core.engines.launch.ray_replicas`,
-`lora_rl_core.trainer_ray`) on a local Ray with 2 CPUs.
+`lora_rl_core.trainer.ray_actors`) on a local Ray with 2 CPUs.
 
 Checked: 2 replicas give the same greedy completions as 1 and as the in-process engine, with an adapter
 loaded from tensors into every replica; a replica whose actor was killed is replaced by a new actor that

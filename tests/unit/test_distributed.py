@@ -29,7 +29,7 @@ from lora_rl_core.lora import adapter_state, apply_lora
 from lora_rl_core.models import load_model
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.trainer import PolicyTrainer, rank_micro_batches
-from lora_rl_core.trainer_workers import TrainerWorkerError, TrainerWorkers, _serve
+from lora_rl_core.trainer.workers import TrainerWorkerError, TrainerWorkers, _serve
 
 
 def spawn(test):

@@ -23,7 +23,7 @@ Choices made here:
 * `close()` kills the actors and gives back the run's use of Ray (`lora_rl_core.ray_cluster`).
 
 SGLang replicas (one SGLang server per actor) are `lora_rl_core.engines.launch.ray_sglang`; the trainer on Ray is
-`lora_rl_core.trainer_ray`.
+`lora_rl_core.trainer.ray_actors`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ process, starts from the same adapter), shards it with FSDP2
 commands over one `Pipe` per rank: every rank gets the same command, rank 0's
 answer is returned (metrics are already global; gathered tensors live on rank 0).
 
-The same ranks run as Ray actors with `trainer.backend: ray` (`lora_rl_core/trainer_ray.py`, same
+The same ranks run as Ray actors with `trainer.backend: ray` (`lora_rl_core/trainer/ray_actors.py`, same
 `COMMANDS`). These spawned processes stay the default for `world_size` >= 1 on one machine: no Ray runtime
 to start (seconds on 2 cores), and nothing beyond torch is needed.
 
@@ -56,7 +56,7 @@ from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import cpu_threads
-from lora_rl_core.trainer import PolicyTrainer
+from lora_rl_core.trainer.policy import PolicyTrainer
 
 
 class TrainerWorkerError(LoraRLError):

@@ -24,7 +24,7 @@ from typing import Any, Literal, NoReturn
 from lora_rl_core import distributed
 from lora_rl_core.config import RunConfig
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
-from lora_rl_core.trainer_workers import (
+from lora_rl_core.trainer.workers import (
     COMMANDS,
     RankCommands,
     TrainerWorkerError,

@@ -33,9 +33,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from peft import PeftModel
@@ -51,81 +49,7 @@ from lora_rl_core.config import AlgorithmConfig, RolloutMode, RunConfig, Trainer
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import peft_config_dict
 from lora_rl_core.records import TrainBatch
-
-
-class Trainer(Protocol):
-    """What a run needs from its trainer, in-process (`PolicyTrainer`) or sharded over worker processes
-    (`lora_rl_core.trainer_workers.TrainerWorkers`). Built by `lora_rl_core.run.components.build_trainer`."""
-
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One policy update on `batch`; returns the step's metrics (loss, kl, entropy, clip_fraction, ...)."""
-        ...
-
-    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The full adapter: PEFT-keyed float32 CPU tensors and the JSON-safe PEFT config."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume (`PolicyTrainer.state_dict` format, loadable at any world size)."""
-        ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict()`."""
-        ...
-
-    def close(self) -> None:
-        """Release what the trainer started (worker processes); idempotent."""
-        ...
-
-
-@dataclass
-class PackedBatch:
-    """A micro-batch as right-padded tensors. `[b, F]` tensors are in the shifted (next-token) frame, cut to
-    the positions that can predict a completion token: frame column `j` is input position `frame_start + j`,
-    predicting the token at `frame_start + j + 1`, with `F = L - 1 - frame_start`.
-
-    `frame_start` is the shortest prompt's length minus one: the prompt positions before it never predict a
-    completion token, so the model computes no logits there (`logits_to_keep`). On the default arithmetic
-    job half of each row is prompt, and the 49k-wide logits and their log-softmax were about 40 % of a
-    micro-batch's forward time on a 2-core CPU.
-    """
-
-    input_ids: torch.Tensor  # [b, L] long
-    attention_mask: torch.Tensor  # [b, L] long
-    frame_start: int  # first input position of the frame
-    targets_BT: torch.Tensor  # [b, F] long: input_ids[:, frame_start + 1:]
-    mask_BT: torch.Tensor  # [b, F] float: 1 on completion tokens
-    advantages_B: torch.Tensor  # [b] float
-    inference_logprobs_BT: torch.Tensor  # [b, F] float, 0 off the completion
-
-
-def pack(batch: TrainBatch, pad_id: int, device: torch.device) -> PackedBatch:
-    """Right-pad prompt+completion rows into tensors, with the completion mask in the shifted frame
-    (`PackedBatch`: the frame starts at the shortest prompt's last token)."""
-    rows = [p + c for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
-    b, width = len(rows), max(len(r) for r in rows)
-    start = max(0, min(len(p) for p in batch.prompt_ids) - 1)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, width), dtype=torch.long)
-    mask = torch.zeros((b, width - 1 - start))
-    inf_lp = torch.zeros((b, width - 1 - start))
-    for i, (p, c) in enumerate(zip(batch.prompt_ids, batch.completion_ids, strict=True)):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        attn[i, : len(p) + len(c)] = 1
-        # token c[j] sits at input position len(p)+j and is predicted from position len(p)+j-1
-        first = len(p) - 1 - start
-        mask[i, first : first + len(c)] = 1.0
-        inf_lp[i, first : first + len(c)] = torch.tensor(batch.inference_logprobs[i][: len(c)])
-    return PackedBatch(
-        input_ids=ids.to(device),
-        attention_mask=attn.to(device),
-        frame_start=start,
-        targets_BT=ids[:, start + 1 :].to(device),
-        mask_BT=mask.to(device),
-        advantages_B=torch.tensor(batch.advantages, dtype=torch.float32, device=device),
-        inference_logprobs_BT=inf_lp.to(device),
-    )
-
+from lora_rl_core.trainer.batching import PackedBatch, dummy_batch, frame, pack, rank_micro_batches, split_even
 
 _LOSS_KEYS = frozenset({"loss", "pg_loss"})
 _MAX_KEYS = frozenset({"ratio_max", "is_weight_max"})  # combined over micro-batches and ranks by max
@@ -209,7 +133,7 @@ class PolicyTrainer:
                 "train_seconds": 0.0,
                 "lr": float(self.scheduler.get_last_lr()[0]),
             }
-        chunks = list(_split(len(batch), self.algo.num_minibatches))
+        chunks = list(split_even(len(batch), self.algo.num_minibatches))
         plans = [self._micro_plan(batch, rows) for rows in chunks]
         old_logprobs = self._old_logprobs(batch, plans) if self.algo.num_minibatches > 1 else None
         sums: dict[str, float] = {}
@@ -243,7 +167,7 @@ class PolicyTrainer:
             tokens = sum(len(batch.completion_ids[i]) for i in micro)
             weight = tokens / total_tokens if self.algo.loss_aggregation == "token-mean" else len(micro) / len(rows)
             micro_old = [old[i] for i in micro] if old is not None and micro else None
-            m = self._micro_backward(batch.select(micro) if micro else _dummy_batch(self.pad_id), micro_old, weight)
+            m = self._micro_backward(batch.select(micro) if micro else dummy_batch(self.pad_id), micro_old, weight)
             _accumulate(metrics, m if micro else dict.fromkeys(m, 0.0), weight, tokens / total_tokens)
         metrics = _all_reduce_metrics(metrics)
         grad_norm = distributed.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
@@ -255,7 +179,7 @@ class PolicyTrainer:
         packed = pack(micro, self.pad_id, self.device)
         logits = self._logits(packed)  # [b, F, V]
         logprobs_BT = selective_log_softmax(logits, packed.targets_BT)
-        old_BT = logprobs_BT.detach() if old is None else _frame(old, packed.mask_BT)
+        old_BT = logprobs_BT.detach() if old is None else frame(old, packed.mask_BT)
         ref_BT = self._ref_logprobs(packed) if self.algo.kl_coef > 0 else None
         weights_BT, is_metrics = None, dict[str, float]()
         if self.correction != "none":
@@ -310,7 +234,7 @@ class PolicyTrainer:
         """This rank's per-row completion logprobs under the current policy (before any update of this step)."""
         result: dict[int, torch.Tensor] = {}
         for micro in (m for plan in plans for m in plan):
-            packed = pack(batch.select(micro) if micro else _dummy_batch(self.pad_id), self.pad_id, self.device)
+            packed = pack(batch.select(micro) if micro else dummy_batch(self.pad_id), self.pad_id, self.device)
             lp = selective_log_softmax(self._logits(packed), packed.targets_BT)
             for j, row in enumerate(micro):
                 result[row] = lp[j][packed.mask_BT[j].bool()].cpu()
@@ -432,37 +356,10 @@ class PolicyTrainer:
         return {"state": state, "param_groups": [{**groups[0], "params": list(range(len(self.params)))}]}
 
 
-def rank_micro_batches(
-    lengths: list[int], rows: list[int], *, size: int, rank: int = 0, world_size: int = 1
-) -> list[list[int]]:
-    """This rank's micro-batches (row indices) of one minibatch.
-
-    Rows, sorted by `lengths` (stable), are dealt round-robin to the ranks, so ranks get nearly equal
-    row counts and similar length mixes; each rank cuts its rows, in length order, into micro-batches of
-    `size` (little padding). Every rank gets the same number of micro-batches: the missing ones are empty
-    lists (the trainer runs them as zero-weight dummy passes).
-
-    Args:
-        lengths: length of every row of the batch (prompt + completion tokens).
-        rows: the minibatch's row indices.
-        size: micro-batch size (rows); rank / world_size: this rank and the number of ranks.
-    """
-    order = sorted(rows, key=lambda i: lengths[i])
-    mine = order[rank::world_size]
-    micros = [mine[i : i + size] for i in range(0, len(mine), size)]
-    most = max(-(-len(order[r::world_size]) // size) for r in range(world_size))
-    return micros + [[] for _ in range(most - len(micros))]
-
-
 def _on_rank0(value: Any, what: str) -> Any:
     if value is None:
         raise LoraRLError(f"PolicyTrainer.{what}: only rank 0 of a sharded trainer gets it; call gather_{what}")
     return value
-
-
-def _dummy_batch(pad_id: int) -> TrainBatch:
-    """One 2-token row with zero advantage: a forward/backward that contributes nothing."""
-    return TrainBatch([[pad_id]], [[pad_id]], [0.0], [[0.0]])
 
 
 def _accumulate(metrics: dict[str, float], m: dict[str, float], weight: float, token_share: float) -> None:
@@ -498,19 +395,3 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 def _json_safe(value: Any) -> Any:
     """Round-trip through JSON (tuples become lists) so checkpoint metadata needs no pickle."""
     return json.loads(json.dumps(value, default=str))
-
-
-def _frame(rows: list[torch.Tensor], mask_BT: torch.Tensor) -> torch.Tensor:
-    """Scatter per-row completion logprobs back into the `[b, F]` shifted frame."""
-    out = torch.zeros_like(mask_BT)
-    for i, lp in enumerate(rows):
-        out[i, mask_BT[i].bool()] = lp.to(out.device)
-    return out
-
-
-def _split(n: int, parts: int) -> Iterator[list[int]]:
-    """Split range(n) into `parts` contiguous, nearly equal, non-empty chunks."""
-    parts = min(parts, n)
-    bounds = [round(i * n / parts) for i in range(parts + 1)]
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
-        yield list(range(lo, hi))

@@ -1,0 +1,14 @@
+"""The policy trainer: one PPO-clip update of the LoRA parameters per training step, in this process or as
+FSDP2 ranks.
+
+`base`: the `Trainer` protocol; `policy`: `PolicyTrainer` (in-process, or one rank of a sharded trainer);
+`batching`: rows into tensors (`pack`) and rows to ranks (`rank_micro_batches`); `workers`: the ranks as
+spawned processes (`TrainerWorkers`); `ray_actors`: the ranks as Ray actors (`RayTrainer`). The sharding
+itself is `lora_rl_core.distributed`.
+"""
+
+from lora_rl_core.trainer.base import Trainer
+from lora_rl_core.trainer.batching import PackedBatch, pack, rank_micro_batches
+from lora_rl_core.trainer.policy import PolicyTrainer
+
+__all__ = ["PackedBatch", "PolicyTrainer", "Trainer", "pack", "rank_micro_batches"]

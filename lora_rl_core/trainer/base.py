@@ -1,0 +1,34 @@
+"""The trainer protocol: what the step loop needs of a trainer, whichever backend runs it."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from lora_rl_core.records import TrainBatch
+
+
+class Trainer(Protocol):
+    """What a run needs from its trainer, in-process (`PolicyTrainer`) or sharded over worker processes
+    (`lora_rl_core.trainer_workers.TrainerWorkers`). Built by `lora_rl_core.run.components.build_trainer`."""
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One policy update on `batch`; returns the step's metrics (loss, kl, entropy, clip_fraction, ...)."""
+        ...
+
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The full adapter: PEFT-keyed float32 CPU tensors and the JSON-safe PEFT config."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume (`PolicyTrainer.state_dict` format, loadable at any world size)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`."""
+        ...
+
+    def close(self) -> None:
+        """Release what the trainer started (worker processes); idempotent."""
+        ...
