@@ -1,57 +1,16 @@
-"""Typed run configuration: one pydantic model per component, loaded from YAML.
-
-`RunConfig` has the sections model, lora, algorithm, rollout, engine, store,
-trainer, data, reward and run. Every field has a default, so YAML files stay
-sparse. Unknown keys and bad values fail before any work starts, with the
-dotted field path and the reason (`ConfigError`).
-
-Overrides use dotted paths (`lora.rank=32`, `rollout.temperature=0.7`); the
-value is parsed as YAML, so `lora.target_modules=[q_proj,v_proj]` gives a list.
-"""
+"""The sections of a run besides the engine (model, lora, algorithm, rollout, store, trainer, data, reward,
+run) and `RunConfig`, which holds them all."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import warnings
-from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from lora_rl_core.errors import ConfigError
-
-EngineKind = Literal["embedded", "server", "sglang"]
-"""`engine.type`: each value is one entry of the engine registry (`lora_rl_core.engines.registry.ENGINE_KINDS`)."""
-RemoteEngineKind = Literal["server", "sglang"]
-REMOTE_ENGINE_KINDS: tuple[str, ...] = get_args(RemoteEngineKind)
-"""The kinds that are HTTP clients of running servers (what `lora-rl subscribe` follows)."""
-EvictionPolicy = Literal["lru", "fifo"]
-EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
-"""Which resident adapter is evicted when the pool is full (SGLang `--lora-eviction-policy`)."""
-TensorTransport = Literal["auto", "ipc", "inline", "disk"]
-TENSOR_TRANSPORTS: tuple[str, ...] = get_args(TensorTransport)
-SGLangRetire = Literal["unload", "keep"]
-SGLANG_RETIRE_POLICIES: tuple[str, ...] = get_args(SGLangRetire)
-IpcLayout = Literal["per-tensor", "packed", "host"]
-IPC_LAYOUTS: tuple[str, ...] = get_args(IpcLayout)
-TensorDtype = Literal["bfloat16", "float16", "float32", "keep"]
-TENSOR_DTYPES: tuple[str, ...] = get_args(TensorDtype)
-OffPolicyCorrection = Literal[
-    "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask", "geometric-mask"
-]
-OFF_POLICY_CORRECTIONS: tuple[str, ...] = get_args(OffPolicyCorrection)
-RolloutMode = Literal["sync", "async"]
-SGLANG_DEFAULT_PORT = 30000
-"""The port SGLang and `lora-rl serve` listen on unless told otherwise (SGLang's `--port` default)."""
-
-
-class Section(BaseModel):
-    """Base for config sections: unknown keys are errors, values are validated on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
-    """Unknown keys are errors, values are validated on assignment, and each field's attribute docstring is
-    its `description` (in the JSON schema, for tooling; tests/unit/test_config_docs.py requires one)."""
+from lora_rl_core.config.base import OffPolicyCorrection, RolloutMode, Section
+from lora_rl_core.config.engine import EngineConfig
 
 
 class ModelConfig(Section):
@@ -192,125 +151,6 @@ class RolloutConfig(Section):
     rollouts of the next `algorithm.max_staleness` steps are generated (as Prefect task futures) while a step
     trains, each with the version current when it starts; the trainer drops completions more than
     `max_staleness` versions old and corrects the rest (`algorithm.off_policy_correction`)."""
-
-
-class SGLangLaunchConfig(Section):
-    """Start an SGLang server as a subprocess of the run (`engine.type: sglang`), with the flags that work
-    for LoRA on one GPU (docs/SGLANG.md, "Launch"), and stop it with its process group when the run ends."""
-
-    enabled: bool = False
-    """Launch the server; `engine.urls` must then be empty (the run talks to the server it started)."""
-    python: str = "python3"
-    """Interpreter that runs `-m sglang.launch_server` (SGLang may live in another environment than ours)."""
-    env: dict[str, str] = {}
-    """Extra environment of the server process, e.g. `{PYTHONPATH: /opt/sglang-site}`."""
-    host: str = "127.0.0.1"
-    """Bind address of the server (loopback: only this machine's run talks to it)."""
-    port: int = Field(SGLANG_DEFAULT_PORT, ge=1, le=65535)
-    """Port of the server (SGLang's `--port`)."""
-    mem_fraction_static: float | None = Field(0.5, gt=0, lt=1)
-    """Fraction of GPU memory SGLang takes for weights and KV cache (`--mem-fraction-static`); the rest stays
-    for a trainer on the same GPU. None = SGLang's own default (about 0.84 on an 80 GB GPU)."""
-    cuda_graph_max_bs: int | None = Field(32, ge=1)
-    """Largest decode batch captured as a CUDA graph (`--cuda-graph-max-bs-decode`, prefill graphs off);
-    None = `--disable-cuda-graph` (starts faster, decodes ~10x slower for a 135M model)."""
-    attention_backend: str = "triton"
-    """`--attention-backend`; `triton` needs no FlashAttention-3 kernels."""
-    sampling_backend: str = "pytorch"
-    """`--sampling-backend`."""
-    lora_backend: str = "triton"
-    """`--lora-backend`."""
-    grammar_backend: str = "none"
-    """`--grammar-backend`; `none`: rollouts use no constrained decoding."""
-    extra_args: list[str] = []
-    """Further `sglang.launch_server` arguments, appended as given."""
-    startup_timeout_s: float = Field(900.0, gt=0)
-    """How long to wait for `/health` after the start, seconds (a cold start with CUDA graphs takes ~3 min)."""
-
-
-class EngineConfig(Section):
-    """Inference engine(s) that produce rollouts."""
-
-    type: EngineKind = "embedded"
-    """`embedded`: in-process transformers + PEFT; `server`: our engine server; `sglang`: a real SGLang server."""
-    urls: list[str] = []
-    """Engine URLs for `server`/`sglang`; requests are spread across them."""
-    api_key_env: str = "LORA_RL_API_KEY"
-    """Environment variable holding the engines' Bearer key (never stored in the config snapshot)."""
-    timeout_s: float = Field(600.0, gt=0)
-    """Deadline of one generate call, seconds."""
-    ray_replicas: int = Field(0, ge=0)
-    """0 runs the engine in this process (or talks to `urls`); N >= 1 runs N engine replicas as Ray actors,
-    joining the cluster of `RAY_ADDRESS` or starting a local one: `embedded` replicas (one CPU each,
-    `lora_rl_core/engines/ray_replicas.py`), or with `type: sglang` and `launch.enabled` actors that each
-    launch and own an SGLang server (`lora_rl_core/engines/ray_sglang.py`). The samples of a prompt stay
-    on one replica; adapter versions load into every replica."""
-    ray_gpus_per_replica: float = Field(1.0, ge=0, le=1)
-    """GPUs each Ray engine replica reserves when it uses CUDA (an SGLang replica always; an embedded one when
-    `model.device` is cuda); a fraction shares a GPU, e.g. 0.5 beside a trainer rank of 0.5."""
-    ray_replace_dead: bool = True
-    """With `ray_replicas`: a replica whose actor died is replaced by a new actor, which reloads the adapters
-    the dead one held (same names, same weights), and the failed call is retried there once; False = the
-    call fails with `EngineUnavailable` naming the replica (the step fails; resume the run)."""
-    max_batch_size: int = Field(64, ge=1)
-    """Embedded engine: sequences per forward batch."""
-    max_loras_per_batch: int = Field(8, ge=1)
-    """Distinct adapters in one forward batch, the base model counted (SGLang `--max-loras-per-batch`)."""
-    max_loaded_loras: int | None = Field(None, ge=1)
-    """Resident adapter cap; None = unlimited (SGLang `--max-loaded-loras`)."""
-    eviction_policy: EvictionPolicy = "lru"
-    """Which resident adapter is evicted when `max_loaded_loras` are resident and another is needed: `lru`
-    the least recently loaded or used by an admitted request, `fifo` the one resident longest. Pinned
-    adapters are never evicted; no effect while `max_loaded_loras` is None (SGLang `--lora-eviction-policy`)."""
-    max_lora_rank: int | None = Field(None, ge=1)
-    """Reject adapters of a higher rank (SGLang `--max-lora-rank`)."""
-    sync: Literal["tensor", "store"] = "tensor"
-    """How a new adapter version reaches the engines: in-memory tensors, or read back from the store."""
-    tensor_transport: TensorTransport = "auto"
-    """`sglang` with `sync: tensor`: how the tensors reach SGLang's `/load_lora_adapter_from_tensors`. `ipc`:
-    CUDA IPC handles (the server on this host, CUDA here); `inline`: the data in the request (any host);
-    `disk`: the published version's folder (`/load_lora_adapter`); `auto`: `ipc` for a server on a loopback
-    address when CUDA is available, else `disk`. A refused tensor load falls back to the folder
-    (docs/SGLANG.md, "Tensor path")."""
-    tensor_layout: IpcLayout = "host"
-    """`tensor_transport` `ipc`: how the adapter's CUDA tensors are shared (`sglang_tensors`). `per-tensor`: one
-    CUDA IPC handle per tensor (SGLang opens each, then copies each to its CPU pool); `packed`: views into one
-    CUDA buffer (one handle); `host`: that buffer, copied to host memory once by the server while it reads
-    the request, so SGLang's per-tensor copies to its CPU pool copy nothing (about 1.7x an adapter's CPU
-    memory per resident version). Measured on an H100, rank 8 on Qwen2.5-0.5B shapes: publish -> first
-    completion 113 / 100 / 55 ms (benchmarks/results/sglang-real/README.md, 5a)."""
-    tensor_dtype: TensorDtype = "bfloat16"
-    """`sglang` tensor loads: the dtype the adapter tensors are sent in. SGLang keeps them as sent and casts to
-    its LoRA pool's dtype (the served model's, `--dtype`; bfloat16 for SmolLM2 and Qwen2.5 with `auto`) at
-    each first use, so sending that dtype halves the bytes and skips the cast; `keep` sends the trainer's
-    (float32). Set `float16` for a float16 server."""
-    sglang_retire: SGLangRetire = "unload"
-    """`sglang`: how a stale version is retired. `unload`: `/unload_lora_adapter` (frees SGLang's memory; on
-    0.5.17 it can hang when requests are in flight or were aborted, so only while nothing else uses the
-    server, as in the training flow); `keep`: retired in our client only (refused from then on), the weights
-    stay in SGLang's CPU pool, one adapter's size per version (docs/HOTSWAP.md, "Against a real SGLang")."""
-    launch: SGLangLaunchConfig = SGLangLaunchConfig()
-    """Start a local SGLang server for this run (`engine.type: sglang`)."""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> EngineConfig:
-        if self.launch.enabled:
-            if self.type != "sglang" or self.urls:
-                raise ValueError("engine.launch.enabled needs engine.type: sglang and no engine.urls")
-        elif (self.type == "embedded") == bool(self.urls):
-            raise ValueError("engine.urls must be set exactly when engine.type is server or sglang")
-        if self.ray_replicas and not (self.type == "embedded" or (self.type == "sglang" and self.launch.enabled)):
-            raise ValueError(
-                "engine.ray_replicas needs engine.type: embedded, or engine.type: sglang with launch.enabled "
-                "(each replica launches its own server)"
-            )
-        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
-            raise ValueError("engine.max_loaded_loras must be >= engine.max_loras_per_batch")
-        return self
-
-
-ENGINE_DEFAULTS = EngineConfig()
-"""The engine section's defaults, for the engine classes' own keyword defaults (one source: this file)."""
 
 
 class StoreConfig(Section):
@@ -492,74 +332,3 @@ class RunConfig(Section):
         if self.run.id:
             return self.run.id
         return f"{self.run.name}-{_dt.datetime.now(_dt.UTC):%Y%m%d-%H%M%S}"
-
-
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    parts = []
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = "unknown key (not a field of this section)" if e["type"] == "extra_forbidden" else e["msg"]
-        shown = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
-        parts.append(f"{path}: {msg}{shown}")
-    return f"invalid config {source}: " + "; ".join(parts)
-
-
-def apply_override(data: dict[str, Any], override: str) -> None:
-    """Set `a.b.c=value` in a nested dict in place; the value is parsed as YAML.
-
-    Raises:
-        ConfigError: the override has no `=` or an empty key.
-    """
-    key, sep, raw = override.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"bad override {override!r}: expected key=value, e.g. lora.rank=32")
-    parts = key.strip().split(".")
-    node = data
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"bad override {override!r}: {part} is not a section")
-        node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Load a `RunConfig` from a YAML file (optional) plus dotted overrides.
-
-    Args:
-        path: YAML file; None starts from the defaults.
-        overrides: `key=value` strings applied in order.
-
-    Raises:
-        ConfigError: the file is missing or not a mapping, or a key/value is invalid;
-            the message names the field path and the reason.
-    """
-    data: dict[str, Any] = {}
-    source = "(defaults)"
-    if path is not None:
-        source = str(path)
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(
-                f"config file not found: {p} (pass an existing YAML file, e.g. configs/smollm2-arith-grpo.yaml)"
-            )
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config {p} is not valid YAML: {str(exc).splitlines()[0]}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config {p} must be a mapping of sections, got {type(loaded).__name__}")
-        data = loaded or {}
-    for override in overrides:
-        apply_override(data, override)
-    return config_from_dict(data, source=source)
-
-
-def config_from_dict(data: dict[str, Any], *, source: str = "(dict)") -> RunConfig:
-    """Validate a plain dict as a `RunConfig` (ConfigError on failure)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("default")
-            return RunConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, source)) from None

@@ -1,0 +1,40 @@
+"""The config's building blocks: `Section` (the base of every section) and the allowed values of its choice
+fields, each a `Literal` checked once, by pydantic, when a config is loaded."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict
+
+EngineKind = Literal["embedded", "server", "sglang"]
+"""`engine.type`: each value is one entry of the engine registry (`lora_rl_core.engines.registry.ENGINE_KINDS`)."""
+RemoteEngineKind = Literal["server", "sglang"]
+REMOTE_ENGINE_KINDS: tuple[str, ...] = get_args(RemoteEngineKind)
+"""The kinds that are HTTP clients of running servers (what `lora-rl subscribe` follows)."""
+EvictionPolicy = Literal["lru", "fifo"]
+EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
+"""Which resident adapter is evicted when the pool is full (SGLang `--lora-eviction-policy`)."""
+TensorTransport = Literal["auto", "ipc", "inline", "disk"]
+TENSOR_TRANSPORTS: tuple[str, ...] = get_args(TensorTransport)
+SGLangRetire = Literal["unload", "keep"]
+SGLANG_RETIRE_POLICIES: tuple[str, ...] = get_args(SGLangRetire)
+IpcLayout = Literal["per-tensor", "packed", "host"]
+IPC_LAYOUTS: tuple[str, ...] = get_args(IpcLayout)
+TensorDtype = Literal["bfloat16", "float16", "float32", "keep"]
+TENSOR_DTYPES: tuple[str, ...] = get_args(TensorDtype)
+OffPolicyCorrection = Literal[
+    "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask", "geometric-mask"
+]
+OFF_POLICY_CORRECTIONS: tuple[str, ...] = get_args(OffPolicyCorrection)
+RolloutMode = Literal["sync", "async"]
+SGLANG_DEFAULT_PORT = 30000
+"""The port SGLang and `lora-rl serve` listen on unless told otherwise (SGLang's `--port` default)."""
+
+
+class Section(BaseModel):
+    """Base for config sections: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    """Unknown keys are errors, values are validated on assignment, and each field's attribute docstring is
+    its `description` (in the JSON schema, for tooling; tests/unit/test_config_docs.py requires one)."""

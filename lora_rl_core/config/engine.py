@@ -1,0 +1,138 @@
+"""The `engine` section: which inference engine makes the rollouts, its limits, and the SGLang server a run
+may launch (`engine.launch`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from lora_rl_core.config.base import (
+    SGLANG_DEFAULT_PORT,
+    EngineKind,
+    EvictionPolicy,
+    IpcLayout,
+    Section,
+    SGLangRetire,
+    TensorDtype,
+    TensorTransport,
+)
+
+
+class SGLangLaunchConfig(Section):
+    """Start an SGLang server as a subprocess of the run (`engine.type: sglang`), with the flags that work
+    for LoRA on one GPU (docs/SGLANG.md, "Launch"), and stop it with its process group when the run ends."""
+
+    enabled: bool = False
+    """Launch the server; `engine.urls` must then be empty (the run talks to the server it started)."""
+    python: str = "python3"
+    """Interpreter that runs `-m sglang.launch_server` (SGLang may live in another environment than ours)."""
+    env: dict[str, str] = {}
+    """Extra environment of the server process, e.g. `{PYTHONPATH: /opt/sglang-site}`."""
+    host: str = "127.0.0.1"
+    """Bind address of the server (loopback: only this machine's run talks to it)."""
+    port: int = Field(SGLANG_DEFAULT_PORT, ge=1, le=65535)
+    """Port of the server (SGLang's `--port`)."""
+    mem_fraction_static: float | None = Field(0.5, gt=0, lt=1)
+    """Fraction of GPU memory SGLang takes for weights and KV cache (`--mem-fraction-static`); the rest stays
+    for a trainer on the same GPU. None = SGLang's own default (about 0.84 on an 80 GB GPU)."""
+    cuda_graph_max_bs: int | None = Field(32, ge=1)
+    """Largest decode batch captured as a CUDA graph (`--cuda-graph-max-bs-decode`, prefill graphs off);
+    None = `--disable-cuda-graph` (starts faster, decodes ~10x slower for a 135M model)."""
+    attention_backend: str = "triton"
+    """`--attention-backend`; `triton` needs no FlashAttention-3 kernels."""
+    sampling_backend: str = "pytorch"
+    """`--sampling-backend`."""
+    lora_backend: str = "triton"
+    """`--lora-backend`."""
+    grammar_backend: str = "none"
+    """`--grammar-backend`; `none`: rollouts use no constrained decoding."""
+    extra_args: list[str] = []
+    """Further `sglang.launch_server` arguments, appended as given."""
+    startup_timeout_s: float = Field(900.0, gt=0)
+    """How long to wait for `/health` after the start, seconds (a cold start with CUDA graphs takes ~3 min)."""
+
+
+class EngineConfig(Section):
+    """Inference engine(s) that produce rollouts."""
+
+    type: EngineKind = "embedded"
+    """`embedded`: in-process transformers + PEFT; `server`: our engine server; `sglang`: a real SGLang server."""
+    urls: list[str] = []
+    """Engine URLs for `server`/`sglang`; requests are spread across them."""
+    api_key_env: str = "LORA_RL_API_KEY"
+    """Environment variable holding the engines' Bearer key (never stored in the config snapshot)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Deadline of one generate call, seconds."""
+    ray_replicas: int = Field(0, ge=0)
+    """0 runs the engine in this process (or talks to `urls`); N >= 1 runs N engine replicas as Ray actors,
+    joining the cluster of `RAY_ADDRESS` or starting a local one: `embedded` replicas (one CPU each,
+    `lora_rl_core/engines/ray_replicas.py`), or with `type: sglang` and `launch.enabled` actors that each
+    launch and own an SGLang server (`lora_rl_core/engines/ray_sglang.py`). The samples of a prompt stay
+    on one replica; adapter versions load into every replica."""
+    ray_gpus_per_replica: float = Field(1.0, ge=0, le=1)
+    """GPUs each Ray engine replica reserves when it uses CUDA (an SGLang replica always; an embedded one when
+    `model.device` is cuda); a fraction shares a GPU, e.g. 0.5 beside a trainer rank of 0.5."""
+    ray_replace_dead: bool = True
+    """With `ray_replicas`: a replica whose actor died is replaced by a new actor, which reloads the adapters
+    the dead one held (same names, same weights), and the failed call is retried there once; False = the
+    call fails with `EngineUnavailable` naming the replica (the step fails; resume the run)."""
+    max_batch_size: int = Field(64, ge=1)
+    """Embedded engine: sequences per forward batch."""
+    max_loras_per_batch: int = Field(8, ge=1)
+    """Distinct adapters in one forward batch, the base model counted (SGLang `--max-loras-per-batch`)."""
+    max_loaded_loras: int | None = Field(None, ge=1)
+    """Resident adapter cap; None = unlimited (SGLang `--max-loaded-loras`)."""
+    eviction_policy: EvictionPolicy = "lru"
+    """Which resident adapter is evicted when `max_loaded_loras` are resident and another is needed: `lru`
+    the least recently loaded or used by an admitted request, `fifo` the one resident longest. Pinned
+    adapters are never evicted; no effect while `max_loaded_loras` is None (SGLang `--lora-eviction-policy`)."""
+    max_lora_rank: int | None = Field(None, ge=1)
+    """Reject adapters of a higher rank (SGLang `--max-lora-rank`)."""
+    sync: Literal["tensor", "store"] = "tensor"
+    """How a new adapter version reaches the engines: in-memory tensors, or read back from the store."""
+    tensor_transport: TensorTransport = "auto"
+    """`sglang` with `sync: tensor`: how the tensors reach SGLang's `/load_lora_adapter_from_tensors`. `ipc`:
+    CUDA IPC handles (the server on this host, CUDA here); `inline`: the data in the request (any host);
+    `disk`: the published version's folder (`/load_lora_adapter`); `auto`: `ipc` for a server on a loopback
+    address when CUDA is available, else `disk`. A refused tensor load falls back to the folder
+    (docs/SGLANG.md, "Tensor path")."""
+    tensor_layout: IpcLayout = "host"
+    """`tensor_transport` `ipc`: how the adapter's CUDA tensors are shared (`sglang_tensors`). `per-tensor`: one
+    CUDA IPC handle per tensor (SGLang opens each, then copies each to its CPU pool); `packed`: views into one
+    CUDA buffer (one handle); `host`: that buffer, copied to host memory once by the server while it reads
+    the request, so SGLang's per-tensor copies to its CPU pool copy nothing (about 1.7x an adapter's CPU
+    memory per resident version). Measured on an H100, rank 8 on Qwen2.5-0.5B shapes: publish -> first
+    completion 113 / 100 / 55 ms (benchmarks/results/sglang-real/README.md, 5a)."""
+    tensor_dtype: TensorDtype = "bfloat16"
+    """`sglang` tensor loads: the dtype the adapter tensors are sent in. SGLang keeps them as sent and casts to
+    its LoRA pool's dtype (the served model's, `--dtype`; bfloat16 for SmolLM2 and Qwen2.5 with `auto`) at
+    each first use, so sending that dtype halves the bytes and skips the cast; `keep` sends the trainer's
+    (float32). Set `float16` for a float16 server."""
+    sglang_retire: SGLangRetire = "unload"
+    """`sglang`: how a stale version is retired. `unload`: `/unload_lora_adapter` (frees SGLang's memory; on
+    0.5.17 it can hang when requests are in flight or were aborted, so only while nothing else uses the
+    server, as in the training flow); `keep`: retired in our client only (refused from then on), the weights
+    stay in SGLang's CPU pool, one adapter's size per version (docs/HOTSWAP.md, "Against a real SGLang")."""
+    launch: SGLangLaunchConfig = SGLangLaunchConfig()
+    """Start a local SGLang server for this run (`engine.type: sglang`)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if self.launch.enabled:
+            if self.type != "sglang" or self.urls:
+                raise ValueError("engine.launch.enabled needs engine.type: sglang and no engine.urls")
+        elif (self.type == "embedded") == bool(self.urls):
+            raise ValueError("engine.urls must be set exactly when engine.type is server or sglang")
+        if self.ray_replicas and not (self.type == "embedded" or (self.type == "sglang" and self.launch.enabled)):
+            raise ValueError(
+                "engine.ray_replicas needs engine.type: embedded, or engine.type: sglang with launch.enabled "
+                "(each replica launches its own server)"
+            )
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError("engine.max_loaded_loras must be >= engine.max_loras_per_batch")
+        return self
+
+
+ENGINE_DEFAULTS = EngineConfig()
+"""The engine section's defaults, for the engine classes' own keyword defaults (one source: this file)."""
