@@ -20,7 +20,7 @@ import pytest
 
 from lora_rl_core.engines.base import GenerationRequest, SamplingParams
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
-from lora_rl_core.engines.remote.client import MAX_UNEXPLAINED_LOSSES
+from lora_rl_core.engines.remote.tracking import MAX_UNEXPLAINED_LOSSES
 from lora_rl_core.errors import EngineError
 from lora_rl_core.subscriber import is_paused, retire_stale
 

@@ -26,7 +26,7 @@ Choices made here:
 * SGLang 0.5.17 answers a whole `/generate` batch HTTP 499 ("Request RID was aborted") when one of its requests
   was aborted (by id, or by `/pause_generation` in `abort` mode) before the batch reached its scheduler:
   the requests this client aborted end with their kept reason; the others are sent again under fresh rids
-  (an `abort` follows them), bounded (`MAX_UNEXPLAINED_LOSSES`) and within the call's deadline.
+  (an `abort` follows them), bounded (`tracking.MAX_UNEXPLAINED_LOSSES`) and within the call's deadline.
 
 Modules: the wire format (payloads, answers into `Completion`s, error messages, metrics text) is
 `remote.wire`; what a client keeps about its requests is `remote.tracking`.
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,7 +49,7 @@ from lora_rl_core.adapters import adapter_version
 from lora_rl_core.config import ENGINE_DEFAULTS, IpcLayout, SGLangRetire, TensorDtype, TensorTransport
 from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, aborted_completion
 from lora_rl_core.engines.remote.dialect import Dialect
-from lora_rl_core.engines.remote.tracking import InFlightRequests, RetiredAdapters
+from lora_rl_core.engines.remote.tracking import InFlightRequests, LostCalls, RetiredAdapters
 from lora_rl_core.engines.remote.transport import tensor_loader
 from lora_rl_core.engines.remote.wire import (
     adapters_from_models,
@@ -64,11 +63,6 @@ from lora_rl_core.engines.remote.wire import (
 from lora_rl_core.errors import EngineError, EngineUnavailable
 
 log = logging.getLogger(__name__)
-
-MAX_UNEXPLAINED_LOSSES = 3
-"""How many times SGLang may lose one batch call (HTTP 499) with no request of it aborted by this client
-before `HTTPEngine.generate` gives up with an EngineError (each loss that this client's abort explains
-ends that request, so those are bounded by the batch size)."""
 
 
 class HTTPEngine:
@@ -128,8 +122,7 @@ class HTTPEngine:
         self.retire = retire
         self._kept: set[str] = set()  # retired here, left resident on the server (retire="keep")
         self._loads: Counter[str] = Counter()
-        self._lost: Counter[str] = Counter()  # calls SGLang lost (HTTP 499) and requests sent again after one
-        self._lost_lock = threading.Lock()
+        self._lost = LostCalls(self._requests)  # calls SGLang lost (HTTP 499) and requests sent again after one
         self._closed = False
         self._paused = False
 
@@ -216,7 +209,7 @@ class HTTPEngine:
 
     def _generate_chunk(self, requests: list[GenerationRequest], deadline: float) -> list[Completion]:
         """One `/generate` batch call; where SGLang loses the whole call to an abort (HTTP 499), the rows this
-        client aborted end with their kept reason and the others are sent again (`_resolve_lost`)."""
+        client aborted end with their kept reason and the others are sent again (`LostCalls.resolve`)."""
         if self.dialect.guards_retired:  # never send a retired name: SGLang would load that version again
             self._retired.check(requests, self.url)
         outs: dict[str, dict[str, Any]] = {}  # request id -> its /generate output
@@ -229,7 +222,9 @@ class HTTPEngine:
                 if not isinstance(answer, str):
                     outs.update((r.request_id, out) for r, out in zip(pending, answer, strict=True))
                     break
-                pending, explained = self._resolve_lost(pending, rids, lost, answer, attempt, deadline, unexplained)
+                pending, explained = self._lost.resolve(
+                    pending, rids, lost, answer, attempt, deadline, unexplained, self.url
+                )
                 unexplained += not explained
                 if not pending:
                     break
@@ -281,43 +276,6 @@ class HTTPEngine:
         if not isinstance(answer, list) or len(answer) != len(requests):
             raise EngineError(f"{self.url}/generate answered {type(answer).__name__}, not {len(requests)} outputs")
         return answer
-
-    def _resolve_lost(
-        self,
-        pending: list[GenerationRequest],
-        rids: dict[str, str],
-        lost: dict[str, str],
-        message: str,
-        attempt: int,
-        deadline: float,
-        unexplained: int,
-    ) -> tuple[list[GenerationRequest], bool]:
-        """After SGLang lost the call of `pending` (HTTP 499 `message`): the rows this client aborted (a reason
-        kept by `abort` or `pause("abort")`) go into `lost` with that reason; the others get fresh rids in
-        `rids` and are returned, to be sent again (with whether any row was this client's abort). SGLang
-        0.5.17 raises the 499 before the batch reaches its scheduler (`TokenizerManager.
-        _raise_if_logical_rid_aborted`) and drops every row's state with it, so the other rows never ran;
-        fresh rids keep a resent row clear of anything the server may still hold under the old one.
-        Rows left when the deadline has passed end aborted with reason `timeout`.
-
-        Raises:
-            EngineError: the call was lost `MAX_UNEXPLAINED_LOSSES` times with no row this client aborted
-                (another client's aborts, or pauses in `abort` mode that keep coming).
-        """
-        kept, fresh = self._requests.resend_rids([r.request_id for r in pending], attempt)
-        lost.update(kept)
-        with self._lost_lock:
-            self._lost.update(calls=1, resent=len(fresh))
-        if fresh and not kept and unexplained + 1 >= MAX_UNEXPLAINED_LOSSES:
-            raise EngineError(
-                f"{message} ({self.url}/generate: HTTP 499 {unexplained + 1} times for this batch with no request "
-                f"aborted by this client; {len(fresh)} requests not sent again)"
-            )
-        if fresh and time.monotonic() >= deadline:  # no time left to send them again
-            lost.update(dict.fromkeys(fresh, "timeout"))
-            return [], bool(kept)
-        rids.update(fresh)
-        return [r for r in pending if r.request_id in fresh], bool(kept)
 
     def _abort_quietly(self, request_ids: list[str]) -> None:
         """Best effort, at most ~5 s in all: the server may be what is failing."""
@@ -518,6 +476,6 @@ class HTTPEngine:
             "adapter_loads": dict(self._loads),
             "tensor_fallback": self.tensors.fallback,
             "retired_resident": len(self._kept),
-            "lost_calls": self._lost["calls"],
-            "resent_requests": self._lost["resent"],
+            "lost_calls": self._lost.counts["calls"],
+            "resent_requests": self._lost.counts["resent"],
         }

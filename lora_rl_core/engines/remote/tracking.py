@@ -15,12 +15,18 @@ gives the rid in use, so an abort reaches the request in whichever call it is.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from lora_rl_core.engines.base import Completion, GenerationRequest
 from lora_rl_core.errors import EngineError
+
+MAX_UNEXPLAINED_LOSSES = 3
+"""How many times SGLang may lose one batch call (HTTP 499) with no request of it aborted by this client
+before `HTTPEngine.generate` gives up with an EngineError (each loss that this client's abort explains
+ends that request, so those are bounded by the batch size)."""
 
 
 class InFlightRequests:
@@ -158,3 +164,51 @@ class RetiredAdapters:
                 f"LoRA adapter {refused[0]!r} has never been loaded or was unloaded: this client retired it and "
                 f"does not send it ({url} would load it again from its old path, docs/SGLANG.md)"
             )
+
+
+class LostCalls:
+    """What an SGLang client does when SGLang 0.5.17 fails a whole `/generate` batch call with HTTP 499
+    (`resolve`), and how often that happened (`counts`: `calls` lost, requests `resent`)."""
+
+    def __init__(self, requests: InFlightRequests) -> None:
+        self.requests = requests
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def resolve(
+        self,
+        pending: list[GenerationRequest],
+        rids: dict[str, str],
+        lost: dict[str, str],
+        message: str,
+        attempt: int,
+        deadline: float,
+        unexplained: int,
+        url: str,
+    ) -> tuple[list[GenerationRequest], bool]:
+        """After SGLang lost the call of `pending` (HTTP 499 `message`): the rows this client aborted (a reason
+        kept by `abort` or `pause("abort")`) go into `lost` with that reason; the others get fresh rids in
+        `rids` and are returned, to be sent again (with whether any row was this client's abort). SGLang
+        0.5.17 raises the 499 before the batch reaches its scheduler (`TokenizerManager.
+        _raise_if_logical_rid_aborted`) and drops every row's state with it, so the other rows never ran;
+        fresh rids keep a resent row clear of anything the server may still hold under the old one.
+        Rows left when the deadline has passed end aborted with reason `timeout`.
+
+        Raises:
+            EngineError: the call was lost `MAX_UNEXPLAINED_LOSSES` times with no row this client aborted
+                (another client's aborts, or pauses in `abort` mode that keep coming).
+        """
+        kept, fresh = self.requests.resend_rids([r.request_id for r in pending], attempt)
+        lost.update(kept)
+        with self._lock:
+            self.counts.update(calls=1, resent=len(fresh))
+        if fresh and not kept and unexplained + 1 >= MAX_UNEXPLAINED_LOSSES:
+            raise EngineError(
+                f"{message} ({url}/generate: HTTP 499 {unexplained + 1} times for this batch with no request "
+                f"aborted by this client; {len(fresh)} requests not sent again)"
+            )
+        if fresh and time.monotonic() >= deadline:  # no time left to send them again
+            lost.update(dict.fromkeys(fresh, "timeout"))
+            return [], bool(kept)
+        rids.update(fresh)
+        return [r for r in pending if r.request_id in fresh], bool(kept)
