@@ -187,7 +187,9 @@ def serve(
     console.print(f"serving {model} on http://{host}:{port} (control endpoints {'need a key' if api_key else 'open'})")
     choice = choose_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
     console.print(f"model dtype {choice.name}: {choice.reason}", markup=False)
-    serve_engine(cfg, host=host, port=port, api_key=api_key, served_model_name=served_model_name)
+    serve_engine(
+        cfg.engine, cfg.model, cfg.store, host=host, port=port, api_key=api_key, served_model_name=served_model_name
+    )
 
 
 @app.command()

@@ -86,7 +86,7 @@ from lora_rl_core.engines.serve.metrics import server_registry
 from lora_rl_core.errors import LoraRLError
 
 if TYPE_CHECKING:
-    from lora_rl_core.config import RunConfig
+    from lora_rl_core.config import EngineConfig, ModelConfig, StoreConfig
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # as SGLANG_HEALTH_CHECK_TIMEOUT
 
@@ -353,17 +353,25 @@ def check_bind(host: str, api_key: str | None) -> None:
         )
 
 
-def serve(cfg: RunConfig, *, host: str, port: int, api_key: str | None, served_model_name: str | None) -> None:
-    """Serve the embedded engine that `cfg` describes with uvicorn until interrupted.
+def serve(
+    engine_cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    store_cfg: StoreConfig,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+) -> None:
+    """Serve the embedded engine of `engine_cfg` and `model_cfg` with uvicorn until interrupted.
 
-    The engine is built from `cfg.model` and `cfg.engine` (`build_embedded_engine`: batch and adapter pool
-    limits, eviction, rank cap, generation deadline) with `cfg.store` for loads by `RUN@VERSION` and
-    `store://` names, whatever `engine.type` says: a training config that points its rollouts at
-    `engine.urls` serves that engine with the same limits. `engine.timeout_s` is also the deadline of one
-    `/generate` call.
+    The engine is built by `build_embedded_engine` (batch and adapter pool limits, eviction, rank cap,
+    generation deadline) with the store of `store_cfg` for loads by `RUN@VERSION` and `store://` names,
+    whatever `engine.type` says: a training config that points its rollouts at `engine.urls` serves that
+    engine with the same limits. `engine.timeout_s` is also the deadline of one `/generate` call.
 
     Args:
-        cfg: the run config (model, engine and store sections are read).
+        engine_cfg, model_cfg, store_cfg: the run config's `engine`, `model` and `store` sections.
         host, port: bind address; beyond loopback needs `api_key` (`check_bind`).
         api_key: Bearer key of the control endpoints.
         served_model_name: the base model's id in `/v1/models`; None = the model folder's name.
@@ -377,10 +385,10 @@ def serve(cfg: RunConfig, *, host: str, port: int, api_key: str | None, served_m
     from lora_rl_core.models import load_tokenizer
 
     check_bind(host, api_key)
-    store = cfg.store.build()
-    tokenizer = load_tokenizer(cfg.model)
-    engine = build_embedded_engine(cfg.engine, cfg.model, store, tokenizer=tokenizer)
-    model = cfg.model.name_or_path
+    store = store_cfg.build()
+    tokenizer = load_tokenizer(model_cfg)
+    engine = build_embedded_engine(engine_cfg, model_cfg, store, tokenizer=tokenizer)
+    model = model_cfg.name_or_path
     app = create_app(
         engine,
         served_model_name=served_model_name or os.path.basename(os.path.normpath(model)),
@@ -388,7 +396,7 @@ def serve(cfg: RunConfig, *, host: str, port: int, api_key: str | None, served_m
         tokenizer=tokenizer,
         model_path=model,
         store=store,
-        request_timeout_s=cfg.engine.timeout_s,
+        request_timeout_s=engine_cfg.timeout_s,
     )
     try:  # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal (see cli.shutdown)
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=5)
