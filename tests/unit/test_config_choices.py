@@ -1,0 +1,25 @@
+"""The config's choice fields name exactly what the library implements: a value the config accepts always has
+an implementation, and an implementation is always reachable from the config (one list each, kept equal here)."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_MODES
+from lora_rl_core.config import AlgorithmConfig, OffPolicyCorrection
+
+
+def choices(field: str) -> set[str]:
+    return set(get_args(AlgorithmConfig.model_fields[field].annotation))
+
+
+def test_advantage_estimators_match_the_config():
+    assert choices("advantage") == set(ADVANTAGE_ESTIMATORS)
+
+
+def test_loss_aggregations_match_the_config():
+    assert choices("loss_aggregation") == set(LOSS_AGGREGATIONS)
+
+
+def test_off_policy_corrections_match_the_config():
+    assert set(get_args(OffPolicyCorrection)) - {"auto", "none"} == set(OFF_POLICY_MODES)  # auto: picked; none: off
