@@ -1,7 +1,8 @@
 """`lora-rl` command line: train, eval, serve, subscribe, adapters.
 
 User errors (bad config, missing data, unloadable reward or model, store
-problems) print one line `lora-rl: error: ...` and exit with code 2.
+problems) print one line `lora-rl: error: ...` and exit with code 2; a bad command line (unknown option or
+command, missing option, bad value) prints click's short usage error and exits with code 2, no traceback.
 SIGINT or SIGTERM stops what the command started (trainer workers, engine,
 Prefect's ephemeral server), prints one line `lora-rl: interrupted by ...`
 and exits with 130 or 143 (`cli.shutdown`).
@@ -53,7 +54,9 @@ def train(
     from lora_rl_core.config import load_config
     from lora_rl_core.run import preflight
 
-    preflight(load_config(config, overrides or []))  # bad config, data, reward or model: one line, before Prefect
+    cfg = load_config(config, overrides or [])  # bad config, store, data, reward or model: one line, before Prefect
+    cfg.store.build()  # an unknown store protocol or a missing fsspec package (StoreError)
+    preflight(cfg)
     from flows.grpo_lora import train as train_flow
 
     shutdown.quiet_console_logs()  # Prefect's handlers exist now: its crash lines on SIGTERM stay off the terminal
@@ -121,10 +124,10 @@ def eval_(
     from lora_rl_core.runtime import configure_threads
 
     cfg = load_config(config, overrides or [])
+    store = cfg.store.build()  # a bad store URI fails before the data and the tokenizer load
     configure_threads()
     problems = build_problems(cfg.data, "test", cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
-    store = cfg.store.build()
     built = build_engine(EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer))
     engine = built.engine
     try:
@@ -158,7 +161,7 @@ def serve(
     ] = None,
     overrides: OverridesArg = None,
     host: Annotated[str, typer.Option(help="bind address; beyond loopback needs --api-key")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port")] = SGLANG_DEFAULT_PORT,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="port")] = SGLANG_DEFAULT_PORT,
     api_key: Annotated[
         str | None,
         typer.Option(help="Bearer key for the control endpoints (default: the variable named by engine.api_key_env)"),
@@ -182,6 +185,7 @@ def serve(
     cfg = load_config(config, overrides or [])
     api_key = api_key or os.environ.get(cfg.engine.api_key_env)
     check_bind(host, api_key)
+    cfg.store.build()  # a bad store URI: one line before the model loads
     configure_threads()  # before loading the model
     model = cfg.model.name_or_path
     console.print(f"serving {model} on http://{host}:{port} (control endpoints {'need a key' if api_key else 'open'})")
@@ -233,6 +237,11 @@ def subscribe(
     console.print(f"active: {subscriber.active.name if subscriber.active else 'none'}")
 
 
+# click's ClickException as typer raises it: recent typer (0.29 here) vendors click as `typer._click`, whose
+# exceptions are no `click.ClickException`; found through the public `typer.BadParameter`, so either kind works.
+_CLICK_EXCEPTION: type[Any] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
 def main() -> None:
     """Console-script entry point: run the app, turning user errors into one line and exit code 2,
     and SIGINT/SIGTERM into an orderly shutdown, one line and exit code 128 + signal (`cli.shutdown`)."""
@@ -255,10 +264,9 @@ def main() -> None:
         signum = shutdown.signal_of(exc)
         if signum is not None:
             shutdown.exit_interrupted(signum)
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
+        if isinstance(exc, _CLICK_EXCEPTION):  # a usage error: click's short message, exit 2, no traceback
+            if type(exc).__name__ != "NoArgsIsHelpError":  # that one's help is already printed
+                exc.show()
             sys.exit(exc.exit_code)
         raise
 

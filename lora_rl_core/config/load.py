@@ -24,6 +24,22 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"invalid config {source}: " + "; ".join(parts)
 
 
+def _describe_yaml_error(exc: yaml.YAMLError) -> str:
+    """PyYAML's error as one line with its 1-based line and column, e.g. `line 3, column 10: mapping values
+    are not allowed here`, and where the construct it was parsing began, if it says."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if not problem or mark is None:  # a plain YAMLError: its first line
+        return (str(exc).splitlines() or [type(exc).__name__])[0]
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        text += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    elif context:
+        text += f" ({context})"
+    return text
+
+
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Set `a.b.c=value` in a nested dict in place; the value is parsed as YAML.
 
@@ -66,7 +82,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config {p} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+            raise ConfigError(f"config {p} is not valid YAML: {_describe_yaml_error(exc)}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config {p} must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}

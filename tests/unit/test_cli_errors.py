@@ -1,8 +1,10 @@
-"""`lora-rl train` turns user errors into one `lora-rl: error:` line on stderr and exit code 2.
+"""`lora-rl` turns user errors into a short message on stderr and exit code 2, never a traceback.
 
-Each case runs the console entry point `cli.main.main` in this process (stderr captured at the file
-descriptor, so C-level and warning output counts too); one case runs the real command in a subprocess,
-so a fresh interpreter's start-up, imports and exit add nothing to stderr either.
+A bad config, store, data, reward or model is one `lora-rl: error:` line; a bad command line (an unknown
+option or command, a missing option, a bad value) is click's usage error: `Usage: ...`, `Try ... --help`,
+`Error: ...`. Each case runs the console entry point `cli.main.main` in this process (stderr captured at
+the file descriptor, so C-level and warning output counts too); a few run the real command in a
+subprocess, so a fresh interpreter's start-up, imports, exception hook and exit add nothing either.
 """
 
 from __future__ import annotations
@@ -44,11 +46,10 @@ def _assert_one_error_line(returncode: int, stderr: str, culprit: str) -> None:
     assert culprit in lines[0]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != SUBPROCESS_CASE])
-def test_train_user_error_is_one_line(tmp_path, case, monkeypatch, capfd):
+def _run_main(argv: list[str], env: dict[str, str], monkeypatch, capfd) -> tuple[object, str, str]:
+    """Run `cli.main.main` with `argv` in this process: (its exit code, stdout, stderr)."""
     from cli.main import main
 
-    config, culprit, env = _write_case(tmp_path, case)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     for name in ("PREFECT_LOGGING_LEVEL", "PREFECT_SERVER_ANALYTICS_ENABLED", "TOKENIZERS_PARALLELISM"):
@@ -56,16 +57,25 @@ def test_train_user_error_is_one_line(tmp_path, case, monkeypatch, capfd):
         monkeypatch.setenv(name, value or "")
         if value is None:
             monkeypatch.delenv(name)
-    monkeypatch.setattr(sys, "argv", ["lora-rl", "train", "-c", str(config)])
+    monkeypatch.setattr(sys, "argv", ["lora-rl", *argv])
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # typer installs its own
     handlers = {sig: signal.getsignal(sig) for sig in shutdown.SIGNALS}  # main() installs its own
     capfd.readouterr()
     try:
-        with pytest.raises(SystemExit) as exit_:
+        with pytest.raises(SystemExit) as exit_:  # an exception escaping main() would print a traceback
             main()
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    _assert_one_error_line(exit_.value.code, capfd.readouterr().err, culprit)
+    out, err = capfd.readouterr()
+    return exit_.value.code, out, err
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != SUBPROCESS_CASE])
+def test_train_user_error_is_one_line(tmp_path, case, monkeypatch, capfd):
+    config, culprit, env = _write_case(tmp_path, case)
+    code, _, err = _run_main(["train", "-c", str(config)], env, monkeypatch, capfd)
+    _assert_one_error_line(code, err, culprit)
 
 
 @pytest.mark.slow
@@ -80,3 +90,87 @@ def test_train_user_error_is_one_line_in_a_real_process(tmp_path):
         timeout=120,
     )
     _assert_one_error_line(proc.returncode, proc.stderr, culprit)
+
+
+# --------------------------------------------------------------------------- config errors on the command line
+NOWHERE = "model.name_or_path=/nonexistent/model"  # should a check regress, the command fails fast, not loads a model
+CONFIG_ERRORS = {  # argv (after `lora-rl`), what the one line names; {tmp}: the test's folder
+    "missing-file": (["train", "-c", "{tmp}/does-not-exist.yaml"], "config file not found: {tmp}/does-not-exist.yaml"),
+    "yaml-syntax": (
+        ["train", "-c", "{tmp}/broken.yaml"],
+        "config {tmp}/broken.yaml is not valid YAML: line 3, column 10",
+    ),
+    "unknown-override-key": (["train", "-c", "{tmp}/run.yaml", "no.such.key=1"], "no: unknown key"),
+    "bad-override-value": (["train", "-c", "{tmp}/run.yaml", "lora.rank=abc"], "lora.rank"),
+    "train-store-uri": (["train", "-c", "{tmp}/run.yaml", "store.uri=nosuch://x", NOWHERE], "'nosuch://x'"),
+    "eval-store-uri": (["eval", "-c", "{tmp}/run.yaml", "store.uri=nosuch://x", NOWHERE], "'nosuch://x'"),
+    "serve-store-uri": (["serve", "store.uri=nosuch://x", NOWHERE, "--port", "30999"], "'nosuch://x'"),
+}
+
+
+def _config_error_case(tmp_path: Path, case: str) -> tuple[list[str], str, dict[str, str]]:
+    (tmp_path / "run.yaml").write_text("lora:\n  rank: 8\n")
+    (tmp_path / "broken.yaml").write_text("lora:\n  rank: 8\n    alpha: 16\n")  # line 3: a mapping in a scalar
+    argv, culprit = CONFIG_ERRORS[case]
+    env = {"HF_HUB_OFFLINE": "1", "LORA_RL_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf")}
+    return [a.format(tmp=tmp_path) for a in argv], culprit.format(tmp=tmp_path), env
+
+
+@pytest.mark.parametrize("case", list(CONFIG_ERRORS))
+def test_config_error_is_one_line(tmp_path, case, monkeypatch, capfd):
+    argv, culprit, env = _config_error_case(tmp_path, case)
+    code, out, err = _run_main(argv, env, monkeypatch, capfd)
+    _assert_one_error_line(code, err, culprit)
+    assert not out.strip()  # nothing started: no "serving ..." line, no progress bar
+
+
+# --------------------------------------------------------------------------- usage errors: click's, exit 2
+USAGE_ERRORS = {  # argv (after `lora-rl`), what the `Error:` line names
+    "train-unknown-option": (["train", "--bogus"], "No such option: --bogus"),
+    "eval-unknown-option": (["eval", "--bogus"], "No such option: --bogus"),
+    "serve-unknown-option": (["serve", "--model", "x"], "No such option: --model"),
+    "serve-port-too-big": (["serve", "--port", "99999", NOWHERE], "Invalid value for '--port'"),
+    "serve-port-not-a-number": (["serve", "--port", "abc", NOWHERE], "Invalid value for '--port'"),
+    "subscribe-missing-option": (["subscribe", "--run", "r", "--engine", "http://127.0.0.1:9"], "'--store'"),
+    "train-missing-config": (["train"], "'--config'"),
+    "unknown-command": (["nosuchcommand"], "No such command 'nosuchcommand'"),
+    "adapters-unknown-option": (["adapters", "list", "--bogus"], "No such option: --bogus"),
+}
+
+
+def _assert_usage_error(returncode: object, stdout: str, stderr: str, culprit: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert returncode == 2, stderr[-2000:]
+    assert "Traceback" not in stdout + stderr, stderr[-2000:]
+    assert not stdout.strip(), stdout[-2000:]  # nothing ran
+    assert len(lines) <= 4, stderr[-2000:]  # Usage: ..., Try '... --help' for help., Error: ...
+    assert lines[0].startswith("Usage: ") and "[OPTIONS]" in lines[0], stderr[-2000:]  # `python -m cli.main` too
+    assert lines[-1].startswith("Error: ") and culprit in lines[-1], stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", list(USAGE_ERRORS))
+def test_usage_error_is_clicks_short_message(case, monkeypatch, capfd):
+    argv, culprit = USAGE_ERRORS[case]
+    code, out, err = _run_main(argv, {"HF_HUB_OFFLINE": "1"}, monkeypatch, capfd)
+    _assert_usage_error(code, out, err, culprit)
+
+
+def test_no_arguments_prints_the_help(monkeypatch, capfd):
+    code, out, err = _run_main([], {}, monkeypatch, capfd)
+    assert code == 2 and "Traceback" not in out + err, err[-2000:]
+    assert "Usage: " in out and "train" in out and not err.strip()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["train-unknown-option", "serve-port-too-big"])
+def test_usage_error_in_a_real_process(case):
+    argv, culprit = USAGE_ERRORS[case]
+    proc = processes.run(
+        [sys.executable, "-m", "cli.main", *argv],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _assert_usage_error(proc.returncode, proc.stdout, proc.stderr, culprit)
