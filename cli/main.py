@@ -110,16 +110,19 @@ def eval_(
     adapter: Annotated[str | None, typer.Option(help="RUN@VERSION, RUN@latest or RUN; omit for the base model")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
-    """Greedy accuracy on the config's held-out split, for a stored adapter or the base model.
+    """Greedy accuracy on the config's held-out split, for a stored adapter or the base model, scored by the
+    config's reward functions; with `eval.samples_per_prompt=N` (N > 1) also pass@k and mean@N.
 
     The engine is the config's (`engine` section: embedded with its limits, or the remote engines at
     `engine.urls`); the adapter is loaded from the config's store by path unless the engine lists it.
     """
     from lora_rl_core.config import load_config
+    from lora_rl_core.data import prompt_instruction, stable_seed
     from lora_rl_core.engines import EngineInputs
     from lora_rl_core.engines.registry import build_engine
-    from lora_rl_core.evaluation import evaluate_accuracy
+    from lora_rl_core.evaluation import PromptStyle, evaluate_policy
     from lora_rl_core.models import load_tokenizer
+    from lora_rl_core.rewards import RewardSet
     from lora_rl_core.run import build_problems
     from lora_rl_core.runtime import configure_threads
 
@@ -128,6 +131,7 @@ def eval_(
     configure_threads()
     problems = build_problems(cfg.data, "test", cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
+    rewards = RewardSet.from_config(cfg.reward)
     built = build_engine(EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer))
     engine = built.engine
     try:
@@ -138,17 +142,28 @@ def eval_(
                 engine.load_adapter(ref.name, path=ref.uri)  # the engine reads the version sha256-verified
             name = ref.name
         max_new_tokens = cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens
-        result = evaluate_accuracy(
-            engine, tokenizer, problems, adapter=name, rollout=cfg.rollout, max_new_tokens=max_new_tokens
+        result = evaluate_policy(
+            engine,
+            tokenizer,
+            problems,
+            rewards,
+            adapter=name,
+            prompt=PromptStyle(cfg.rollout.system_prompt, prompt_instruction(cfg.data, cfg.rollout)),
+            max_new_tokens=max_new_tokens,
+            settings=cfg.eval,
+            seed=stable_seed(cfg.run.seed, "eval"),
         )
     finally:
         built.close()
+        rewards.close()
     if json_out:
         console.print_json(json.dumps(result))
     else:
+        sampled = " ".join(f"{k} {100 * v:.1f}%" for k, v in result.items() if k.startswith(("pass@", "mean@")))
         console.print(
-            f"{name or 'base model'}: greedy accuracy {100 * result['accuracy']:.1f}% on {result['n']} problems "
-            f"({result['seconds']:.1f} s)"
+            f"{name or 'base model'}: greedy accuracy {100 * result['accuracy']:.1f}% on {result['n']} problems"
+            + (f"; {sampled} ({result['samples_per_prompt']} samples each)" if sampled else "")
+            + f" ({result['seconds']:.1f} s)"
         )
 
 

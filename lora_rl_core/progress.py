@@ -41,6 +41,7 @@ def format_step(m: dict[str, Any]) -> str:
         f"gnorm {m.get('grad_norm', 0):.3f} len {m.get('completion_length', 0):.1f} "
         f"{m.get('completions_per_second', 0):.1f} compl/s {m.get('step_seconds', 0):.1f}s"
         + (f" lag {' '.join(f'{k}:{v}' for k, v in lag.items())}" if (lag := m.get("version_lag")) else "")
+        + "".join(f" {k.removeprefix('rewards/').removesuffix('/mean')} {v:.3f}" for k, v in m.items() if _term(k, v))
     )
 
 
@@ -50,3 +51,8 @@ def format_runtime(runtime: dict[str, Any]) -> str:
         f"model dtype {runtime['dtype']} on {runtime['device']}: {runtime['dtype_reason']}; "
         f"{runtime['cpu_threads']} CPU threads"
     )
+
+
+def _term(key: str, value: Any) -> bool:
+    """A reward term's mean (`rewards/<name>/mean`) that was measured, for the step line."""
+    return key.startswith("rewards/") and isinstance(value, float) and value == value  # NaN: no row scored

@@ -36,8 +36,8 @@ class Rollout(Record):
     """Index of the prompt's group in the step, `0 .. prompts_per_step - 1` (GRPO's group of G samples)."""
     problem_id: str
     """Stable id of the problem, e.g. `arith-add-2d-s0-5`."""
-    answer: str
-    """Gold final answer as text, for the reward functions."""
+    answer: str | None
+    """Gold final answer as text, for the reward functions; None when the dataset has no answer column."""
     prompt_ids: list[int]
     """Prompt token ids `[prompt_len]` (chat template applied)."""
     completion_ids: list[int]
@@ -57,9 +57,12 @@ class ScoredRollout(Rollout):
     """A `Rollout` with its reward and group-relative advantage."""
 
     reward: float
-    """Weighted sum of the reward functions."""
-    rewards: dict[str, float]
-    """Each reward function's unweighted value, by name."""
+    """Weighted sum of the values the reward functions gave (0.0 when `skipped`)."""
+    rewards: dict[str, float | None]
+    """Each reward function's unweighted value, by name (None: it did not apply to this completion)."""
+    skipped: bool = False
+    """No reward function gave this completion a value: it is not trained on, and its group's advantages are
+    computed without it."""
     advantage: float
     """Group-relative advantage of this completion (`algorithm.advantage`), broadcast over its tokens."""
     has_signal: bool
@@ -96,6 +99,7 @@ class TrainBatch:
         inference_logprobs: the engine's per-token logprobs of each completion, nats.
         stale_rejected: scored rows left out because their policy version was too old (`from_scored`).
         uniform_skipped: scored rows left out because their group had no reward signal (`from_scored`).
+        reward_skipped: scored rows left out because no reward function scored them (`ScoredRollout.skipped`).
         version_lag: histogram of the scored rows' version lag (`step - 1 - adapter_version`), rejected rows
             included: `{lag: rows}`.
     """
@@ -106,6 +110,7 @@ class TrainBatch:
     inference_logprobs: list[list[float]]
     stale_rejected: int = 0
     uniform_skipped: int = 0
+    reward_skipped: int = 0
     version_lag: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -132,7 +137,7 @@ class TrainBatch:
         """
         lagged = [(r, step - 1 - r.adapter_version) for r in rows if r.adapter_version is not None]
         fresh = [r for r, lag in lagged if lag <= max_staleness]
-        used = [r for r in fresh if r.has_signal or not skip_uniform]
+        used = [r for r in fresh if not r.skipped and (r.has_signal or not skip_uniform)]
         lags = Counter(lag for _, lag in lagged)
         return cls(
             [r.prompt_ids for r in used],
@@ -140,7 +145,8 @@ class TrainBatch:
             [r.advantage for r in used],
             [r.logprobs for r in used],
             stale_rejected=len(rows) - len(fresh),
-            uniform_skipped=len(fresh) - len(used),
+            uniform_skipped=sum(1 for r in fresh if not r.skipped) - len(used),
+            reward_skipped=sum(1 for r in fresh if r.skipped),
             version_lag=dict(sorted(lags.items())),
         )
 
@@ -174,10 +180,19 @@ class ScoreStats(Stats):
     reward_std: float
     """Population standard deviation of all rewards of the step."""
     accuracy: float
-    """Fraction of completions with a `math` reward of 1 (the total reward when there is no `math` term)."""
+    """Fraction of completions whose summed reward reaches `eval.pass_threshold`."""
+    reward_terms: dict[str, float] = {}
+    """Each reward function's mean over the completions it scored, by name (`rewards/<name>/mean`)."""
+    skipped: int = 0
+    """Completions no reward function scored."""
     groups_with_signal: float
     """Fraction of groups whose rewards differ."""
     score_seconds: float
+
+    def metrics(self) -> dict[str, Any]:
+        """The stats, each reward function's mean as `rewards/<name>/mean` (TRL's metric names)."""
+        terms = {f"rewards/{name}/mean": value for name, value in self.reward_terms.items()}
+        return {**self.model_dump(exclude={"reward_terms"}), **terms}
 
 
 class TrainStats(Stats):
@@ -189,6 +204,8 @@ class TrainStats(Stats):
     stale_rejected: int
     uniform_skipped: int
     checkpointed: bool
+    reward_skipped: int = 0
+    """Rows no reward function scored (left out)."""
     """True when this step saved a checkpoint (`trainer.checkpoint_every`)."""
     version_lag: dict[int, int] = {}
     """Histogram of the step's completions by version lag, `{lag: completions}`: 0 = sampled by the version

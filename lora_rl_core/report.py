@@ -68,8 +68,12 @@ def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:
 
 
 def step_table(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """History rows reduced to the report's columns, floats rounded to 4 places."""
-    return [{k: _cell(h.get(k)) for k in _TABLE_COLUMNS} for h in history]
+    """History rows reduced to the report's columns (each reward term's mean, `rewards/<name>/mean`, after
+    `reward_mean`), floats rounded to 4 places."""
+    terms = sorted({k for h in history for k in h if k.startswith("rewards/")})
+    at = _TABLE_COLUMNS.index("reward_mean") + 1
+    columns = [*_TABLE_COLUMNS[:at], *terms, *_TABLE_COLUMNS[at:]]
+    return [{k: _cell(h.get(k)) for k in columns} for h in history]
 
 
 def _cell(value: Any) -> Any:
@@ -93,7 +97,7 @@ def _markdown_table(rows: list[dict[str, Any]]) -> str:
 def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> str:
     """The report's headline section: accuracies, timing, throughput, settings."""
     base, final = summary.get("base_eval") or {}, summary.get("final_eval") or {}
-    acc = lambda e: f"{100 * e['accuracy']:.1f}% ({e['n']} problems)" if e else "not measured"  # noqa: E731
+    acc = lambda e: f"{100 * e['accuracy']:.1f}% ({e['n']} problems){_sampled(e)}" if e else "not measured"  # noqa: E731
     return (
         f"# lora-rl run `{run_id}`\n\n"
         f"- model: `{cfg.model.name_or_path}`; LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}, "
@@ -108,6 +112,15 @@ def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> st
         f"{summary.get('completions_per_second', 0):.2f} completions/s\n"
         f"- adapters: `{summary.get('store_uri')}/{run_id}/adapters/`\n"
     )
+
+
+def _sampled(evaluation: dict[str, Any]) -> str:
+    """`; pass@1 40.0% pass@4 71.0% mean@4 40.0% (4 samples at temperature 1.0)` when sampled, else ``."""
+    keys = [k for k in evaluation if k.startswith(("pass@", "mean@"))]
+    if not keys:
+        return ""
+    values = " ".join(f"{k} {100 * evaluation[k]:.1f}%" for k in keys)
+    return f"; {values} ({evaluation['samples_per_prompt']} samples at temperature {evaluation['temperature']:g})"
 
 
 def _runtime_line(runtime: dict[str, Any] | None) -> str:

@@ -10,7 +10,7 @@ import pytest
 from lora_rl_core.config import RunConfig, load_config
 from lora_rl_core.errors import ConfigError
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
 
 def test_configs_folder_is_not_empty():

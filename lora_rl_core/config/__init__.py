@@ -45,6 +45,7 @@ from lora_rl_core.config.load import (
 from lora_rl_core.config.sections import (
     AlgorithmConfig,
     DataConfig,
+    EvalConfig,
     LoRAConfig,
     ModelConfig,
     RewardConfig,
@@ -59,6 +60,7 @@ from lora_rl_core.config.sections import (
 __all__ = [
     "AlgorithmConfig",
     "DataConfig",
+    "EvalConfig",
     "ENGINE_DEFAULTS",
     "EVICTION_POLICIES",
     "EngineConfig",

@@ -88,7 +88,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         data = loaded or {}
     for override in overrides:
         apply_override(data, override)
-    return config_from_dict(data, source=source)
+    cfg = config_from_dict(data, source=source)
+    if path is not None and cfg.reward.files_dir is None:  # reward files are found beside the config file
+        cfg.reward.files_dir = str(Path(path).resolve().parent)
+    return cfg
 
 
 def config_from_dict(data: dict[str, Any], *, source: str = "(dict)") -> RunConfig:

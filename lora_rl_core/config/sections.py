@@ -144,8 +144,9 @@ class RolloutConfig(Section):
     clients send for 0). Like top_p, ignored by the trainer's log-probs."""
     system_prompt: str | None = None
     """System message; None keeps the chat template's default."""
-    instruction: str = "Give the final answer after ####."
-    """Appended to each question in the user message."""
+    instruction: str | None = None
+    """Appended after a newline to each prompt's (last) user message; `""` for none. None = the data source's
+    own: `Give the final answer after ####.` for the built-in math sources, none for `data.source: dataset`."""
     mode: RolloutMode = "sync"
     """`sync`: each step samples with the version the previous step published, then trains. `async`: the
     rollouts of the next `algorithm.max_staleness` steps are generated (as Prefect task futures) while a step
@@ -215,13 +216,34 @@ class TrainerConfig(Section):
 class DataConfig(Section):
     """Training and evaluation prompts."""
 
-    source: Literal["arithmetic", "gsm8k", "mawps"] = "arithmetic"
+    source: Literal["arithmetic", "gsm8k", "mawps", "dataset"] = "arithmetic"
     """Where problems come from: `arithmetic` generates them from `run.seed` (the fields below marked
-    "Arithmetic generator"); `gsm8k` and `mawps` read JSONL files in that dataset's row format."""
+    "Arithmetic generator"); `gsm8k` and `mawps` are presets over the vendored JSONL files (prompt column
+    `question`, gold answer `answer`; GSM8K's after its last `####`); `dataset` reads any dataset through
+    Hugging Face `datasets` (`path`, `name`, the splits and columns below; TRL's standard and conversational
+    prompt formats)."""
+    path: str | None = None
+    """`dataset`: a hub id (`openai/gsm8k`), a local folder, or a local `.jsonl` / `.json` / `.parquet` / `.csv`
+    file (then the train split; give `test_path` for held-out rows) (`datasets.load_dataset`'s `path`)."""
+    name: str | None = None
+    """`dataset`: the dataset's configuration, e.g. `main` for `openai/gsm8k` (`datasets.load_dataset`'s
+    `name`)."""
+    train_split: str = "train"
+    """`dataset`: the split trained on."""
+    test_split: str = "test"
+    """`dataset`: the held-out split (evaluation before and after training, `lora-rl eval`)."""
+    prompt_column: str = "prompt"
+    """`dataset`: the column with the prompt: text (TRL's standard format) or a list of `{"role", "content"}`
+    messages (TRL's conversational format, rendered with the tokenizer's chat template)."""
+    answer_column: str = "answer"
+    """`dataset`: the column with the gold answer, if the dataset has one (a reward may need none; the
+    built-in `math` reward does). Every other column reaches reward functions by its name."""
     train_path: str | None = None
-    """JSONL file; default `<data_dir>/<source>/train.jsonl`. Unused for `arithmetic`."""
+    """A local file (`.jsonl`, `.json`, `.parquet`, `.csv`) for the train split; default for the presets:
+    `<data_dir>/<source>/train.jsonl`. Unused for `arithmetic`."""
     test_path: str | None = None
-    """Held-out JSONL file (evaluation); default `<data_dir>/<source>/test.jsonl`. Unused for `arithmetic`."""
+    """A local file for the held-out split; default for the presets: `<data_dir>/<source>/test.jsonl`.
+    Unused for `arithmetic`."""
     data_dir: str = "data"
     """Folder of the vendored datasets (`<data_dir>/<source>/{train,test}.jsonl`); relative paths are taken
     from the working directory."""
@@ -234,14 +256,23 @@ class DataConfig(Section):
     eval_size: int | None = Field(128, ge=1)
     """Held-out problems for accuracy; None = the whole test split."""
 
+    @model_validator(mode="after")
+    def _dataset_has_a_place(self) -> DataConfig:
+        if self.source == "dataset" and not (self.path or self.train_path):
+            raise ValueError("data.source dataset needs data.path (hub id, folder or file) or data.train_path")
+        return self
+
 
 class RewardFunctionConfig(Section):
-    """One reward term: a registry name or `module:function`, and its weight."""
+    """One reward term: a built-in name, `module:function` or `file.py:function`, and its weight."""
 
     name: str = "math"
-    """A registered reward (`math`: 1.0 when the completion's final answer matches the gold answer, else 0.0;
-    `format`: 1.0 when the completion contains `#### <number>`), or `module.path:function`, a callable
-    `(completion, answer) -> float`. Checked before the run starts (TRL `reward_funcs`)."""
+    """A built-in reward (`math`: 1.0 when the completion states the gold answer, checked by math-verify, 0.0
+    when not, None without one; `format`: 1.0 when the completion contains `#### <number>`), an importable
+    `module.path:function`, or `path/to/file.py:function` (a relative path is taken from the config file's
+    folder). A function has TRL's signature `f(prompts, completions, completion_ids, **columns) -> list[float |
+    None]`, called once per batch with every other dataset column by name; `async def` functions run
+    concurrently. Checked before the run starts (TRL `reward_funcs`)."""
     weight: float = 1.0
     """Multiplier of this term in the summed reward; may be negative (TRL `reward_weights`)."""
 
@@ -250,8 +281,32 @@ class RewardConfig(Section):
     """Reward functions summed into the scalar reward."""
 
     functions: list[RewardFunctionConfig] = [RewardFunctionConfig()]
-    """The terms; the reward of a completion is the sum of `weight * function(completion, answer)`. Default:
-    `math` with weight 1.0 alone."""
+    """The terms; the reward of a completion is the sum of `weight * value` over the terms that gave it a value
+    (None: the term does not apply; a completion no term scored is not trained on). Each term's mean is logged
+    as `rewards/<name>/mean`. Default: `math` with weight 1.0 alone."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Deadline of one call of an `async def` reward function, seconds (a judge or a remote verifier); past it
+    the step fails naming the function. Plain functions run to completion."""
+    files_dir: str | None = None
+    """Where a relative `path/to/file.py:function` name is found: `load_config` sets the config file's folder;
+    None = the working directory."""
+    verify_timeout_s: float = Field(5.0, gt=0)
+    """The `math` reward: seconds one answer may take to parse and verify (math-verify's default); an answer
+    past it scores 0.0 and its worker process is replaced."""
+
+
+class EvalConfig(Section):
+    """Evaluation on the held-out problems (before and after training, `lora-rl eval`)."""
+
+    samples_per_prompt: int = Field(1, ge=1)
+    """`n` samples per problem at `temperature`, besides the greedy one; with n > 1 the report gives pass@k
+    for k = 1, 2, 4, ... n (the unbiased estimator of Chen et al. 2021, `1 - C(n-c, k) / C(n, k)`) and
+    mean@n (the mean success rate over the n samples)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the `samples_per_prompt` samples."""
+    pass_threshold: float = 1.0
+    """A completion succeeds when its summed reward reaches this (1.0: a right answer under the built-in
+    `math` reward); accuracy and pass@k count successes."""
 
 
 class RunSection(Section):
@@ -293,6 +348,8 @@ class RunConfig(Section):
     """The training and held-out problems."""
     reward: RewardConfig = RewardConfig()
     """The reward terms."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation: greedy accuracy, and pass@k / mean@n with `samples_per_prompt` samples."""
     run: RunSection = RunSection()
     """Run identity, seed, local outputs and evaluation."""
 

@@ -97,7 +97,9 @@ class ArithmeticGenerator:
         result = {"+": a + b, "-": a - b, "*": a * b}[op]
         stream = f"{self.stream}-" if self.stream else ""
         problem_id = f"arith-{OPERATIONS[op]}-{self._digits_label}-s{self.seed}-{stream}{index}"
-        return Problem(question=f"What is {a} {op} {b}?", answer=str(result), id=problem_id)
+        return Problem(
+            prompt=f"What is {a} {op} {b}?", answer=str(result), id=problem_id, columns={"answer": str(result)}
+        )
 
     def problems(self, start: int, count: int) -> list[Problem]:
         """Return problems ``start .. start + count - 1``.

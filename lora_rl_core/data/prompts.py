@@ -14,20 +14,28 @@ from lora_rl_core.errors import DataError
 
 
 def build_messages(problem: Problem, *, system_prompt: str | None, instruction: str) -> list[dict[str, str]]:
-    """Return chat messages: an optional system turn, then the user turn.
+    """Return chat messages: an optional system turn, then the problem's turns.
 
     Args:
-        problem: the problem to ask.
-        system_prompt: the system turn's text, or ``None``/``""`` for none.
-        instruction: appended to the question after a newline; ``""`` for none.
+        problem: the problem to ask: a text prompt becomes one user turn; a conversational prompt (messages)
+            is used as is.
+        system_prompt: the system turn's text, or ``None``/``""`` for none; not added where the messages
+            start with a system turn of their own.
+        instruction: appended after a newline to the (last) user turn; ``""`` for none.
 
     Returns:
-        ``[{"role": "system", "content": ...}?, {"role": "user", "content": question + "\\n" + instruction}]``.
+        ``[{"role": "system", "content": ...}?, ..., {"role": "user", "content": question + "\\n" + instruction}]``.
     """
-    user = f"{problem.question}\n{instruction}" if instruction else problem.question
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": user})
-    return messages
+    if isinstance(problem.prompt, str):
+        turns = [{"role": "user", "content": problem.prompt}]
+    else:
+        turns = [dict(m) for m in problem.prompt]
+    if instruction:
+        last = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=len(turns) - 1)
+        turns[last] = {**turns[last], "content": f"{turns[last]['content']}\n{instruction}"}
+    if system_prompt and turns[0]["role"] != "system":
+        turns.insert(0, {"role": "system", "content": system_prompt})
+    return turns
 
 
 def _as_ids(encoded: Any) -> list[int]:
@@ -48,7 +56,7 @@ def render_prompt(tokenizer, problem: Problem, *, system_prompt: str | None, ins
     """Tokenize the prompt for ``problem``, ending where the model's answer starts.
 
     With a chat template: ``apply_chat_template(messages, add_generation_prompt=True)``.
-    Without one: the text ``"{system}\\n"`` (if given) + ``"{question}\\n{instruction}\\n"``
+    Without one: the messages' contents, one per line (``"{system}\\n{question}\\n{instruction}\\n"``),
     encoded by ``tokenizer(text)`` with its default special tokens.
 
     Args:
@@ -64,6 +72,5 @@ def render_prompt(tokenizer, problem: Problem, *, system_prompt: str | None, ins
         messages = build_messages(problem, system_prompt=system_prompt, instruction=instruction)
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
         return _as_ids(encoded)
-    lines = [system_prompt] if system_prompt else []
-    lines += [problem.question, instruction] if instruction else [problem.question]
+    lines = [m["content"] for m in build_messages(problem, system_prompt=system_prompt, instruction=instruction)]
     return _as_ids(tokenizer("\n".join(lines) + "\n"))

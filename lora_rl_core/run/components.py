@@ -21,13 +21,13 @@ from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import DataConfig, RunConfig
-from lora_rl_core.data import Problem, PromptSampler, arithmetic_split, load_dataset
+from lora_rl_core.data import Problem, PromptSampler, load_problems, prompt_instruction
 from lora_rl_core.engines import BuiltEngine, EngineInputs, InferenceEngine
 from lora_rl_core.engines.registry import build_engine
-from lora_rl_core.errors import LoraRLError
+from lora_rl_core.errors import DataError, LoraRLError
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
-from lora_rl_core.rewards import RewardFn, load_reward
+from lora_rl_core.rewards import RewardSet
 from lora_rl_core.run.rundir import RunDir
 from lora_rl_core.runtime import configure_threads, cpu_threads
 from lora_rl_core.store import AdapterStore, validate_run_id
@@ -36,38 +36,48 @@ from lora_rl_core.trainer.workers import TrainerWorkers
 
 
 def build_problems(cfg: DataConfig, split: Literal["train", "test"], seed: int) -> list[Problem]:
-    """Training or held-out problems for a data config (arithmetic generator or a JSONL dataset).
+    """Training or held-out problems of the `data` section (`lora_rl_core.data.load_problems`).
 
     Raises:
-        DataError: missing or malformed dataset file.
+        DataError: a missing dataset, file, split or column, an empty split, or a malformed row.
     """
-    if cfg.source == "arithmetic":
-        size = cfg.train_size if split == "train" else (cfg.eval_size or 128)
-        return arithmetic_split(cfg.operations, cfg.digits, split=split, size=size, seed=seed)
-    path = cfg.train_path if split == "train" else cfg.test_path
-    limit = cfg.eval_size if split == "test" else None
-    return load_dataset(cfg.source, split, path=path, limit=limit, data_dir=cfg.data_dir)
+    return load_problems(cfg, split, seed)
 
 
-def build_rewards(cfg: RunConfig) -> list[tuple[str, RewardFn, float]]:
-    """The configured reward terms as `(name, fn, weight)`.
+def build_rewards(cfg: RunConfig) -> RewardSet:
+    """The run's reward terms (`reward` section); close the set when done (it may own worker processes).
 
     Raises:
-        RewardError: a name that is neither registered nor an importable `module:function`.
+        RewardError: a name that is neither built in nor an importable `module:function` / `file.py:function`.
     """
-    return [(f.name, load_reward(f.name), f.weight) for f in cfg.reward.functions]
+    return RewardSet.from_config(cfg.reward)
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Check, before any training work, that the data, the reward functions and the model can be had.
+    """Check, before any training work, that the data, the reward functions and the model can be had, and that
+    the data has what the rewards need (the built-in `math` reward needs gold answers).
 
     Raises:
         DataError / RewardError / ModelError: with one clear line naming what is wrong.
     """
-    build_problems(cfg.data, "train", cfg.run.seed)
+    train = build_problems(cfg.data, "train", cfg.run.seed)
     build_problems(cfg.data, "test", cfg.run.seed)
-    build_rewards(cfg)
+    build_rewards(cfg).close()
+    check_answers(cfg, train)
     model_folder(cfg.model)
+
+
+def check_answers(cfg: RunConfig, problems: list[Problem]) -> None:
+    """The built-in `math` reward needs gold answers: refuse data without any.
+
+    Raises:
+        DataError: `math` is a reward term and no problem has an answer.
+    """
+    if any(f.name == "math" for f in cfg.reward.functions) and all(p.answer is None for p in problems):
+        raise DataError(
+            f"the math reward needs gold answers, but the data has no column {cfg.data.answer_column!r}: set "
+            "data.answer_column to the column with the answers, or use reward functions that need none"
+        )
 
 
 def runtime_info(cfg: RunConfig) -> dict[str, Any]:
@@ -158,7 +168,8 @@ class RunComponents:
         built: the engine (`engine`: its own copy of the base model, or clients of remote engines) with what
             was started for it (an SGLang server, Ray actors), from the engine registry.
         train_problems / test_problems / sampler: the data.
-        rewards: `(name, fn, weight)` reward terms.
+        rewards: the reward terms (`RewardSet`: it owns the math verifier's worker processes).
+        instruction: appended to each prompt (`rollout.instruction`, else the data source's own).
         runtime: device, dtype and why, CPU threads (`runtime_info`).
         policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
     """
@@ -175,19 +186,38 @@ class RunComponents:
     train_problems: list[Problem]
     test_problems: list[Problem]
     sampler: PromptSampler
-    rewards: list[tuple[str, RewardFn, float]]
+    rewards: RewardSet
+    instruction: str
     runtime: dict[str, Any]
     policy: PolicyState = field(default_factory=PolicyState)
+    _by_id: dict[str, Problem] = field(default_factory=dict, repr=False)
 
     @property
     def engine(self) -> InferenceEngine:
         """The engine rollouts, syncs and evaluations use."""
         return self.built.engine
 
+    def problem(self, problem_id: str) -> Problem:
+        """The training problem with id `problem_id` (what a rollout row names).
+
+        Raises:
+            DataError: no training problem has that id (the data changed since the rollout was written).
+        """
+        if not self._by_id:
+            self._by_id.update((p.id, p) for p in self.train_problems)
+        try:
+            return self._by_id[problem_id]
+        except KeyError:
+            raise DataError(
+                f"rollout row names problem {problem_id!r}, which the training data does not have: the data "
+                "changed since the rollouts were written; resume with the run's own data"
+            ) from None
+
     def close(self) -> None:
         """Stop the trainer's worker processes, then the engine (its worker thread, or its HTTP clients) and what
         was started for it (`engine.launch`'s SGLang server, Ray actors)."""
         with ExitStack() as stack:  # closes in reverse order, each one even if an earlier one raised
+            stack.callback(self.rewards.close)
             stack.callback(self.built.close)
             stack.callback(self.trainer.close)
 
@@ -213,13 +243,15 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     run_dir.write_config({**cfg.model_dump(mode="json"), "runtime": runtime})
     train_problems = build_problems(cfg.data, "train", cfg.run.seed)
     test_problems = build_problems(cfg.data, "test", cfg.run.seed)
-    rewards = build_rewards(cfg)
+    check_answers(cfg, train_problems)
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
     workdir = Path(cfg.run.output_dir) / run_id
     inputs = EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer, log_dir=workdir)
     with ExitStack() as started:  # on a failure, what was built so far is stopped again
+        rewards = build_rewards(cfg)
+        started.callback(rewards.close)
         built = build_engine(inputs)
         started.callback(built.close)
         trainer = build_trainer(cfg, tokenizer)
@@ -238,5 +270,6 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
         test_problems=test_problems,
         sampler=PromptSampler(train_problems, seed=cfg.run.seed),
         rewards=rewards,
+        instruction=prompt_instruction(cfg.data, cfg.rollout),
         runtime=runtime,
     )

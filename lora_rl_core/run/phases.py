@@ -21,7 +21,7 @@ from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal
 from lora_rl_core.data import render_prompt, stable_seed
 from lora_rl_core.engines import GenerationRequest, SamplingParams
 from lora_rl_core.errors import EngineError
-from lora_rl_core.evaluation import evaluate_accuracy
+from lora_rl_core.evaluation import PromptStyle, evaluate_policy
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import (
     Rollout,
@@ -33,7 +33,7 @@ from lora_rl_core.records import (
     TrainBatch,
     TrainStats,
 )
-from lora_rl_core.rewards import score_completions
+from lora_rl_core.rewards import RewardBatch
 from lora_rl_core.run.components import RunComponents
 from lora_rl_core.run.resume import save_checkpoint
 
@@ -60,7 +60,7 @@ def rollout(run: RunComponents, step: int) -> RolloutStats:
         seed=stable_seed(run.cfg.run.seed, "rollout", step),
     )
     prompts = [
-        render_prompt(run.tokenizer, p, system_prompt=r.system_prompt, instruction=r.instruction) for p in problems
+        render_prompt(run.tokenizer, p, system_prompt=r.system_prompt, instruction=run.instruction) for p in problems
     ]
     # The version current now (async mode: maybe older than the trainer's by the time it trains), held until
     # the completions are back so that a sync meanwhile does not retire it.
@@ -99,35 +99,59 @@ def rollout(run: RunComponents, step: int) -> RolloutStats:
 
 
 def score(run: RunComponents, step: int) -> ScoreStats:
-    """Reward every completion of step `step` and compute group advantages (`algorithm.advantage`);
-    reads `rollouts/step-N.json`, writes `scored/step-N.json`."""
+    """Reward every completion of step `step` with the run's reward functions (TRL's signature, every dataset
+    column by name) and compute group advantages (`algorithm.advantage`); reads `rollouts/step-N.json`, writes
+    `scored/step-N.json`. A completion no function scored is `skipped`: its group's advantages are computed
+    without it (it takes its group's mean reward, so its own advantage is 0) and it is not trained on.
+
+    Raises:
+        RewardError: a reward function raised, timed out or returned bad values (naming it and the rows).
+    """
     maybe_fail("score", step, run.run_dir)
     start = time.perf_counter()
     rows = run.run_dir.read_phase("rollouts", step, RolloutBatch).rows
     texts = run.tokenizer.batch_decode([row.completion_ids for row in rows], skip_special_tokens=True)
-    totals, per_fn = score_completions(texts, [row.answer for row in rows], run.rewards)
-    rewards_NG = torch.tensor(totals, dtype=torch.float32).view(-1, run.cfg.rollout.group_size)  # [N, G]
+    problems = [run.problem(row.problem_id) for row in rows]
+    scored = run.rewards.score(RewardBatch.from_problems(problems, texts, [row.completion_ids for row in rows]))
+    group_size = run.cfg.rollout.group_size
+    rewards_NG = torch.tensor(scored.totals, dtype=torch.float64).view(-1, group_size)  # [N, G]
+    skipped_NG = torch.tensor(scored.skipped, dtype=torch.bool).view(-1, group_size)  # [N, G]
+    rewards_NG = _fill_skipped(rewards_NG, skipped_NG).float()  # [N, G]
     advantages_NG = ADVANTAGE_ESTIMATORS[run.cfg.algorithm.advantage](rewards_NG)  # [N, G]
+    advantages_NG = advantages_NG.masked_fill(skipped_NG, 0.0)  # [N, G]
     signal_N = group_has_signal(rewards_NG)  # [N] bool
-    scored = [
+    out = [
         ScoredRollout(
             **row.model_dump(),
-            reward=totals[i],
-            rewards={name: values[i] for name, values in per_fn.items()},
+            reward=scored.totals[i],
+            rewards={name: values[i] for name, values in scored.terms.items()},
+            skipped=scored.skipped[i],
             advantage=float(advantages_NG.view(-1)[i]),
             has_signal=bool(signal_N[row.group]),
         )
         for i, row in enumerate(rows)
     ]
-    run.run_dir.write_phase("scored", step, ScoredBatch(step=step, rows=scored))
-    correct = per_fn.get("math", totals)
+    run.run_dir.write_phase("scored", step, ScoredBatch(step=step, rows=out))
+    kept = [t for t, skip in zip(scored.totals, scored.skipped, strict=True) if not skip] or [0.0]
+    kept_t = torch.tensor(kept, dtype=torch.float32)
     return ScoreStats(
-        reward_mean=float(rewards_NG.mean()),
-        reward_std=float(rewards_NG.std(unbiased=False)),
-        accuracy=sum(1.0 for c in correct if c >= 1.0) / len(correct),
+        reward_mean=float(kept_t.mean()),
+        reward_std=float(kept_t.std(unbiased=False)),
+        accuracy=sum(1.0 for t in kept if t >= run.cfg.eval.pass_threshold) / len(rows),
         groups_with_signal=float(signal_N.float().mean()),
+        reward_terms=scored.term_means(),
+        skipped=sum(scored.skipped),
         score_seconds=time.perf_counter() - start,
     )
+
+
+def _fill_skipped(rewards_NG: torch.Tensor, skipped_NG: torch.Tensor) -> torch.Tensor:
+    """Rewards with each skipped entry set to the mean of its group's scored ones (0 where none is), so the
+    group's statistics are those of its scored completions. `[N, G]` in and out."""
+    scored_NG = (~skipped_NG).to(rewards_NG.dtype)  # [N, G]
+    counts_N1 = scored_NG.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
+    means_N1 = (rewards_NG * scored_NG).sum(dim=1, keepdim=True) / counts_N1  # [N, 1]
+    return torch.where(skipped_NG, means_N1.expand_as(rewards_NG), rewards_NG)
 
 
 def train(run: RunComponents, step: int) -> TrainStats:
@@ -148,20 +172,24 @@ def train(run: RunComponents, step: int) -> TrainStats:
         trained_rows=len(batch),
         stale_rejected=batch.stale_rejected,
         uniform_skipped=batch.uniform_skipped,
+        reward_skipped=batch.reward_skipped,
         checkpointed=checkpointed,
         version_lag=batch.version_lag,
     )
 
 
 def evaluate(run: RunComponents, adapter: str | None) -> dict[str, Any]:
-    """Greedy accuracy of `adapter` (None = the base model) on the held-out problems
-    (`lora_rl_core.evaluation.evaluate_accuracy`)."""
+    """Held-out evaluation of `adapter` (None = the base model) with the run's reward functions: greedy
+    accuracy, and pass@k / mean@n with `eval.samples_per_prompt` samples (`lora_rl_core.evaluation`)."""
     cfg = run.cfg
-    return evaluate_accuracy(
+    return evaluate_policy(
         run.engine,
         run.tokenizer,
         run.test_problems,
+        run.rewards,
         adapter=adapter,
-        rollout=cfg.rollout,
+        prompt=PromptStyle(cfg.rollout.system_prompt, run.instruction),
         max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+        settings=cfg.eval,
+        seed=stable_seed(cfg.run.seed, "eval"),
     )

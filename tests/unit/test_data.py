@@ -7,15 +7,17 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from lora_rl_core.config import DataConfig
 from lora_rl_core.data import (
     ArithmeticGenerator,
     Problem,
     PromptSampler,
     arithmetic_split,
     build_messages,
-    load_dataset,
-    load_jsonl_problems,
+    load_problems,
+    prompt_instruction,
     render_prompt,
 )
 from lora_rl_core.errors import DataError
@@ -23,11 +25,16 @@ from lora_rl_core.errors import DataError
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 
 
-# --- loaders -----------------------------------------------------------------
+# --- loaders: presets and any dataset through `datasets` ---------------------------------------------------
+
+
+def load(split="test", **data):
+    """Problems of a `data` section (defaults: the vendored files under DATA_DIR)."""
+    return load_problems(DataConfig(data_dir=str(DATA_DIR), eval_size=None, **data), split, seed=0)
 
 
 def test_gsm8k_test_loads_all_rows_with_numeric_answers():
-    problems = load_dataset("gsm8k", "test", data_dir=DATA_DIR)
+    problems = load(source="gsm8k")
     assert len(problems) == 1319
     assert problems[0].answer == "18"
     assert problems[0].id == "gsm8k-test-0"
@@ -35,30 +42,42 @@ def test_gsm8k_test_loads_all_rows_with_numeric_answers():
     assert problems[0].question.startswith("Janet")
     assert all(re.fullmatch(r"-?[\d,]+", p.answer) for p in problems)
     assert len({p.id for p in problems}) == 1319
+    assert problems[0].columns == {"answer": "18"}  # the parsed gold answer reaches rewards as `answer`
 
 
 @pytest.mark.parametrize(("split", "rows"), [("test", 384), ("train", 1537)])
 def test_mawps_loads_all_rows(split, rows):
-    problems = load_dataset("mawps", split, data_dir=DATA_DIR)
+    problems = load(split, source="mawps")
     assert len(problems) == rows
     assert problems[0].id == f"mawps-{split}-0"
 
 
-def test_mawps_answer_is_taken_as_is():
+def test_mawps_answer_is_taken_as_is_and_other_columns_travel():
     first = json.loads((DATA_DIR / "mawps" / "test.jsonl").read_text().splitlines()[0])
-    problem = load_dataset("mawps", "test", data_dir=DATA_DIR)[0]
+    problem = load(source="mawps")[0]
     assert problem == Problem(first["question"], first["answer"], "mawps-test-0")
+    assert problem.columns == {"answer": first["answer"], "equation_prefix": first["equation_prefix"]}
 
 
 def test_limit_and_explicit_path():
-    problems = load_dataset("gsm8k", "train", path=DATA_DIR / "gsm8k" / "test.jsonl", limit=5)
+    cfg = DataConfig(source="gsm8k", data_dir=str(DATA_DIR), train_path=str(DATA_DIR / "gsm8k" / "test.jsonl"))
+    problems = load_problems(cfg, "train", seed=0)[:5]
     assert [p.id for p in problems] == [f"gsm8k-test-{i}" for i in range(5)]
+    assert [p.id for p in load_problems(cfg.model_copy(update={"eval_size": 3}), "test", seed=0)] == [
+        "gsm8k-test-0",
+        "gsm8k-test-1",
+        "gsm8k-test-2",
+    ]
 
 
-def _write(tmp_path: Path, lines: list[str]) -> Path:
-    path = tmp_path / "rows.jsonl"
+def _write(tmp_path: Path, lines: list[str], name: str = "rows.jsonl") -> Path:
+    path = tmp_path / name
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def _gsm8k(path: Path) -> list[Problem]:
+    return load("train", source="gsm8k", train_path=str(path))
 
 
 def test_gsm8k_answer_is_after_last_marker_and_blank_lines_skipped(tmp_path):
@@ -67,56 +86,101 @@ def test_gsm8k_answer_is_after_last_marker_and_blank_lines_skipped(tmp_path):
         "",
         json.dumps({"question": "q2", "answer": "#### -4"}),
     ]
-    problems = load_jsonl_problems(_write(tmp_path, rows), "gsm8k")
+    problems = _gsm8k(_write(tmp_path, rows))
     assert problems == [Problem("q1", "1,250", "gsm8k-rows-0"), Problem("q2", "-4", "gsm8k-rows-1")]
 
 
 def test_missing_file_names_the_path(tmp_path):
-    missing = tmp_path / "nope.jsonl"
     with pytest.raises(DataError, match=r"dataset file not found: .*nope\.jsonl"):
-        load_jsonl_problems(missing, "gsm8k")
+        _gsm8k(tmp_path / "nope.jsonl")
 
 
 def test_bad_json_names_file_and_line(tmp_path):
     path = _write(tmp_path, [json.dumps({"question": "q", "answer": "1"}), "{not json"])
     with pytest.raises(DataError, match=r"rows\.jsonl:2: invalid JSON"):
-        load_jsonl_problems(path, "mawps")
+        _gsm8k(path)
 
 
-def test_missing_field_names_field_and_line(tmp_path):
-    path = _write(tmp_path, [json.dumps({"question": "q"})])
-    with pytest.raises(DataError, match=r"rows\.jsonl:1: row has no 'answer' field"):
-        load_jsonl_problems(path, "mawps")
+def test_missing_column_names_the_column_and_the_fix(tmp_path):
+    path = _write(tmp_path, [json.dumps({"question": "q", "answer": "#### 1"})])
+    with pytest.raises(DataError, match=r"rows\.jsonl has no column 'prompt' .*set data.prompt_column"):
+        load("train", source="dataset", path=str(path))
 
 
-def test_gsm8k_answer_without_marker(tmp_path):
-    path = _write(tmp_path, [json.dumps({"question": "q", "answer": "42"})])
-    with pytest.raises(DataError, match=r"rows\.jsonl:1: gsm8k answer has no '####'"):
-        load_jsonl_problems(path, "gsm8k")
+def test_gsm8k_answer_without_marker_names_the_row(tmp_path):
+    path = _write(
+        tmp_path, [json.dumps({"question": "q", "answer": "#### 1"}), json.dumps({"question": "q", "answer": "42"})]
+    )
+    with pytest.raises(DataError, match=r"rows\.jsonl, row 1: column 'answer' has no '####'"):
+        _gsm8k(path)
 
 
 def test_non_object_row(tmp_path):
     with pytest.raises(DataError, match=r"rows\.jsonl:1: expected a JSON object, got list"):
-        load_jsonl_problems(_write(tmp_path, ["[1, 2]"]), "mawps")
+        _gsm8k(_write(tmp_path, ["[1, 2]"]))
 
 
 def test_empty_file(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n")
-    with pytest.raises(DataError, match=r"empty\.jsonl has no rows"):
-        load_jsonl_problems(path, "gsm8k")
+    with pytest.raises(DataError, match=r"empty\.jsonl"):
+        _gsm8k(path)
 
 
-def test_unknown_dataset_lists_valid_names():
-    with pytest.raises(DataError, match=r"unknown dataset 'svamp'; valid names: gsm8k, mawps"):
-        load_dataset("svamp", "test", data_dir=DATA_DIR)
+def test_unknown_source_and_a_dataset_without_a_place_are_config_errors():
+    with pytest.raises(ValidationError, match="source"):
+        DataConfig(source="svamp")
+    with pytest.raises(ValidationError, match="data.path"):
+        DataConfig(source="dataset")
 
 
-def test_bad_split_and_limit():
-    with pytest.raises(DataError, match=r"unknown split 'dev'"):
-        load_dataset("gsm8k", "dev", data_dir=DATA_DIR)
-    with pytest.raises(DataError, match=r"limit must be a positive integer"):
-        load_dataset("gsm8k", "test", data_dir=DATA_DIR, limit=0)
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
+def test_any_local_file_in_trl_standard_format_with_its_columns(tmp_path, fmt):
+    """TRL's standard format: `prompt` text; the answer column is optional; every other column travels."""
+    import datasets
+
+    rows = [{"prompt": "2+2?", "answer": "4", "source": "a"}, {"prompt": "3+3?", "answer": "6", "source": "b"}]
+    path = tmp_path / f"train.{fmt}"
+    table = datasets.Dataset.from_list(rows)
+    {"jsonl": lambda: table.to_json(path), "json": lambda: path.write_text(json.dumps(rows)),
+     "csv": lambda: table.to_csv(path, index=False), "parquet": lambda: table.to_parquet(path)}[fmt]()  # fmt: skip
+    problems = load("train", source="dataset", path=str(path))
+    assert [(p.prompt, p.answer, p.columns["source"]) for p in problems] == [("2+2?", "4", "a"), ("3+3?", "6", "b")]
+    assert problems[0].id == "train-train-0" and problems[1].columns == {"answer": "6", "source": "b"}
+
+
+def test_conversational_prompts_and_no_answer_column(tmp_path):
+    rows = [{"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi?"}], "lang": "en"}]
+    path = _write(tmp_path, [json.dumps(r) for r in rows], "chat.jsonl")
+    [problem] = load("train", source="dataset", path=str(path), prompt_column="messages")
+    assert problem.prompt == rows[0]["messages"] and problem.answer is None and problem.columns == {"lang": "en"}
+    assert problem.question == "Hi?"
+    messages = build_messages(problem, system_prompt="ignored: the prompt has its own", instruction="Be short.")
+    assert messages == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi?\nBe short."}]
+
+
+def test_a_malformed_prompt_names_the_row_and_the_column(tmp_path):
+    path = _write(tmp_path, [json.dumps({"prompt": "ok"}), json.dumps({"prompt": [{"role": "user"}]})])
+    with pytest.raises(DataError, match=r"rows\.jsonl, row 1: column 'prompt' must be text or a list of"):
+        load("train", source="dataset", path=str(path))
+
+
+def test_a_hub_style_folder_with_splits_and_a_missing_split(tmp_path):
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    _write(folder, [json.dumps({"prompt": "a", "answer": "1"})], "train.jsonl")
+    _write(folder, [json.dumps({"prompt": "b", "answer": "2"})], "test.jsonl")
+    assert [p.prompt for p in load("test", source="dataset", path=str(folder))] == ["b"]
+    with pytest.raises(DataError, match=r"cannot load .*ds split 'validation'"):
+        load("test", source="dataset", path=str(folder), test_split="validation")
+
+
+def test_the_prompt_instruction_is_the_sources_own_unless_set():
+    from lora_rl_core.config import RolloutConfig
+
+    assert prompt_instruction(DataConfig(), RolloutConfig()) == "Give the final answer after ####."
+    assert prompt_instruction(DataConfig(source="dataset", path="x"), RolloutConfig()) == ""
+    assert prompt_instruction(DataConfig(source="dataset", path="x"), RolloutConfig(instruction="Think.")) == "Think."
 
 
 # --- arithmetic ----------------------------------------------------------------
@@ -293,3 +357,15 @@ def test_render_prompt_without_chat_template(tiny_tokenizer):
     tokenizer.chat_template = None
     ids = render_prompt(tokenizer, PROBLEM, system_prompt=None, instruction="Answer after ####.")
     assert ids == [vocab[w] for w in "What is 2 + 3 ? Answer after ####.".split()]
+
+
+def test_the_math_reward_without_gold_answers_is_refused_before_step_one(tmp_path):
+    from lora_rl_core.config import load_config
+    from lora_rl_core.run.components import check_answers
+
+    path = _write(tmp_path, [json.dumps({"prompt": "Say hi."})], "hi.jsonl")
+    cfg = load_config(None, ["data.source=dataset", f"data.path={path}"])
+    problems = load_problems(cfg.data, "train", seed=0)
+    with pytest.raises(DataError, match=r"the math reward needs gold answers.*column 'answer'.*data.answer_column"):
+        check_answers(cfg, problems)
+    check_answers(load_config(None, ["reward.functions=[{name: format}]"]), problems)  # a reward that needs none

@@ -1,29 +1,42 @@
-"""Unit tests for lora_rl_core.rewards: extraction, parsing, matching, loading, scoring."""
+"""Rewards as TRL users write them: where a completion states its answer, the math reward (math-verify in a
+worker process, with a deadline), loading by name / module / file, and scoring a batch with weighted terms
+(None skips, async functions under a timeout, errors that name the function and the rows)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 
+from lora_rl_core.config import RewardConfig, load_config
 from lora_rl_core.errors import RewardError
 from lora_rl_core.rewards import (
-    REWARDS,
-    answers_match,
+    BUILTIN_REWARDS,
+    MathReward,
+    MathVerifier,
+    RewardBatch,
+    RewardSet,
+    RewardTerm,
     extract_answer,
     format_reward,
-    load_reward,
-    math_reward,
-    parse_number,
-    score_completions,
+    load_reward_function,
 )
 
 NOT_CALLABLE = 3
 
 
-def length_reward(completion: str, answer: str) -> float:
-    """A custom reward for the load_reward tests."""
-    return float(len(completion))
+def length_reward(prompts, completions, **kwargs):
+    """A user reward for the loading tests: each completion's length."""
+    return [float(len(c)) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    """One verifier for the module, its worker started here (the fixture owns the process, not a test)."""
+    with MathVerifier() as v:
+        assert v.check(["1"], ["#### 1"]) == [True]
+        yield v
 
 
 @pytest.mark.parametrize(
@@ -39,12 +52,10 @@ def length_reward(completion: str, answer: str) -> float:
         ("#### the answer is .5", ".5"),
         ("So the answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
         ("\\boxed{1} then \\boxed{42}", "42"),
-        ("\\boxed{x = 5}", "5"),
         ("#### none, so \\boxed{7}", "7"),
         ("16-3-4 = 9 eggs.", "9"),
         ("It costs $12 and then 3.50 dollars.", "3.50"),
         ("The temperature is -7 now", "-7"),
-        ("1,2,3", "3"),
         ("no number here", None),
         ("", None),
     ],
@@ -53,148 +64,173 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("1,234", 1234.0),
-        ("$12.50", 12.5),
-        ("3/4", 0.75),
-        ("45%", 45.0),
-        ("\\frac{3}{4}", 0.75),
-        ("\\dfrac{3}{4}", 0.75),
-        ("-\\frac{1}{2}", -0.5),
-        ("-7", -7.0),
-        ("+3", 3.0),
-        (".5", 0.5),
-        ("18.", 18.0),
-        ("-$5", -5.0),
-        ("€5", 5.0),
-        ("\\$18", 18.0),
-        ("1{,}000", 1000.0),
-        ("\u22122", -2.0),
-    ],
-)
-def test_parse_number(text, expected):
-    assert parse_number(text) == pytest.approx(expected)
+MATCHES = [
+    ("#### 3.50", "3.5"),
+    ("#### 1250", "1,250"),
+    ("#### $1,250.00", "1250"),
+    ("#### 3/4", "0.75"),
+    ("so \\boxed{\\frac{1}{2}}", "0.5"),
+    ("#### 2/3", "0.6666666666666666"),
+    ("#### 45%", "45"),
+    ("#### 45%", "0.45"),
+    ("#### 0.45", "45%"),
+    ("#### -3 apples, 4 left", "-3"),  # the number after ####, not the last one
+    ("2 + 3 = 5\n#### 5", "5"),
+    ("the answer is 5", "5"),
+    ("#### Yes", " yes "),  # a gold answer with no math in it is compared as text
+]
+MISMATCHES = [
+    ("#### 45", "0.45"),
+    ("#### 0.67", "0.6666666666666666"),
+    ("#### 7", "-7"),
+    ("#### 6", "5"),
+    ("I do not know", "5"),
+    ("#### 100.001", "100"),
+    ("#### no", "yes"),
+]
 
 
-@pytest.mark.parametrize("text", ["", "abc", "1,23", "1/0", "nan", "inf", "1/2/3", "--5", "$", "12 apples"])
-def test_parse_number_rejects(text):
-    assert parse_number(text) is None
+def test_the_math_reward_verifies_answers_with_math_verify(verifier):
+    reward = MathReward(verifier)
+    completions = [c for c, _ in MATCHES + MISMATCHES]
+    golds = [g for _, g in MATCHES + MISMATCHES]
+    values = reward(prompts=[""] * len(golds), completions=completions, completion_ids=None, answer=golds)
+    assert values == [1.0] * len(MATCHES) + [0.0] * len(MISMATCHES)
 
 
-@pytest.mark.parametrize(
-    ("predicted", "gold"),
-    [
-        ("3.50", "3.5"),
-        ("1250", "1,250"),
-        ("$1,250.00", "1250"),
-        ("3/4", "0.75"),
-        ("\\frac{1}{2}", "0.5"),
-        ("2/3", "0.6666666666666666"),
-        ("45%", "45"),
-        ("45%", "0.45"),
-        ("0.45", "45%"),
-        ("-7", "-7"),
-        ("0", "0"),
-        ("Yes", " yes "),
-    ],
-)
-def test_answers_match(predicted, gold):
-    assert answers_match(predicted, gold)
+def test_the_math_reward_reads_conversational_completions_and_skips_rows_without_gold(verifier):
+    completions = [[{"role": "assistant", "content": "#### 4"}], [{"role": "assistant", "content": "#### 4"}]]
+    assert MathReward(verifier)(prompts=["", ""], completions=completions, answer=["4", None]) == [1.0, None]
+    with pytest.raises(RewardError, match="needs each row's gold answer.*data.answer_column"):
+        MathReward(verifier)(prompts=[""], completions=["#### 4"])
 
 
-@pytest.mark.parametrize(
-    ("predicted", "gold"),
-    [
-        (None, "1"),
-        ("45", "0.45"),
-        ("0.67", "0.6666666666666666"),
-        ("7", "-7"),
-        ("abc", "5"),
-        ("1/0", "0"),
-        ("no", "yes"),
-    ],
-)
-def test_answers_do_not_match(predicted, gold):
-    assert not answers_match(predicted, gold)
+def test_an_answer_past_the_deadline_is_not_verified_and_the_worker_is_replaced():
+    with MathVerifier(timeout_s=0.01) as slow:  # the first check also imports sympy: far past 10 ms
+        assert slow.check(["4"], ["#### 4"]) == [False] and slow.timeouts == 1
+        slow.timeout_s = 60.0
+        assert slow.check(["4"], ["#### 4"]) == [True]  # a fresh worker answers
 
 
-def test_rel_tol_is_used():
-    assert not answers_match("100.001", "100")
-    assert answers_match("100.001", "100", rel_tol=1e-4)
+def test_format_reward():
+    completions = ["#### 5", "####5.", "the answer is 5", "#### five"]
+    assert format_reward(prompts=[""] * 4, completions=completions) == [1.0, 1.0, 0.0, 0.0]
 
 
-def test_math_and_format_rewards():
-    assert math_reward("2 + 3 = 5\n#### 5", "5") == 1.0
-    assert math_reward("#### 6", "5") == 0.0
-    assert math_reward("I do not know", "5") == 0.0
-    assert math_reward("the answer is 5", "5") == 1.0
-    assert format_reward("#### 5", "ignored") == 1.0
-    assert format_reward("####5.", "ignored") == 1.0
-    assert format_reward("the answer is 5", "5") == 0.0
-    assert format_reward("#### five", "5") == 0.0
-
-
-def test_load_reward_by_name_and_path():
-    assert load_reward("math") is math_reward
-    assert load_reward("format") is format_reward
-    assert set(REWARDS) == {"math", "format"}
-    assert load_reward("lora_rl_core.rewards:math_reward") is math_reward
-    assert load_reward("tests.unit.test_rewards:length_reward")("abc", "") == 3.0
+def test_load_reward_function_by_name_module_and_file(tmp_path, verifier):
+    assert set(BUILTIN_REWARDS) == {"math", "format"}
+    assert isinstance(load_reward_function("math", verifier), MathReward)
+    assert load_reward_function("format", verifier) is format_reward
+    assert load_reward_function("tests.unit.test_rewards:length_reward", verifier) is length_reward
+    folder = tmp_path / "recipe"
+    folder.mkdir()
+    (folder / "my_rewards.py").write_text(
+        "def shout(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    (folder / "run.yaml").write_text("reward:\n  functions:\n    - name: my_rewards.py:shout\n")
+    cfg = load_config(folder / "run.yaml")  # a relative file is taken from the config's folder
+    assert cfg.reward.files_dir == str(folder) and cfg.reward.functions[0].name == "my_rewards.py:shout"
+    fn = load_reward_function(cfg.reward.functions[0].name, verifier, cfg.reward.files_dir)
+    assert fn(prompts=["a"], completions=["b", "c"]) == [1.0, 1.0]
+    with RewardSet.from_config(cfg.reward) as terms:
+        assert terms.names == ["shout"]  # logged as rewards/shout/mean, TRL's name for it
 
 
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("accuracy", r"unknown reward 'accuracy'; use one of: format, math, or 'module\.path:function'"),
+        ("accuracy", r"unknown reward 'accuracy'; use one of: format, math, 'module\.path:function'"),
         ("mod:", r"unknown reward 'mod:'"),
-        (
-            "no_such_pkg_xyz.mod:fn",
-            r"cannot import reward module 'no_such_pkg_xyz\.mod' .*"
-            r"ModuleNotFoundError: No module named 'no_such_pkg_xyz'",
-        ),
-        ("lora_rl_core.rewards:no_such_fn", r"reward module 'lora_rl_core\.rewards' has no attribute 'no_such_fn'"),
-        ("tests.unit.test_rewards:NOT_CALLABLE", r"is a int, not a callable"),
+        ("no_such_pkg_xyz.mod:fn", r"cannot import reward module 'no_such_pkg_xyz\.mod' .*ModuleNotFoundError"),
+        ("tests.unit.test_rewards:no_such_fn", r"tests\.unit\.test_rewards has no attribute 'no_such_fn'"),
+        ("tests.unit.test_rewards:NOT_CALLABLE", r"is a int, not a function"),
+        ("/nowhere/r.py:fn", r"file not found: /nowhere/r\.py"),
     ],
 )
-def test_load_reward_errors(name, message):
+def test_load_reward_errors(name, message, verifier):
     with pytest.raises(RewardError, match=message):
-        load_reward(name)
+        load_reward_function(name, verifier)
 
 
-def test_score_completions_weights_and_raw():
-    completions = ["#### 5", "the answer is 5", "#### 4"]
-    answers = ["5", "5", "5"]
-    totals, raw = score_completions(completions, answers, [("math", math_reward, 1.0), ("format", format_reward, 0.5)])
-    assert raw == {"math": [1.0, 1.0, 0.0], "format": [1.0, 0.0, 1.0]}
-    assert totals == [1.5, 1.0, 0.5]
+def batch(completions, **columns):
+    n = len(completions)
+    return RewardBatch(
+        prompts=[f"p{i}" for i in range(n)],
+        completions=list(completions),
+        completion_ids=[[1, 2]] * n,
+        columns={k: list(v) for k, v in columns.items()},
+        row_ids=[f"row-{i}" for i in range(n)],
+    )
 
 
-def _raises(completion: str, answer: str) -> float:
-    if completion == "bad":
-        raise ValueError("boom\nsecond line")
-    return 1.0
+def rewards(*terms, timeout_s=5.0):
+    """A set of the given terms; its own verifier never starts (the math terms use the module's)."""
+    return RewardSet([RewardTerm(n, f, w) for n, f, w in terms], MathVerifier(), timeout_s=timeout_s)
+
+
+def test_weighted_terms_see_every_column_and_none_skips(verifier):
+    seen = {}
+
+    def by_column(prompts, completions, completion_ids, answer, difficulty, **kw):
+        seen.update(prompts=prompts, ids=completion_ids, difficulty=difficulty)
+        return [None if d == "skip" else 2.0 for d in difficulty]
+
+    def never(prompts, completions, **kw):
+        return [None, None, 0.5]
+
+    with rewards(("math", MathReward(verifier), 1.0), ("mine", by_column, 0.5), ("half", never, 2.0)) as terms:
+        scored = terms.score(batch(["#### 5", "#### 4", "x"], answer=["5", None, None], difficulty=["a", "skip", "b"]))
+    assert scored.terms == {"math": [1.0, None, None], "mine": [2.0, None, 2.0], "half": [None, None, 0.5]}
+    assert scored.totals == [2.0, 0.0, 2.0] and scored.skipped == [False, True, False]
+    assert scored.term_means() == {"math": 1.0, "mine": 2.0, "half": 0.5}
+    assert seen == {"prompts": ["p0", "p1", "p2"], "ids": [[1, 2]] * 3, "difficulty": ["a", "skip", "b"]}
+
+
+def test_async_rewards_run_concurrently_and_a_slow_one_fails_the_batch_by_name():
+    async def judge(prompts, completions, **kw):
+        await asyncio.sleep(0.3)
+        return [1.0] * len(completions)
+
+    async def slow(prompts, completions, **kw):
+        await asyncio.sleep(30)
+        return [1.0] * len(completions)
+
+    with rewards(("a", judge, 1.0), ("b", judge, 1.0), ("c", judge, 1.0)) as terms:
+        import time
+
+        start = time.perf_counter()
+        assert terms.score(batch(["x", "y"])).totals == [3.0, 3.0]
+        assert time.perf_counter() - start < 0.8  # three 0.3 s calls at once
+    with (
+        rewards(("judge", slow, 1.0), timeout_s=0.2) as terms,
+        pytest.raises(RewardError, match=r"reward 'judge' did not answer within 0\.2 s \(reward\.timeout_s\) for rows"),
+    ):
+        terms.score(batch(["x"]))
+
+
+def _raises(prompts, completions, **kw):
+    raise ValueError("boom\nsecond line")
 
 
 @pytest.mark.parametrize(
     ("fn", "message"),
     [
-        (_raises, r"reward 'custom' raised on completion 1: ValueError: boom$"),
-        (lambda c, a: math.nan if c == "bad" else 0.0, r"reward 'custom' returned nan for completion 1"),
-        (lambda c, a: "1.0", r"reward 'custom' returned '1\.0' for completion 0; it must return a finite number"),
-        (lambda c, a: None, r"returned None for completion 0"),
+        (_raises, r"reward 'custom' raised on rows \['row-0', 'row-1'\]: ValueError: boom$"),
+        (lambda prompts, completions, **kw: [1.0, math.nan], r"returned nan for row 1 \(problem row-1\)"),
+        (lambda prompts, completions, **kw: ["1.0", 1.0], r"returned '1\.0' for row 0"),
+        (lambda prompts, completions, **kw: [1.0], r"returned 1 values for 2 completions"),
+        (lambda prompts, completions, **kw: 1.0, r"returned float; it must return a list"),
     ],
 )
-def test_score_completions_bad_reward(fn, message):
-    with pytest.raises(RewardError, match=message):
-        score_completions(["ok", "bad"], ["1", "1"], [("custom", fn, 1.0)])
+def test_a_bad_reward_fails_the_batch_naming_it_and_the_rows(fn, message):
+    with rewards(("custom", fn, 1.0)) as terms, pytest.raises(RewardError, match=message):
+        terms.score(batch(["ok", "bad"]))
 
 
-def test_score_completions_bad_arguments():
-    with pytest.raises(RewardError, match=r"2 completions but 1 answers"):
-        score_completions(["a", "b"], ["1"], [("math", math_reward, 1.0)])
+def test_reward_set_arguments(verifier):
     with pytest.raises(RewardError, match=r"distinct names"):
-        score_completions(["a"], ["1"], [("m", math_reward, 1.0), ("m", format_reward, 1.0)])
+        rewards(("m", format_reward, 1.0), ("m", format_reward, 1.0))
     with pytest.raises(RewardError, match=r"weight inf"):
-        score_completions(["a"], ["1"], [("m", math_reward, math.inf)])
+        rewards(("m", format_reward, math.inf))
+    with RewardSet.from_config(RewardConfig()) as default:
+        assert default.names == ["math"] and default.timeout_s == 60.0

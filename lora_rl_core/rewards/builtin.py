@@ -1,0 +1,78 @@
+"""The built-in reward functions, with TRL's signature `f(prompts, completions, completion_ids, **columns)`:
+
+* `math`: 1.0 when the completion states the gold answer (`answer` column), checked by math-verify in worker
+  processes (`MathVerifier`); None for a row without a gold answer.
+* `format`: 1.0 when the completion contains `#### <number>` (GSM8K's answer format), else 0.0.
+
+Completions come as text (TRL's standard format) or as `[{"role": "assistant", "content": ...}]` (TRL's
+conversational format); `completion_text` reads either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lora_rl_core.errors import RewardError
+from lora_rl_core.rewards.answers import has_gsm8k_answer
+from lora_rl_core.rewards.verify import MathVerifier
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: itself (standard format) or its last message's content (conversational)."""
+    if isinstance(completion, str):
+        return completion
+    return str(completion[-1]["content"])
+
+
+class MathReward:
+    """`math`: 1.0 when the completion states the row's gold answer, 0.0 when not, None without a gold answer.
+
+    Args:
+        verifier: checks answers with math-verify in worker processes (owned by the caller).
+    """
+
+    __name__ = "math"
+
+    def __init__(self, verifier: MathVerifier) -> None:
+        self.verifier = verifier
+
+    def __call__(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        completion_ids: Sequence[Sequence[int]] | None = None,
+        answer: Sequence[str | None] | None = None,
+        **columns: Any,
+    ) -> list[float | None]:
+        """One value per completion.
+
+        Raises:
+            RewardError: the rows carry no `answer` column (set `data.answer_column`, or drop the `math` term).
+        """
+        if answer is None:
+            raise RewardError(
+                "the math reward needs each row's gold answer, and the dataset has no answer column: set "
+                "data.answer_column, or use a reward that needs none"
+            )
+        texts = [completion_text(c) for c in completions]
+        rows = [i for i, gold in enumerate(answer) if gold is not None]
+        verdicts = self.verifier.check([str(answer[i]) for i in rows], [texts[i] for i in rows])
+        out: list[float | None] = [None] * len(texts)
+        for i, right in zip(rows, verdicts, strict=True):
+            out[i] = 1.0 if right else 0.0
+        return out
+
+
+def format_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **columns: Any
+) -> list[float | None]:
+    """`format`: 1.0 when the completion contains `#### <number>`, else 0.0."""
+    return [1.0 if has_gsm8k_answer(completion_text(c)) else 0.0 for c in completions]
+
+
+BUILTIN_REWARDS: dict[str, Callable[[MathVerifier], Callable[..., list[float | None]]]] = {
+    "math": MathReward,
+    "format": lambda verifier: format_reward,
+}
+"""Built-in rewards by name: each a factory given the run's `MathVerifier`."""
