@@ -177,8 +177,9 @@ class ScoreStats(Stats):
     """What the score phase measured."""
 
     reward_mean: float
+    """Mean reward of the step's completions that a reward function scored."""
     reward_std: float
-    """Population standard deviation of all rewards of the step."""
+    """Population standard deviation of those rewards."""
     accuracy: float
     """Fraction of completions whose summed reward reaches `eval.pass_threshold`."""
     reward_terms: dict[str, float] = {}
@@ -191,8 +192,9 @@ class ScoreStats(Stats):
 
     def metrics(self) -> dict[str, Any]:
         """The stats, each reward function's mean as `rewards/<name>/mean` (TRL's metric names)."""
-        terms = {f"rewards/{name}/mean": value for name, value in self.reward_terms.items()}
-        return {**self.model_dump(exclude={"reward_terms"}), **terms}
+        stats = self.model_dump()  # also for a record persisted before `reward_terms` existed (a resumed run)
+        terms = stats.pop("reward_terms", None) or {}
+        return {**stats, **{f"rewards/{name}/mean": value for name, value in terms.items()}}
 
 
 class TrainStats(Stats):
@@ -204,9 +206,9 @@ class TrainStats(Stats):
     stale_rejected: int
     uniform_skipped: int
     checkpointed: bool
+    """True when this step saved a checkpoint (`trainer.checkpoint_every`)."""
     reward_skipped: int = 0
     """Rows no reward function scored (left out)."""
-    """True when this step saved a checkpoint (`trainer.checkpoint_every`)."""
     version_lag: dict[int, int] = {}
     """Histogram of the step's completions by version lag, `{lag: completions}`: 0 = sampled by the version
     the trainer held (on-policy), 1 = one version older, ... (stale ones, dropped, included)."""

@@ -98,7 +98,7 @@ class EngineConfig(Section):
     address when CUDA is available, else `disk`. A refused tensor load falls back to the folder
     (docs/SGLANG.md, "Tensor path")."""
     tensor_layout: IpcLayout = "host"
-    """`tensor_transport` `ipc`: how the adapter's CUDA tensors are shared (`sglang_tensors`). `per-tensor`: one
+    """`tensor_transport` `ipc`: how the adapter's CUDA tensors are shared (`engines.remote.ipc`). `per-tensor`: one
     CUDA IPC handle per tensor (SGLang opens each, then copies each to its CPU pool); `packed`: views into one
     CUDA buffer (one handle); `host`: that buffer, copied to host memory once by the server while it reads
     the request, so SGLang's per-tensor copies to its CPU pool copy nothing (about 1.7x an adapter's CPU

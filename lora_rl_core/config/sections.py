@@ -237,7 +237,8 @@ class DataConfig(Section):
     messages (TRL's conversational format, rendered with the tokenizer's chat template)."""
     answer_column: str = "answer"
     """`dataset`: the column with the gold answer, if the dataset has one (a reward may need none; the
-    built-in `math` reward does). Every other column reaches reward functions by its name."""
+    built-in `math` reward does). Reward functions get the gold answer as `answer` whatever its column, and
+    every other column by its name."""
     train_path: str | None = None
     """A local file (`.jsonl`, `.json`, `.parquet`, `.csv`) for the train split; default for the presets:
     `<data_dir>/<source>/train.jsonl`. Unused for `arithmetic`."""

@@ -84,8 +84,9 @@ class InferenceEngine(Protocol):
 
     Semantics follow SGLang's LoRA API (`sglang/srt/entrypoints/http_server.py`, `lora/lora_registry.py`);
     see `EmbeddedEngine` for the reference implementation and docs/SGLANG.md for the wire format.
-    Implementations: `EmbeddedEngine` (in process), `ServerEngine` (our `lora-rl serve`), `SGLangEngine`
-    (a real SGLang server) and `MultiEngine` (several of these). Errors are `EngineError`; an engine that
+    Implementations: `EmbeddedEngine` (in process), `HTTPEngine` (our `lora-rl serve` or a real SGLang server,
+    by its dialect), `RayEngine` (an engine in a Ray actor) and `MultiEngine` (several of these); the engine
+    registry (`lora_rl_core.engines.registry`) builds them. Errors are `EngineError`; an engine that
     cannot be reached or did not answer in time raises its subclass `EngineUnavailable` (HTTP engines).
     Callers use only these members: no engine is probed for optional ones.
     """

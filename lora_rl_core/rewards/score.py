@@ -5,8 +5,9 @@ Each function is called once per batch, with keywords, as TRL's `GRPOTrainer` ca
 the dataset rows (`answer` among them when the dataset has one), each a list over the batch. It returns one
 value per completion: a number, or None where it does not apply.
 
-* `async def` functions run concurrently, each under `reward.timeout_s`; plain functions run one after
-  another on the calling thread (as TRL runs them).
+* Plain functions run one after another on the calling thread, outside any event loop (as TRL runs them);
+  then the `async def` functions run concurrently, each under `reward.timeout_s`, on an event loop that lives
+  as long as the `RewardSet` (an async client a function keeps between batches stays usable).
 * A completion's reward is the weighted sum of the values its functions gave (None terms left out, as TRL's
   `nansum`); a completion no function scored is `skipped`: it gets no reward and is not trained on.
 * A function that raises, times out, or returns the wrong number of values or a non-finite value fails the
@@ -70,8 +71,9 @@ class RewardBatch:
         cls, problems: Sequence[Problem], texts: Sequence[str], completion_ids: Sequence[Sequence[int]]
     ) -> RewardBatch:
         """The batch of one completion per entry of `problems` (a problem repeats for each of its samples): the
-        completion in its prompt's format (text, or one assistant message), every dataset column by name."""
-        names = sorted({name for p in problems for name in p.columns})
+        completion in its prompt's format (text, or one assistant message), every dataset column by name, and
+        the gold answer as `answer` whatever column it came from (`data.answer_column`; None where none)."""
+        names = sorted({name for p in problems for name in p.columns} - {"answer"})
         return cls(
             prompts=[p.prompt for p in problems],
             completions=[
@@ -79,7 +81,10 @@ class RewardBatch:
                 for p, t in zip(problems, texts, strict=True)
             ],
             completion_ids=[list(ids) for ids in completion_ids],
-            columns={name: [p.columns.get(name) for p in problems] for name in names},
+            columns={
+                **{name: [p.columns.get(name) for p in problems] for name in names},
+                "answer": [p.answer for p in problems],
+            },
             row_ids=[p.id for p in problems],
         )
 
@@ -130,6 +135,7 @@ class RewardSet:
         self.terms = list(terms)
         self.verifier = verifier
         self.timeout_s = timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def from_config(cls, cfg: RewardConfig) -> RewardSet:
@@ -150,8 +156,11 @@ class RewardSet:
         )
 
     def close(self) -> None:
-        """Stop the math verifier's worker processes (idempotent)."""
+        """Stop the math verifier's worker processes and close the event loop of async functions (idempotent)."""
         self.verifier.close()
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close()
 
     def __enter__(self) -> RewardSet:
         return self
@@ -170,8 +179,14 @@ class RewardSet:
         Raises:
             RewardError: a function raised, timed out, or returned the wrong count or a non-finite value.
         """
-        values = asyncio.run(self._call_all(batch))
-        terms = {t.name: v for t, v in zip(self.terms, values, strict=True)}
+        values = {t.name: self._call(t, batch) for t in self.terms if not _is_async(t.fn)}  # outside any loop
+        waiting = [t for t in self.terms if _is_async(t.fn)]
+        if waiting:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()  # one loop for the set: clients a function keeps stay usable
+            results = self._loop.run_until_complete(_gather([self._call_async(t, batch) for t in waiting]))
+            values.update((t.name, v) for t, v in zip(waiting, results, strict=True))
+        terms = {t.name: values[t.name] for t in self.terms}
         totals, skipped = [], []
         for i in range(len(batch)):
             given = [(t.weight, terms[t.name][i]) for t in self.terms if terms[t.name][i] is not None]
@@ -179,30 +194,25 @@ class RewardSet:
             totals.append(sum(w * float(v) for w, v in given if v is not None))
         return ScoredRewards(totals, terms, skipped)
 
-    async def _call_all(self, batch: RewardBatch) -> list[list[float | None]]:
-        return list(await asyncio.gather(*(self._call(term, batch) for term in self.terms)))
-
-    async def _call(self, term: RewardTerm, batch: RewardBatch) -> list[float | None]:
-        kwargs = {
-            **batch.columns,
-            "prompts": batch.prompts,
-            "completions": batch.completions,
-            "completion_ids": batch.completion_ids,
-        }
-        where = _rows(batch.row_ids)
+    def _call(self, term: RewardTerm, batch: RewardBatch) -> list[float | None]:
+        """A plain function's values, on this thread."""
         try:
-            if _is_async(term.fn):
-                result = await asyncio.wait_for(term.fn(**kwargs), self.timeout_s)
-            else:
-                result = term.fn(**kwargs)
+            result = term.fn(**_kwargs(batch))
+        except Exception as err:  # noqa: BLE001 - a user's function may raise anything: name it and the rows
+            raise _failed(term, batch, err) from None
+        return _checked(term.name, result, batch.row_ids)
+
+    async def _call_async(self, term: RewardTerm, batch: RewardBatch) -> list[float | None]:
+        """An `async def` function's values, under `timeout_s`."""
+        try:
+            result = await asyncio.wait_for(term.fn(**_kwargs(batch)), self.timeout_s)
         except TimeoutError:
             raise RewardError(
-                f"reward {term.name!r} did not answer within {self.timeout_s:g} s (reward.timeout_s) for {where}"
+                f"reward {term.name!r} did not answer within {self.timeout_s:g} s (reward.timeout_s) "
+                f"for {_rows(batch.row_ids)}"
             ) from None
-        except RewardError as err:
-            raise RewardError(f"reward {term.name!r} on {where}: {err}") from None
-        except Exception as err:  # noqa: BLE001 - a user's function may raise anything: name it and the rows
-            raise RewardError(f"reward {term.name!r} raised on {where}: {_one_line(err)}") from None
+        except Exception as err:  # noqa: BLE001
+            raise _failed(term, batch, err) from None
         return _checked(term.name, result, batch.row_ids)
 
 
@@ -214,6 +224,27 @@ def _labels(cfg: RewardConfig, fns: list[Callable[..., Any]]) -> list[str]:
         for f, fn in zip(cfg.functions, fns, strict=True)
     ]
     return [label if labels.count(label) == 1 else f.name for label, f in zip(labels, cfg.functions, strict=True)]
+
+
+async def _gather(coroutines: list[Any]) -> list[Any]:
+    return list(await asyncio.gather(*coroutines))
+
+
+def _kwargs(batch: RewardBatch) -> dict[str, Any]:
+    """TRL's keywords: every column by name, then the prompts, completions and completion ids."""
+    return {
+        **batch.columns,
+        "prompts": batch.prompts,
+        "completions": batch.completions,
+        "completion_ids": batch.completion_ids,
+    }
+
+
+def _failed(term: RewardTerm, batch: RewardBatch, err: Exception) -> RewardError:
+    where = _rows(batch.row_ids)
+    if isinstance(err, RewardError):
+        return RewardError(f"reward {term.name!r} on {where}: {err}")
+    return RewardError(f"reward {term.name!r} raised on {where}: {_one_line(err)}")
 
 
 def _is_async(fn: Any) -> bool:

@@ -55,15 +55,20 @@ class MathVerifier:
         self.timeout_s = timeout_s
         self.workers = workers
         self.timeouts = 0
+        self.crashes = 0
+        self._closed = False
         self._pool: Any = None
         self._lock = threading.Lock()
 
     def check(self, golds: Sequence[str], completions: Sequence[str]) -> list[bool]:
-        """Whether each completion states its gold answer; an answer past the deadline counts as not stated.
+        """Whether each completion states its gold answer; an answer past the deadline, or one whose worker
+        died (sympy can exhaust memory), counts as not stated (`timeouts`, `crashes`).
 
         Raises:
             RuntimeError: the verifier is closed.
         """
+        from pebble import ProcessExpired
+
         pool = self._start()
         futures = [
             pool.schedule(check_answer, args=(g, c), timeout=self.timeout_s)
@@ -76,10 +81,15 @@ class MathVerifier:
             except FutureTimeout:
                 self.timeouts += 1
                 out.append(False)
+            except ProcessExpired:
+                self.crashes += 1
+                out.append(False)
         return out
 
     def _start(self) -> Any:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the math verifier is closed")
             if self._pool is None:
                 from pebble import ProcessPool  # lazy: only runs that verify math answers start workers
 
@@ -90,6 +100,7 @@ class MathVerifier:
     def close(self) -> None:
         """Stop the worker processes (idempotent)."""
         with self._lock:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.stop()

@@ -12,6 +12,7 @@ phase can be re-run, on any machine, from what the previous one left (docs/DESIG
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,7 +103,7 @@ def score(run: RunComponents, step: int) -> ScoreStats:
     """Reward every completion of step `step` with the run's reward functions (TRL's signature, every dataset
     column by name) and compute group advantages (`algorithm.advantage`); reads `rollouts/step-N.json`, writes
     `scored/step-N.json`. A completion no function scored is `skipped`: its group's advantages are computed
-    without it (it takes its group's mean reward, so its own advantage is 0) and it is not trained on.
+    over the group's scored completions alone, its own advantage is 0, and it is not trained on.
 
     Raises:
         RewardError: a reward function raised, timed out or returned bad values (naming it and the rows).
@@ -116,10 +117,8 @@ def score(run: RunComponents, step: int) -> ScoreStats:
     group_size = run.cfg.rollout.group_size
     rewards_NG = torch.tensor(scored.totals, dtype=torch.float64).view(-1, group_size)  # [N, G]
     skipped_NG = torch.tensor(scored.skipped, dtype=torch.bool).view(-1, group_size)  # [N, G]
-    rewards_NG = _fill_skipped(rewards_NG, skipped_NG).float()  # [N, G]
-    advantages_NG = ADVANTAGE_ESTIMATORS[run.cfg.algorithm.advantage](rewards_NG)  # [N, G]
-    advantages_NG = advantages_NG.masked_fill(skipped_NG, 0.0)  # [N, G]
-    signal_N = group_has_signal(rewards_NG)  # [N] bool
+    advantages_NG = group_advantages(rewards_NG.float(), skipped_NG, ADVANTAGE_ESTIMATORS[run.cfg.algorithm.advantage])
+    signal_N = group_has_signal(_fill_skipped(rewards_NG, skipped_NG).float())  # [N] bool: its scored rows differ
     out = [
         ScoredRollout(
             **row.model_dump(),
@@ -143,6 +142,22 @@ def score(run: RunComponents, step: int) -> ScoreStats:
         skipped=sum(scored.skipped),
         score_seconds=time.perf_counter() - start,
     )
+
+
+def group_advantages(
+    rewards_NG: torch.Tensor, skipped_NG: torch.Tensor, estimator: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Advantages `[N, G]` by `estimator` (`ADVANTAGE_ESTIMATORS`) over each group's scored completions only:
+    groups with none skipped together, a group with skipped ones on its `k` scored rewards alone (`[1, k]`;
+    zeros when k < 2: no comparison); skipped completions get 0."""
+    advantages_NG = estimator(rewards_NG.masked_fill(skipped_NG, 0.0))  # [N, G]; partial groups redone below
+    for g in torch.nonzero(skipped_NG.any(dim=1)).flatten().tolist():
+        keep_G = ~skipped_NG[g]  # [G] bool
+        row_G = torch.zeros_like(rewards_NG[g])  # [G]
+        if int(keep_G.sum()) >= 2:
+            row_G[keep_G] = estimator(rewards_NG[g, keep_G].view(1, -1)).view(-1)  # [1, k] -> [k]
+        advantages_NG[g] = row_G
+    return advantages_NG
 
 
 def _fill_skipped(rewards_NG: torch.Tensor, skipped_NG: torch.Tensor) -> torch.Tensor:

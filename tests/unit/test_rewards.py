@@ -234,3 +234,43 @@ def test_reward_set_arguments(verifier):
         rewards(("m", format_reward, math.inf))
     with RewardSet.from_config(RewardConfig()) as default:
         assert default.names == ["math"] and default.timeout_s == 60.0
+
+
+def test_the_gold_answer_reaches_rewards_as_answer_whatever_its_column(verifier):
+    """`data.answer_column: solution`: the `math` reward still finds the gold answer (as `answer`)."""
+    from lora_rl_core.data import Problem
+
+    problems = [Problem("2+2?", "4", "p0", {"solution": "4", "level": 1}), Problem("x", None, "p1", {"level": 2})]
+    batch_ = RewardBatch.from_problems(problems, ["#### 4", "#### 1"], [[1], [2]])
+    assert batch_.columns == {"answer": ["4", None], "level": [1, 2], "solution": ["4", None]}
+    with RewardSet([RewardTerm("math", MathReward(verifier), 1.0)], MathVerifier(), timeout_s=5.0) as terms:
+        assert terms.score(batch_).terms == {"math": [1.0, None]}
+
+
+def test_a_plain_reward_may_run_its_own_event_loop_and_async_clients_survive_batches():
+    """Plain functions run outside the set's event loop (one that wraps an async client with asyncio.run
+    works); async functions share one loop across batches (a client bound to it stays usable)."""
+    loops = []
+
+    def wraps_async(prompts, completions, **kw):
+        return asyncio.run(_one_each(completions))
+
+    async def keeps_its_loop(prompts, completions, **kw):
+        loops.append(asyncio.get_running_loop())
+        return [0.5] * len(completions)
+
+    with rewards(("wrap", wraps_async, 1.0), ("keep", keeps_its_loop, 1.0)) as terms:
+        assert terms.score(batch(["a", "b"])).totals == [1.5, 1.5]
+        assert terms.score(batch(["c"])).totals == [1.5]
+    assert len(loops) == 2 and loops[0] is loops[1] and loops[0].is_closed()
+
+
+async def _one_each(completions):
+    return [1.0] * len(completions)
+
+
+def test_a_closed_verifier_refuses_work():
+    closed = MathVerifier()
+    closed.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        closed.check(["1"], ["1"])

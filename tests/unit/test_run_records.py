@@ -105,3 +105,17 @@ def test_fault_markers_fire_once_per_run(memory_root, monkeypatch):
         maybe_fail("score", 2, run_dir)
     maybe_fail("score", 2, run_dir)  # a retried flow run goes past it
     assert run_dir.mark("faults/score-000002") is False
+
+
+def test_score_stats_persisted_before_reward_terms_still_give_their_metrics():
+    """A resumed run reads back (from Prefect's cache) a ScoreStats written before `reward_terms` existed."""
+    from lora_rl_core.records import ScoreStats
+
+    old = ScoreStats.model_construct(
+        reward_mean=0.5, reward_std=0.1, accuracy=0.25, groups_with_signal=1.0, score_seconds=0.2
+    )
+    old.__dict__.pop("reward_terms", None)
+    metrics = old.metrics()
+    assert metrics["reward_mean"] == 0.5 and not any(k.startswith("rewards/") for k in metrics)
+    new = ScoreStats(**{**metrics, "reward_terms": {"math": 0.25}})
+    assert new.metrics()["rewards/math/mean"] == 0.25

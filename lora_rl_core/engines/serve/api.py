@@ -6,7 +6,7 @@ Request bodies mirror the structs of sglang 0.5.23 `sglang/srt/managers/io_struc
 field is a 400). Errors are answered as SGLang does, `{"error": {"message": ...}}` with HTTP 400 for a
 refused request (`install_error_handlers`). `generate_output` shapes one completion as an element of
 SGLang's `/generate` answer. `EngineServer` (`lora_rl_core.engines.serve.app`) and its adapter routes
-(`server_adapters`) use these; docs/SGLANG.md is the contract.
+(`serve.adapters`) use these; docs/SGLANG.md is the contract.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Choices made here:
 * `sampling_seed` (or `seed`) seeds one batch of this server's engine, so the samples of one
   call differ from each other; in SGLang it seeds each request.
 * Tensor loads take only `load_format: "safetensors"` with base64 safetensors file bytes:
-  SGLang's torch-multiprocessing pickles are refused, never deserialised (`server_adapters`).
+  SGLang's torch-multiprocessing pickles are refused, never deserialised (`serve.adapters`).
 * Control endpoints (load, unload, pause, continue, flush, abort) need
   `Authorization: Bearer <api key>` when the server has a key; `check_bind` refuses to bind
   beyond loopback without one.
@@ -33,11 +33,11 @@ Choices made here:
 * `/v1/models` adapter cards carry extra fields (`version`, `sha256` of the safetensors bytes
   this server loaded, `in_flight`, `pinned`, `resident`) that SGLang clients ignore.
 * `/metrics` is Prometheus text read from `engine.metrics()` at scrape time (a fresh
-  `CollectorRegistry` per app), names prefixed `lora_rl_` (`server_metrics`).
+  `CollectorRegistry` per app), names prefixed `lora_rl_` (`serve.metrics`).
 
 Modules: this one holds `EngineServer` (the routes: generation, control, info), `create_app`, the bind
-check and `serve`; `server_api` the request bodies, error answers and output shape; `server_adapters` the
-adapter load/unload routes; `server_metrics` the Prometheus collector.
+check and `serve`; `api` the request bodies, error answers and output shape; `adapters` the
+adapter load/unload routes; `metrics` the Prometheus collector.
 
 Left out: streaming (`stream: true` is a 400), OpenAI-compatible `/v1/completions`, input
 logprobs and top-k logprobs, stop strings and penalties (unknown sampling fields are a 400).

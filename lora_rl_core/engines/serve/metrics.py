@@ -2,8 +2,8 @@
 
 `EngineCollector` turns the `EmbeddedEngine` metrics shape into metric families on every scrape (no state
 kept here); `server_registry` gives each app its own `CollectorRegistry` with the collector and the adapter
-load latency histogram that the adapter routes (`server_adapters`) observe. `ServerEngine.metrics`
-(`http_wire.parse_metrics`) reads these names back.
+load latency histogram that the adapter routes (`serve.adapters`) observe. `HTTPEngine.metrics` (our server's dialect)
+(`remote.wire.parse_metrics`) reads these names back.
 """
 
 from __future__ import annotations
