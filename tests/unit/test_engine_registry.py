@@ -122,3 +122,53 @@ def test_eval_cli_uses_the_engine_config_and_a_stored_version(tiny_model_dir, lo
     limited = CliRunner().invoke(cli, ["eval", "-c", str(config), "engine.max_lora_rank=1", "--adapter", "ev@1"])
     assert isinstance(limited.exception, EngineError)  # `lora-rl` prints it as one `lora-rl: error:` line
     assert "rank" in str(limited.exception)
+
+
+def test_closing_sglang_replicas_stops_every_actor_before_giving_back_ray(monkeypatch):
+    """Regression: the run's use of Ray was given back (`release_ray`, which shuts down a Ray the run started)
+    before the replica actors were stopped, so their servers were not stopped in order and `ray.kill` raised
+    into the run's close. A stand-in `ray` module records the order of what closing does."""
+    import sys
+    import types
+
+    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig, SGLangLaunchConfig
+    from lora_rl_core.engines import BuiltEngine
+    from lora_rl_core.engines.launch import ray_sglang
+
+    events: list[str] = []
+
+    class Call:
+        def __init__(self, result):
+            self.result = result
+
+    class Method:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def remote(self, *args):
+            return Call(self.fn(*args))
+
+    class Actor:
+        def __init__(self, inputs, index, log_dir):
+            self.index = index
+            self.url = Method(lambda: f"http://127.0.0.1:{31000 + index}")
+            self.stop = Method(lambda: events.append(f"stop {index}"))
+
+    fake = types.ModuleType("ray")
+    fake.remote = lambda cls: types.SimpleNamespace(options=lambda **kw: types.SimpleNamespace(remote=Actor))
+    fake.get = lambda calls, timeout=None: [c.result for c in calls] if isinstance(calls, list) else calls.result
+    fake.kill = lambda actor, no_restart=True: events.append(f"kill {actor.index}")
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(ray_sglang, "acquire_ray", lambda: events.append("acquire"))
+    monkeypatch.setattr(ray_sglang, "release_ray", lambda: events.append("release"))
+
+    class Clients:
+        def close(self):
+            events.append("close clients")
+
+    engine = EngineConfig(type="sglang", ray_replicas=2, launch=SGLangLaunchConfig(enabled=True))
+    inputs = EngineInputs(engine, ModelConfig(), LoRAConfig())
+    built = ray_sglang.start_sglang_replicas(inputs, lambda urls: BuiltEngine(Clients()))  # type: ignore[arg-type]
+    assert events == ["acquire"] and len(built.actors) == 2
+    built.close()
+    assert events == ["acquire", "close clients", "stop 0", "kill 0", "stop 1", "kill 1", "release"]
