@@ -54,9 +54,7 @@ def train(
     from lora_rl_core.config import load_config
     from lora_rl_core.run import preflight
 
-    cfg = load_config(config, overrides or [])  # bad config, store, data, reward or model: one line, before Prefect
-    cfg.store.build()  # an unknown store protocol or a missing fsspec package (StoreError)
-    preflight(cfg)
+    preflight(load_config(config, overrides or []))  # config, store, data, reward, model: one line, before Prefect
     from flows.grpo_lora import train as train_flow
 
     shutdown.quiet_console_logs()  # Prefect's handlers exist now: its crash lines on SIGTERM stay off the terminal
@@ -117,10 +115,9 @@ def eval_(
     `engine.urls`); the adapter is loaded from the config's store by path unless the engine lists it.
     """
     from lora_rl_core.config import load_config
-    from lora_rl_core.data import prompt_instruction, stable_seed
     from lora_rl_core.engines import EngineInputs
     from lora_rl_core.engines.registry import build_engine
-    from lora_rl_core.evaluation import PromptStyle, evaluate_policy
+    from lora_rl_core.evaluation import evaluate_run_policy
     from lora_rl_core.models import load_tokenizer
     from lora_rl_core.rewards import RewardSet
     from lora_rl_core.run import build_problems
@@ -141,18 +138,7 @@ def eval_(
             if ref.name not in engine.list_adapters():
                 engine.load_adapter(ref.name, path=ref.uri)  # the engine reads the version sha256-verified
             name = ref.name
-        max_new_tokens = cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens
-        result = evaluate_policy(
-            engine,
-            tokenizer,
-            problems,
-            rewards,
-            adapter=name,
-            prompt=PromptStyle(cfg.rollout.system_prompt, prompt_instruction(cfg.data, cfg.rollout)),
-            max_new_tokens=max_new_tokens,
-            settings=cfg.eval,
-            seed=stable_seed(cfg.run.seed, "eval"),
-        )
+        result = evaluate_run_policy(engine, tokenizer, problems, rewards, cfg, adapter=name)
     finally:
         built.close()
         rewards.close()

@@ -17,10 +17,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from lora_rl_core.config import EvalConfig
-from lora_rl_core.data import Problem, render_prompt
+from lora_rl_core.config import EvalConfig, RunConfig
+from lora_rl_core.data import Problem, prompt_instruction, render_prompt, stable_seed
 from lora_rl_core.engines import Completion, GenerationRequest, InferenceEngine, SamplingParams
-from lora_rl_core.rewards import RewardBatch, RewardSet
+from lora_rl_core.rewards import RewardBatch, RewardSet, ScoredRewards
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,35 @@ def evaluate_policy(
     return result
 
 
+def evaluate_run_policy(
+    engine: InferenceEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: Sequence[Problem],
+    rewards: RewardSet,
+    cfg: RunConfig,
+    *,
+    adapter: str | None,
+) -> dict[str, Any]:
+    """`evaluate_policy` with a run config's settings: its prompt style (`rollout.system_prompt`, the data
+    source's instruction), `run.eval_max_new_tokens` (else `rollout.max_new_tokens`), the `eval` section and a
+    seed from `run.seed`. What the flow, `lora-rl eval` and the benchmarks evaluate with.
+
+    Raises:
+        RewardError: a reward function failed (naming it and the rows).
+    """
+    return evaluate_policy(
+        engine,
+        tokenizer,
+        problems,
+        rewards,
+        adapter=adapter,
+        prompt=PromptStyle(cfg.rollout.system_prompt, prompt_instruction(cfg.data, cfg.rollout)),
+        max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+        settings=cfg.eval,
+        seed=stable_seed(cfg.run.seed, "eval"),
+    )
+
+
 def _sampled(
     engine: InferenceEngine,
     tokenizer: PreTrainedTokenizerBase,
@@ -129,7 +158,7 @@ def _score(
     problems: list[Problem],
     completions: list[Completion],
     threshold: float,
-) -> tuple[list[str], list[bool], Any]:
+) -> tuple[list[str], list[bool], ScoredRewards]:
     """Completion texts, whether each succeeded (summed reward >= `threshold`, not skipped, not aborted), and
     the reward functions' values."""
     texts = tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)

@@ -9,6 +9,7 @@ from lora_rl_core.algorithm.advantages import (
     drgrpo_advantages,
     group_has_signal,
     grpo_advantages,
+    masked_group_advantages,
     rloo_advantages,
 )
 from lora_rl_core.algorithm.losses import (
@@ -32,6 +33,7 @@ __all__ = [
     "entropy_from_logits",
     "group_has_signal",
     "grpo_advantages",
+    "masked_group_advantages",
     "kl_k3",
     "off_policy_weights",
     "ppo_clip_loss",

@@ -26,8 +26,10 @@ batch-level (rather than group-level) std normalisation as in REINFORCE++.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 
@@ -102,7 +104,7 @@ def rloo_advantages(rewards_NG: Tensor) -> Tensor:
     return rewards_NG - others_mean_NG
 
 
-def group_has_signal(rewards_NG: Tensor, *, atol: float = 1e-8) -> Tensor:
+def group_has_signal(rewards_NG: Tensor, *, atol: float = 1e-8, skipped_NG: Tensor | None = None) -> Tensor:
     """Which groups carry a learning signal: rewards not all equal.
 
     A group whose rewards span no more than ``atol`` (max - min) gets zero
@@ -113,13 +115,37 @@ def group_has_signal(rewards_NG: Tensor, *, atol: float = 1e-8) -> Tensor:
     Args:
         rewards_NG: ``[N, G]`` rewards.
         atol: largest spread still counted as "all equal".
+        skipped_NG: ``[N, G]`` bool, entries no reward scored (left out of the spread); None = none.
 
     Returns:
-        ``[N]`` bool, True where the group's rewards differ.
+        ``[N]`` bool, True where the group's scored rewards differ.
     """
     rewards_NG = _check_grouped(rewards_NG)
-    spread_N = rewards_NG.amax(dim=1) - rewards_NG.amin(dim=1)
-    return spread_N > atol
+    if skipped_NG is None:
+        return rewards_NG.amax(dim=1) - rewards_NG.amin(dim=1) > atol
+    high_N = rewards_NG.masked_fill(skipped_NG, -math.inf).amax(dim=1)
+    low_N = rewards_NG.masked_fill(skipped_NG, math.inf).amin(dim=1)
+    return (high_N - low_N).nan_to_num(nan=0.0) > atol  # a group with nothing scored: inf - inf, no signal
+
+
+def masked_group_advantages(rewards_NG: Tensor, skipped_NG: Tensor, estimator: Callable[[Tensor], Tensor]) -> Tensor:
+    """Advantages ``[N, G]`` by ``estimator`` (an ``ADVANTAGE_ESTIMATORS`` entry) over each group's scored
+    completions only: complete groups in one call, a group with skipped entries on its ``k`` scored
+    rewards alone (``[1, k]``; zeros when ``k < 2``, nothing to compare), skipped entries 0.
+
+    Args:
+        rewards_NG: ``[N, G]`` float rewards (any value where skipped).
+        skipped_NG: ``[N, G]`` bool, True where no reward function scored the completion.
+        estimator: ``[n, g] -> [n, g]`` advantages.
+    """
+    advantages_NG = estimator(rewards_NG.masked_fill(skipped_NG, 0.0))  # [N, G]; partial groups redone below
+    for g in torch.nonzero(skipped_NG.any(dim=1)).flatten().tolist():
+        keep_G = ~skipped_NG[g]  # [G] bool
+        row_G = torch.zeros_like(rewards_NG[g])  # [G]
+        if int(keep_G.sum()) >= 2:
+            row_G[keep_G] = estimator(rewards_NG[g, keep_G].view(1, -1)).view(-1)  # [1, k] -> [k]
+        advantages_NG[g] = row_G
+    return advantages_NG
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {

@@ -64,4 +64,4 @@ def prompt_instruction(data: DataConfig, rollout: RolloutConfig) -> str:
 
 def _label(path: str) -> str:
     """A short name for problem ids: the last part of a hub id or path, without a file suffix."""
-    return Path(path.rstrip("/")).stem.replace("/", "-") or "dataset"
+    return Path(path.rstrip("/")).stem or "dataset"

@@ -20,8 +20,8 @@ class Problem:
         answer: the gold final answer as text, e.g. ``"68"``, ``"1,250"``, ``"3/4"``; None when the dataset
             has no answer column (a reward may need none).
         id: a stable id, e.g. ``"gsm8k-test-17"`` or ``"arith-add-2d-s0-5"``.
-        columns: every other column of the dataset row (JSON values), passed to reward functions by name;
-            not part of equality.
+        columns: every other column of the dataset row, as `datasets` gives it, passed to reward functions by
+            name; not part of equality.
     """
 
     prompt: str | list[dict[str, str]]

@@ -6,7 +6,7 @@
 deadline per answer); `answers`: where a completion states its answer (`####`, `\\boxed{}`).
 """
 
-from lora_rl_core.rewards.answers import answer_span, extract_answer, has_gsm8k_answer
+from lora_rl_core.rewards.answers import answer_span, has_gsm8k_answer, stated_text
 from lora_rl_core.rewards.builtin import BUILTIN_REWARDS, MathReward, completion_text, format_reward
 from lora_rl_core.rewards.load import load_reward_function
 from lora_rl_core.rewards.score import (
@@ -28,8 +28,8 @@ __all__ = [
     "answer_span",
     "check_answer",
     "completion_text",
-    "extract_answer",
     "format_reward",
     "has_gsm8k_answer",
+    "stated_text",
     "load_reward_function",
 ]

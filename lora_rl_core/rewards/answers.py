@@ -2,8 +2,8 @@
 
 `answer_span` finds the text math-verify should parse (`lora_rl_core.rewards.verify`): the first number after
 the last `####` (GSM8K's convention, which math-verify alone misreads when words follow the number); otherwise
-the whole completion, where math-verify finds a `\\boxed{}` or the last expression itself. `extract_answer` is
-the same rule as a short string (for logs and reports). Number tokens may carry thousands commas, a sign,
+the whole completion, where math-verify finds a `\\boxed{}` or the last expression itself. `stated_text` is
+the answer as text, for gold answers with no math in them. Number tokens may carry thousands commas, a sign,
 decimals, a fraction (`3/4`, `\\frac{3}{4}`), a percent or a currency sign (`$ € £`).
 """
 
@@ -28,32 +28,6 @@ def _boxed_content(text: str) -> str | None:
                 return text[begin + 1 : pos]
         start = text.rfind("\\boxed{", 0, start)
     return None
-
-
-def _last_number(text: str) -> str | None:
-    """Return the last number token in ``text`` (see module docstring), or ``None``."""
-    matches = _NUMBER_RE.findall(text)
-    return matches[-1].strip() if matches else None
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer a completion states, as a short string (for logs and reports).
-
-    Args:
-        text: the completion.
-
-    Returns:
-        The first number after the last ``####``; else the content of the last ``\\boxed{}``; else the last
-        number in the text; else ``None``. Number tokens keep their sign, currency and percent signs.
-    """
-    if "####" in text:
-        found = _NUMBER_RE.search(text.rsplit("####", 1)[1])
-        if found:
-            return found.group(0).strip()
-    boxed = _boxed_content(text)
-    if boxed is not None:
-        return boxed.strip() or None
-    return _last_number(text)
 
 
 def answer_span(text: str) -> str:

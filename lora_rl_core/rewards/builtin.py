@@ -32,8 +32,6 @@ class MathReward:
         verifier: checks answers with math-verify in worker processes (owned by the caller).
     """
 
-    __name__ = "math"
-
     def __init__(self, verifier: MathVerifier) -> None:
         self.verifier = verifier
 

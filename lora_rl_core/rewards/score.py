@@ -23,7 +23,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lora_rl_core.errors import RewardError
@@ -101,7 +101,7 @@ class ScoredRewards:
 
     totals: list[float]
     terms: dict[str, list[float | None]]
-    skipped: list[bool] = field(default_factory=list)
+    skipped: list[bool]
 
     def term_means(self) -> dict[str, float]:
         """Each function's mean over the rows it scored (a function that scored none is left out)."""
@@ -133,6 +133,8 @@ class RewardSet:
             if not isinstance(term.weight, numbers.Real) or not math.isfinite(term.weight):
                 raise RewardError(f"reward {term.name!r} has weight {term.weight!r}; it must be a finite number")
         self.terms = list(terms)
+        self._plain = [t for t in self.terms if not _is_async(t.fn)]
+        self._awaited = [t for t in self.terms if _is_async(t.fn)]
         self.verifier = verifier
         self.timeout_s = timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -179,13 +181,12 @@ class RewardSet:
         Raises:
             RewardError: a function raised, timed out, or returned the wrong count or a non-finite value.
         """
-        values = {t.name: self._call(t, batch) for t in self.terms if not _is_async(t.fn)}  # outside any loop
-        waiting = [t for t in self.terms if _is_async(t.fn)]
-        if waiting:
+        values = {t.name: self._call(t, batch) for t in self._plain}  # outside any event loop
+        if self._awaited:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()  # one loop for the set: clients a function keeps stay usable
-            results = self._loop.run_until_complete(_gather([self._call_async(t, batch) for t in waiting]))
-            values.update((t.name, v) for t, v in zip(waiting, results, strict=True))
+            results = self._loop.run_until_complete(_gather([self._call_async(t, batch) for t in self._awaited]))
+            values.update((t.name, v) for t, v in zip(self._awaited, results, strict=True))
         terms = {t.name: values[t.name] for t in self.terms}
         totals, skipped = [], []
         for i in range(len(batch)):

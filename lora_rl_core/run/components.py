@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import DataConfig, RunConfig
-from lora_rl_core.data import Problem, PromptSampler, load_problems, prompt_instruction
+from lora_rl_core.data import Problem, PromptSampler, load_problems
 from lora_rl_core.engines import BuiltEngine, EngineInputs, InferenceEngine
 from lora_rl_core.engines.registry import build_engine
 from lora_rl_core.errors import DataError, LoraRLError
@@ -54,12 +55,13 @@ def build_rewards(cfg: RunConfig) -> RewardSet:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Check, before any training work, that the data, the reward functions and the model can be had, and that
-    the data has what the rewards need (the built-in `math` reward needs gold answers).
+    """Check, before any training work, that the store, the data, the reward functions and the model can be had,
+    and that the data has what the rewards need (the built-in `math` reward needs gold answers).
 
     Raises:
-        DataError / RewardError / ModelError: with one clear line naming what is wrong.
+        StoreError / DataError / RewardError / ModelError: with one clear line naming what is wrong.
     """
+    cfg.store.build()  # an unknown store protocol or a missing fsspec package
     train = build_problems(cfg.data, "train", cfg.run.seed)
     build_problems(cfg.data, "test", cfg.run.seed)
     build_rewards(cfg).close()
@@ -169,7 +171,6 @@ class RunComponents:
             was started for it (an SGLang server, Ray actors), from the engine registry.
         train_problems / test_problems / sampler: the data.
         rewards: the reward terms (`RewardSet`: it owns the math verifier's worker processes).
-        instruction: appended to each prompt (`rollout.instruction`, else the data source's own).
         runtime: device, dtype and why, CPU threads (`runtime_info`).
         policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
     """
@@ -187,15 +188,17 @@ class RunComponents:
     test_problems: list[Problem]
     sampler: PromptSampler
     rewards: RewardSet
-    instruction: str
     runtime: dict[str, Any]
     policy: PolicyState = field(default_factory=PolicyState)
-    _by_id: dict[str, Problem] = field(default_factory=dict, repr=False)
 
     @property
     def engine(self) -> InferenceEngine:
         """The engine rollouts, syncs and evaluations use."""
         return self.built.engine
+
+    @cached_property
+    def _problems_by_id(self) -> dict[str, Problem]:
+        return {p.id: p for p in self.train_problems}
 
     def problem(self, problem_id: str) -> Problem:
         """The training problem with id `problem_id` (what a rollout row names).
@@ -203,10 +206,8 @@ class RunComponents:
         Raises:
             DataError: no training problem has that id (the data changed since the rollout was written).
         """
-        if not self._by_id:
-            self._by_id.update((p.id, p) for p in self.train_problems)
         try:
-            return self._by_id[problem_id]
+            return self._problems_by_id[problem_id]
         except KeyError:
             raise DataError(
                 f"rollout row names problem {problem_id!r}, which the training data does not have: the data "
@@ -270,6 +271,5 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
         test_problems=test_problems,
         sampler=PromptSampler(train_problems, seed=cfg.run.seed),
         rewards=rewards,
-        instruction=prompt_instruction(cfg.data, cfg.rollout),
         runtime=runtime,
     )

@@ -12,17 +12,16 @@ phase can be re-run, on any machine, from what the previous one left (docs/DESIG
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lora_rl_core.adapters import adapter_name
-from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal
-from lora_rl_core.data import render_prompt, stable_seed
+from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal, masked_group_advantages
+from lora_rl_core.data import prompt_instruction, render_prompt, stable_seed
 from lora_rl_core.engines import GenerationRequest, SamplingParams
 from lora_rl_core.errors import EngineError
-from lora_rl_core.evaluation import PromptStyle, evaluate_policy
+from lora_rl_core.evaluation import evaluate_run_policy
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import (
     Rollout,
@@ -60,8 +59,9 @@ def rollout(run: RunComponents, step: int) -> RolloutStats:
         top_k=r.top_k,
         seed=stable_seed(run.cfg.run.seed, "rollout", step),
     )
+    instruction = prompt_instruction(run.cfg.data, r)
     prompts = [
-        render_prompt(run.tokenizer, p, system_prompt=r.system_prompt, instruction=run.instruction) for p in problems
+        render_prompt(run.tokenizer, p, system_prompt=r.system_prompt, instruction=instruction) for p in problems
     ]
     # The version current now (async mode: maybe older than the trainer's by the time it trains), held until
     # the completions are back so that a sync meanwhile does not retire it.
@@ -115,10 +115,11 @@ def score(run: RunComponents, step: int) -> ScoreStats:
     problems = [run.problem(row.problem_id) for row in rows]
     scored = run.rewards.score(RewardBatch.from_problems(problems, texts, [row.completion_ids for row in rows]))
     group_size = run.cfg.rollout.group_size
-    rewards_NG = torch.tensor(scored.totals, dtype=torch.float64).view(-1, group_size)  # [N, G]
+    rewards_NG = torch.tensor(scored.totals, dtype=torch.float32).view(-1, group_size)  # [N, G]
     skipped_NG = torch.tensor(scored.skipped, dtype=torch.bool).view(-1, group_size)  # [N, G]
-    advantages_NG = group_advantages(rewards_NG.float(), skipped_NG, ADVANTAGE_ESTIMATORS[run.cfg.algorithm.advantage])
-    signal_N = group_has_signal(_fill_skipped(rewards_NG, skipped_NG).float())  # [N] bool: its scored rows differ
+    estimator = ADVANTAGE_ESTIMATORS[run.cfg.algorithm.advantage]
+    advantages_NG = masked_group_advantages(rewards_NG, skipped_NG, estimator)  # [N, G]
+    signal_N = group_has_signal(rewards_NG, skipped_NG=skipped_NG)  # [N] bool: its scored rewards differ
     out = [
         ScoredRollout(
             **row.model_dump(),
@@ -142,31 +143,6 @@ def score(run: RunComponents, step: int) -> ScoreStats:
         skipped=sum(scored.skipped),
         score_seconds=time.perf_counter() - start,
     )
-
-
-def group_advantages(
-    rewards_NG: torch.Tensor, skipped_NG: torch.Tensor, estimator: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """Advantages `[N, G]` by `estimator` (`ADVANTAGE_ESTIMATORS`) over each group's scored completions only:
-    groups with none skipped together, a group with skipped ones on its `k` scored rewards alone (`[1, k]`;
-    zeros when k < 2: no comparison); skipped completions get 0."""
-    advantages_NG = estimator(rewards_NG.masked_fill(skipped_NG, 0.0))  # [N, G]; partial groups redone below
-    for g in torch.nonzero(skipped_NG.any(dim=1)).flatten().tolist():
-        keep_G = ~skipped_NG[g]  # [G] bool
-        row_G = torch.zeros_like(rewards_NG[g])  # [G]
-        if int(keep_G.sum()) >= 2:
-            row_G[keep_G] = estimator(rewards_NG[g, keep_G].view(1, -1)).view(-1)  # [1, k] -> [k]
-        advantages_NG[g] = row_G
-    return advantages_NG
-
-
-def _fill_skipped(rewards_NG: torch.Tensor, skipped_NG: torch.Tensor) -> torch.Tensor:
-    """Rewards with each skipped entry set to the mean of its group's scored ones (0 where none is), so the
-    group's statistics are those of its scored completions. `[N, G]` in and out."""
-    scored_NG = (~skipped_NG).to(rewards_NG.dtype)  # [N, G]
-    counts_N1 = scored_NG.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
-    means_N1 = (rewards_NG * scored_NG).sum(dim=1, keepdim=True) / counts_N1  # [N, 1]
-    return torch.where(skipped_NG, means_N1.expand_as(rewards_NG), rewards_NG)
 
 
 def train(run: RunComponents, step: int) -> TrainStats:
@@ -196,15 +172,4 @@ def train(run: RunComponents, step: int) -> TrainStats:
 def evaluate(run: RunComponents, adapter: str | None) -> dict[str, Any]:
     """Held-out evaluation of `adapter` (None = the base model) with the run's reward functions: greedy
     accuracy, and pass@k / mean@n with `eval.samples_per_prompt` samples (`lora_rl_core.evaluation`)."""
-    cfg = run.cfg
-    return evaluate_policy(
-        run.engine,
-        run.tokenizer,
-        run.test_problems,
-        run.rewards,
-        adapter=adapter,
-        prompt=PromptStyle(cfg.rollout.system_prompt, run.instruction),
-        max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
-        settings=cfg.eval,
-        seed=stable_seed(cfg.run.seed, "eval"),
-    )
+    return evaluate_run_policy(run.engine, run.tokenizer, run.test_problems, run.rewards, run.cfg, adapter=adapter)

@@ -10,6 +10,7 @@ from lora_rl_core.algorithm import (
     drgrpo_advantages,
     group_has_signal,
     grpo_advantages,
+    masked_group_advantages,
     rloo_advantages,
 )
 
@@ -76,3 +77,25 @@ def test_group_size_one_is_rejected_where_undefined(fn):
 
 def test_drgrpo_group_size_one_gives_zeros():
     torch.testing.assert_close(drgrpo_advantages(torch.tensor([[2.0], [5.0]])), torch.zeros(2, 1))
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_advantages_of_a_group_with_skipped_rows_are_those_of_its_scored_rows_alone(name):
+    estimator = ADVANTAGE_ESTIMATORS[name]
+    rewards_NG = torch.tensor([[1.0, 0.0, 9.0, 1.0], [1.0, 0.0, 7.0, 7.0], [3.0, 2.0, 2.0, 5.0]])
+    skipped_NG = torch.tensor([[False, False, True, False], [False, False, True, True], [True, True, True, False]])
+    got = masked_group_advantages(rewards_NG, skipped_NG, estimator)
+    assert torch.allclose(got[0, [0, 1, 3]], estimator(torch.tensor([[1.0, 0.0, 1.0]]))[0]) and got[0, 2] == 0
+    assert torch.allclose(got[1, :2], estimator(torch.tensor([[1.0, 0.0]]))[0]) and got[1, 2:].eq(0).all()
+    assert got[2].eq(0).all()  # one scored row: nothing to compare it with
+    full = torch.tensor([[1.0, 0.0, 2.0, 1.0]])
+    assert torch.allclose(
+        masked_group_advantages(full, torch.zeros(1, 4, dtype=torch.bool), estimator), estimator(full)
+    )
+
+
+def test_the_signal_of_a_group_with_skipped_rows_is_that_of_its_scored_rows():
+    rewards_NG = torch.tensor([[1.0, 0.0, 9.0, 1.0], [5.0, 5.0, 9.0, 5.0], [5.0, 5.0, 5.0, 5.0]])
+    skipped_NG = torch.tensor([[False, False, True, False], [False, False, True, False], [True, True, True, True]])
+    assert group_has_signal(rewards_NG, skipped_NG=skipped_NG).tolist() == [True, False, False]
+    assert group_has_signal(rewards_NG).tolist() == [True, True, False]  # the skipped 9 would count without the mask

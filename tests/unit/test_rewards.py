@@ -18,9 +18,10 @@ from lora_rl_core.rewards import (
     RewardBatch,
     RewardSet,
     RewardTerm,
-    extract_answer,
+    answer_span,
     format_reward,
     load_reward_function,
+    stated_text,
 )
 
 NOT_CALLABLE = 3
@@ -40,28 +41,27 @@ def verifier():
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"),
+    ("text", "span", "stated"),
     [
-        ("She makes 9 * 2 = $<<9*2=18>>18.\n#### 18", "18"),
-        ("#### 1,250", "1,250"),
-        ("first #### 3 then #### 4 and 5", "4"),
-        ("#### -$5.50.", "-$5.50"),
-        ("#### 45%", "45%"),
-        ("#### 3/4", "3/4"),
-        ("#### €5", "€5"),
-        ("#### the answer is .5", ".5"),
-        ("So the answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
-        ("\\boxed{1} then \\boxed{42}", "42"),
-        ("#### none, so \\boxed{7}", "7"),
-        ("16-3-4 = 9 eggs.", "9"),
-        ("It costs $12 and then 3.50 dollars.", "3.50"),
-        ("The temperature is -7 now", "-7"),
-        ("no number here", None),
-        ("", None),
+        ("She makes 9 * 2 = $<<9*2=18>>18.\n#### 18", "18", "18"),
+        ("#### 1,250", "1,250", "1,250"),
+        ("first #### 3 then #### 4 and 5", "4", "4 and 5"),  # the last ####, its first number
+        ("#### -$5.50.", "-$5.50", "-$5.50."),
+        ("#### 45%", "45%", "45%"),
+        ("#### 3/4", "3/4", "3/4"),
+        ("#### €5", "€5", "€5"),
+        ("#### the answer is .5", ".5", "the answer is .5"),
+        ("#### none, so \\boxed{7}", "7", "none, so \\boxed{7}"),
+        ("So the answer is \\boxed{\\frac{1}{2}}.", None, "\\frac{1}{2}"),  # None: the whole text, for math-verify
+        ("\\boxed{1} then \\boxed{42}", None, "42"),
+        ("16-3-4 = 9 eggs.", None, None),
+        ("#### Yes", None, "Yes"),
+        ("", None, None),
     ],
 )
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
+def test_where_a_completion_states_its_answer(text, span, stated):
+    assert answer_span(text) == (text if span is None else span)
+    assert stated_text(text) == (text if stated is None else stated)
 
 
 MATCHES = [
