@@ -33,24 +33,43 @@ class SGLangLaunchConfig(Section):
     """Bind address of the server (loopback: only this machine's run talks to it)."""
     port: int = Field(SGLANG_DEFAULT_PORT, ge=1, le=65535)
     """Port of the server (SGLang's `--port`)."""
-    mem_fraction_static: float | None = Field(0.5, gt=0, lt=1)
-    """Fraction of GPU memory SGLang takes for weights and KV cache (`--mem-fraction-static`); the rest stays
-    for a trainer on the same GPU. None = SGLang's own default (about 0.84 on an 80 GB GPU)."""
-    cuda_graph_max_bs: int | None = Field(32, ge=1)
-    """Largest decode batch captured as a CUDA graph (`--cuda-graph-max-bs-decode`, prefill graphs off);
-    None = `--disable-cuda-graph` (starts faster, decodes ~10x slower for a 135M model)."""
-    attention_backend: str = "triton"
-    """`--attention-backend`; `triton` needs no FlashAttention-3 kernels."""
-    sampling_backend: str = "pytorch"
-    """`--sampling-backend`."""
-    lora_backend: str = "triton"
-    """`--lora-backend`."""
+    mem_fraction_static: float | Literal["auto"] | None = "auto"
+    """Fraction of GPU memory SGLang takes for weights and KV cache (`--mem-fraction-static`). `auto`: sized by
+    the run's memory plan (`lora_rl_core.memory`) from the model, the rollout batch and what a trainer on the
+    same GPU needs; SGLang's own default where no trainer shares the GPU (`lora-rl serve`, split GPUs).
+    None = SGLang's own default (about 0.84 on an 80 GB GPU)."""
+    memory_saver: bool | Literal["auto"] = "auto"
+    """`--enable-memory-saver`: SGLang frees its KV cache during each train phase and takes it back before the
+    next rollout (`/release_memory_occupation`, tag `kv_cache`; base weights and LoRA buffers stay). `auto`:
+    on where a trainer shares the GPU, rollouts are synchronous (the server is idle while training) and the
+    installed SGLang has `torch_memory_saver`."""
+    cuda_graph_max_bs: int | Literal["auto"] | None = "auto"
+    """Largest decode batch captured as a CUDA graph (`--cuda-graph-max-bs-decode`, prefill graphs off). `auto`:
+    the rollout batch (prompts x group size, times the rollouts in flight) or SGLang's own default for the GPU
+    (256 on an 80 GB GPU), whichever is larger; None = `--disable-cuda-graph` (starts faster, decodes ~10x
+    slower)."""
+    attention_backend: str = "auto"
+    """`--attention-backend`. `auto`: SGLang's own choice (FlashAttention-3 on Hopper) where the installed
+    SGLang has its kernels; else `flashinfer` where usable, else `triton` (the offline carry lacks FA3)."""
+    sampling_backend: str = "auto"
+    """`--sampling-backend`. `auto`: SGLang's own choice (`flashinfer`) where usable, else `pytorch`."""
+    lora_backend: str = "auto"
+    """`--lora-backend`. `auto`: SGLang's own default (`csgmv`, chunked SGMV in Triton)."""
     grammar_backend: str = "none"
     """`--grammar-backend`; `none`: rollouts use no constrained decoding."""
     extra_args: list[str] = []
     """Further `sglang.launch_server` arguments, appended as given."""
     startup_timeout_s: float = Field(900.0, gt=0)
     """How long to wait for `/health` after the start, seconds (a cold start with CUDA graphs takes ~3 min)."""
+
+    @model_validator(mode="after")
+    def _in_range(self) -> SGLangLaunchConfig:
+        fraction, graphs = self.mem_fraction_static, self.cuda_graph_max_bs
+        if isinstance(fraction, float) and not 0 < fraction < 1:
+            raise ValueError(f"engine.launch.mem_fraction_static must be in (0, 1), `auto` or null, got {fraction}")
+        if isinstance(graphs, int) and graphs < 1:
+            raise ValueError(f"engine.launch.cuda_graph_max_bs must be >= 1, `auto` or null, got {graphs}")
+        return self
 
 
 class EngineConfig(Section):

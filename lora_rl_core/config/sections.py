@@ -191,10 +191,13 @@ class TrainerConfig(Section):
     sharded); the pre-clip norm is logged as `grad_norm` (TRL `max_grad_norm`, verl `actor.grad_clip`)."""
     micro_batch_size: int = Field(16, ge=1)
     """Sequences per forward/backward pass (gradient accumulation over the rest)."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute activations in the backward pass instead of keeping them: less memory for about one more
-    forward per micro-batch. Off by default; with `world_size` >= 1 it is applied per decoder layer
-    (TRL/transformers `gradient_checkpointing`, verl `model.enable_gradient_checkpointing`)."""
+    forward per micro-batch; with `world_size` >= 1 it is applied per decoder layer (TRL/transformers
+    `gradient_checkpointing`, verl `model.enable_gradient_checkpointing`). `auto`: on where the run's memory
+    plan (`lora_rl_core.memory`) says a micro-batch's activations would not fit the GPU beside what else it
+    holds even at a quarter of `micro_batch_size` (the plan first halves the micro-batch, down to 4: cheaper
+    than recomputing every layer); off on a CPU."""
     world_size: int = Field(0, ge=0)
     """0: train in this process; N >= 1: N persistent FSDP2 worker processes (gloo on CPU, NCCL on GPUs)."""
     device: Literal["cpu", "cuda"] = "cpu"

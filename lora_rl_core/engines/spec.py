@@ -31,6 +31,8 @@ class EngineInputs:
             Ray actors).
         log_dir: where launched servers write their logs (`sglang.log`, `sglang-<i>.log`).
         api_key: the engines' Bearer key; None = the environment variable `engine.api_key_env`.
+        launch_plan: what a launched SGLang resolves its `auto` settings with (`launch.process.LaunchPlan`:
+            rollout batch, the memory plan's fraction and saver); None = SGLang's own defaults.
     """
 
     engine: EngineConfig
@@ -40,6 +42,7 @@ class EngineInputs:
     tokenizer: Any = None
     log_dir: Path | None = None
     api_key: str | None = None
+    launch_plan: Any = None
 
 
 @dataclass

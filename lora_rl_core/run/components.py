@@ -22,11 +22,14 @@ from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import DataConfig, RunConfig
-from lora_rl_core.data import Problem, PromptSampler, load_problems
+from lora_rl_core.data import Problem, PromptSampler, load_problems, prompt_instruction, render_prompt
 from lora_rl_core.engines import BuiltEngine, EngineInputs, InferenceEngine
+from lora_rl_core.engines.launch.probe import probe_sglang
+from lora_rl_core.engines.launch.process import LaunchPlan
 from lora_rl_core.engines.registry import build_engine
 from lora_rl_core.errors import DataError, LoraRLError
 from lora_rl_core.lora import apply_lora
+from lora_rl_core.memory import MemoryPlan, ModelShape, log_plan, plan_memory, sglang_shares_trainer_gpu
 from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
 from lora_rl_core.rewards import RewardSet
 from lora_rl_core.run.rundir import RunDir
@@ -108,6 +111,42 @@ def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer
     return PolicyTrainer.from_config(apply_lora(model, cfg.lora), cfg, pad_id=tokenizer.pad_token_id)
 
 
+def plan_run_memory(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, problems: list[Problem]) -> MemoryPlan:
+    """The run's GPU memory plan (`lora_rl_core.memory.plan_memory`) for the trainer's GPU and a launched
+    SGLang beside it; on a CPU only `auto` settings are resolved (gradient checkpointing off).
+
+    Raises:
+        ConfigError: the run cannot fit the GPU (naming the settings to change).
+        EngineError: the launched SGLang's installation cannot be probed.
+    """
+    device = resolve_device(cfg.trainer.device if cfg.trainer.world_size else cfg.model.device)
+    if device.type != "cuda":
+        return plan_memory(cfg, None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False)
+    colocated = sglang_shares_trainer_gpu(cfg, device)
+    saver = colocated and cfg.engine.launch.memory_saver is not False and probe_sglang(cfg.engine.launch).memory_saver
+    r = cfg.rollout
+    instruction = prompt_instruction(cfg.data, r)
+    prompt_tokens = max(
+        (
+            len(render_prompt(tokenizer, p, system_prompt=r.system_prompt, instruction=instruction))
+            for p in problems[:256]
+        ),
+        default=0,
+    )
+    free, total = torch.cuda.mem_get_info(device)
+    plan = plan_memory(
+        cfg,
+        ModelShape.of(cfg.model, cfg.lora),
+        prompt_tokens=prompt_tokens,
+        gpu_free=free,
+        gpu_total=total,
+        colocated=colocated,
+        saver_available=saver,
+    )
+    log_plan(plan)
+    return plan
+
+
 @dataclass
 class PolicyState:
     """Which adapter version the engines serve for rollouts, which versions rollouts still hold, and the
@@ -171,7 +210,8 @@ class RunComponents:
             was started for it (an SGLang server, Ray actors), from the engine registry.
         train_problems / test_problems / sampler: the data.
         rewards: the reward terms (`RewardSet`: it owns the math verifier's worker processes).
-        runtime: device, dtype and why, CPU threads (`runtime_info`).
+        runtime: device, dtype and why, CPU threads, the memory plan (`runtime_info`).
+        memory: the GPU memory plan (`lora_rl_core.memory`; None on a CPU).
         policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
     """
 
@@ -190,6 +230,25 @@ class RunComponents:
     rewards: RewardSet
     runtime: dict[str, Any]
     policy: PolicyState = field(default_factory=PolicyState)
+    memory: MemoryPlan | None = None
+
+    @contextmanager
+    def engine_memory_released(self) -> Iterator[None]:
+        """Free the KV cache of the SGLang servers this run launched with the memory saver (the memory plan's
+        `memory_saver`: the trainer shares their GPU) for the block, then take it back. The trainer empties its
+        CUDA cache at the end of each step (`PolicyTrainer.train_step`), so what it used is free again first.
+
+        Raises:
+            EngineError: a server refused the release or the resume.
+        """
+        servers = [s for s in self.built.servers if getattr(s, "memory_saver", False)]
+        for server in servers:
+            server.release_memory()
+        try:
+            yield
+        finally:
+            for server in servers:
+                server.resume_memory()
 
     @property
     def engine(self) -> InferenceEngine:
@@ -248,8 +307,25 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
+    memory = plan_run_memory(cfg, tokenizer, train_problems)
+    cfg = cfg.model_copy(
+        update={
+            "trainer": cfg.trainer.model_copy(
+                update={
+                    "gradient_checkpointing": memory.gradient_checkpointing,
+                    "micro_batch_size": memory.micro_batch_size,
+                }
+            )
+        }
+    )
+    if memory.gpu_total:
+        runtime["memory_plan"] = memory.summary()
+        run_dir.write_config({**cfg.model_dump(mode="json"), "runtime": runtime})
     workdir = Path(cfg.run.output_dir) / run_id
-    inputs = EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer, log_dir=workdir)
+    launch = LaunchPlan(memory.rollout_batch, memory.mem_fraction_static, memory.memory_saver)
+    inputs = EngineInputs(
+        cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer, log_dir=workdir, launch_plan=launch
+    )
     with ExitStack() as started:  # on a failure, what was built so far is stopped again
         rewards = build_rewards(cfg)
         started.callback(rewards.close)
@@ -272,4 +348,5 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
         sampler=PromptSampler(train_problems, seed=cfg.run.seed),
         rewards=rewards,
         runtime=runtime,
+        memory=memory if memory.gpu_total else None,
     )

@@ -147,14 +147,17 @@ def score(run: RunComponents, step: int) -> ScoreStats:
 
 def train(run: RunComponents, step: int) -> TrainStats:
     """One policy update on the scored rollouts of `step` (`TrainBatch.from_scored`: stale rows rejected,
-    uniform groups skipped with `skip_uniform_groups`), then a checkpoint every `checkpoint_every` steps."""
+    uniform groups skipped with `skip_uniform_groups`), then a checkpoint every `checkpoint_every` steps. Where
+    the memory plan put SGLang's memory saver on, its KV cache is released for the update
+    (`RunComponents.engine_memory_released`)."""
     maybe_fail("train_step", step, run.run_dir)
     algo = run.cfg.algorithm
     rows = run.run_dir.read_phase("scored", step, ScoredBatch).rows
     batch = TrainBatch.from_scored(
         rows, step=step, max_staleness=algo.max_staleness, skip_uniform=algo.skip_uniform_groups
     )
-    metrics = run.trainer.train_step(batch)
+    with run.engine_memory_released():  # a colocated SGLang's KV cache is free while the trainer trains
+        metrics = run.trainer.train_step(batch)
     checkpointed = step % run.cfg.trainer.checkpoint_every == 0
     if checkpointed:
         save_checkpoint(run, step)

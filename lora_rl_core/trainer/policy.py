@@ -94,7 +94,7 @@ class PolicyTrainer:
         )
         warmup = max(1, trainer.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        if trainer.gradient_checkpointing:
+        if trainer.gradient_checkpointing is True:  # `auto`: resolved by the memory plan (build_run), else off
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
 
@@ -141,6 +141,9 @@ class PolicyTrainer:
             for k, v in self._minibatch_update(batch, rows, plan, old_logprobs).items():
                 sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
         self.scheduler.step()
+        if self.device.type == "cuda":
+            # give the step's activations back to the driver: a colocated SGLang takes its KV cache back next
+            torch.cuda.empty_cache()
         tokens = sum(len(c) for c in batch.completion_ids)
         return {
             **sums,

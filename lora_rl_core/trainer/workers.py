@@ -73,7 +73,7 @@ def build_sharded_trainer(cfg: RunConfig, *, device: torch.device, mixed_precisi
     torch.manual_seed(cfg.run.seed)  # the same LoRA init on every rank and in a single process
     peft_model = apply_lora(model, cfg.lora)
     distributed.shard_model(
-        peft_model, mixed_precision=mixed_precision, activation_checkpointing=cfg.trainer.gradient_checkpointing
+        peft_model, mixed_precision=mixed_precision, activation_checkpointing=cfg.trainer.gradient_checkpointing is True
     )
     unchecked = cfg.trainer.model_copy(update={"gradient_checkpointing": False})  # done by shard_model
     return PolicyTrainer.from_config(

@@ -42,9 +42,14 @@ def test_launch_waits_for_health_renders_the_flags_and_stops_the_group(tmp_path,
         argv = json.loads(record.read_text())["argv"]
         helper = json.loads(record.read_text())["helper_pid"]
         assert argv[argv.index("--model-path") + 1] == str(tiny_model_dir)
-        assert argv[argv.index("--mem-fraction-static") + 1] == "0.5"
-        assert argv[argv.index("--cuda-graph-max-bs-decode") + 1] == "32" and "--enable-lora" in argv
+        # `auto` settings resolved by probing the launch interpreter: the stand-in has no FA3, no FlashInfer,
+        # no GPU, so the Triton/PyTorch fallbacks, SGLang's graph default for an unknown GPU, its own fraction
+        assert "--mem-fraction-static" not in argv and "--enable-memory-saver" not in argv
+        assert argv[argv.index("--cuda-graph-max-bs-decode") + 1] == "160" and "--enable-lora" in argv
         assert argv[argv.index("--attention-backend") + 1] == "triton"
+        assert argv[argv.index("--sampling-backend") + 1] == "pytorch" and "--lora-backend" not in argv
+        log = (tmp_path / "sglang.log").read_text()
+        assert "[lora-rl] command: " in log and "neither FA3 nor a usable FlashInfer" in log
         with HTTPEngine(SGLANG, server.url, timeout_s=60) as engine:
             [done] = engine.generate([GenerationRequest([5, 6, 7], None, SamplingParams(max_new_tokens=2))])
             assert done.finish_reason in ("stop", "length")

@@ -115,18 +115,55 @@ def test_from_config_uses_model_lora_and_engine_sections():
         sglang_launch_command_from_config(cfg.engine, cfg.model, cfg.lora)
 
 
-def test_launch_flags_follow_the_launch_section():
+def test_launch_flags_follow_the_resolved_launch_section():
     from lora_rl_core.config import SGLangLaunchConfig
     from lora_rl_core.engines.launch.command import launch_flags
+    from lora_rl_core.engines.launch.probe import SGLangEnvironment
+    from lora_rl_core.engines.launch.resolve import resolve_launch
 
-    flags = launch_flags(SGLangLaunchConfig())
-    assert flags[flags.index("--mem-fraction-static") + 1] == "0.5"
-    assert flags[flags.index("--cuda-graph-max-bs-decode") + 1] == "32"
+    h100 = SGLangEnvironment(fa3=True, flashinfer=True, gpu_total_bytes=80 * 1024**3, gpu_capability=(9, 0))
+    flags = launch_flags(resolve_launch(SGLangLaunchConfig(), h100, rollout_batch=128, mem_fraction=0.42))
+    assert flags[flags.index("--mem-fraction-static") + 1] == "0.420"
+    assert flags[flags.index("--cuda-graph-max-bs-decode") + 1] == "256"  # SGLang's own default is larger
     assert flags[flags.index("--cuda-graph-backend-prefill") + 1] == "disabled"
-    assert {flags[flags.index(f) + 1] for f in ("--attention-backend", "--lora-backend")} == {"triton"}
-    eager = launch_flags(SGLangLaunchConfig(cuda_graph_max_bs=None, mem_fraction_static=None, extra_args=["--x", "1"]))
+    # SGLang's own backends where it has the kernels: no flag
+    assert not {"--attention-backend", "--sampling-backend", "--lora-backend", "--enable-memory-saver"} & set(flags)
+    eager = launch_flags(
+        resolve_launch(
+            SGLangLaunchConfig(cuda_graph_max_bs=None, mem_fraction_static=None, extra_args=["--x", "1"]), h100
+        )
+    )
     assert "--disable-cuda-graph" in eager and "--cuda-graph-max-bs-decode" not in eager
     assert "--mem-fraction-static" not in eager and eager[-2:] == ["--x", "1"]
+
+
+def test_auto_launch_settings_follow_the_installation_and_the_batch():
+    from lora_rl_core.config import SGLangLaunchConfig
+    from lora_rl_core.engines.launch.command import launch_flags
+    from lora_rl_core.engines.launch.probe import SGLangEnvironment
+    from lora_rl_core.engines.launch.resolve import resolve_launch
+
+    carry = SGLangEnvironment(memory_saver=True, gpu_total_bytes=80 * 1024**3, gpu_capability=(9, 0))  # no FA3
+    resolved = resolve_launch(SGLangLaunchConfig(), carry, rollout_batch=512, mem_fraction=0.3, memory_saver=True)
+    flags = launch_flags(resolved)
+    assert flags[flags.index("--attention-backend") + 1] == "triton"
+    assert flags[flags.index("--sampling-backend") + 1] == "pytorch"
+    assert "--lora-backend" not in flags  # SGLang's csgmv
+    assert flags[flags.index("--cuda-graph-max-bs-decode") + 1] == "512"  # the batch is larger than 256
+    assert "--enable-memory-saver" in flags
+    assert "FA3" in resolved.reasons["attention_backend"]
+    small = SGLangEnvironment(flashinfer=True, gpu_total_bytes=24 * 1024**3, gpu_capability=(8, 9))
+    flags = launch_flags(resolve_launch(SGLangLaunchConfig(), small, rollout_batch=16))
+    assert flags[flags.index("--cuda-graph-max-bs-decode") + 1] == "24"
+    assert flags[flags.index("--attention-backend") + 1] == "flashinfer" and "--sampling-backend" not in flags
+    # explicit settings are kept as given
+    fixed = SGLangLaunchConfig(
+        attention_backend="fa3", cuda_graph_max_bs=64, mem_fraction_static=0.5, memory_saver=False
+    )
+    flags = launch_flags(resolve_launch(fixed, carry, rollout_batch=512, mem_fraction=0.3, memory_saver=True))
+    assert flags[flags.index("--attention-backend") + 1] == "fa3"
+    assert flags[flags.index("--cuda-graph-max-bs-decode") + 1] == "64"
+    assert flags[flags.index("--mem-fraction-static") + 1] == "0.500" and "--enable-memory-saver" not in flags
 
 
 def test_server_command_runs_the_launch_interpreter_on_the_local_folder():
@@ -142,10 +179,14 @@ def test_server_command_runs_the_launch_interpreter_on_the_local_folder():
             "lora": {"rank": 8},
         }
     )
-    argv = sglang_server_command(cfg.engine, cfg.model, cfg.lora, "/models/smollm2")
+    from lora_rl_core.engines.launch.probe import SGLangEnvironment
+    from lora_rl_core.engines.launch.resolve import resolve_launch
+
+    resolved = resolve_launch(cfg.engine.launch, SGLangEnvironment(), mem_fraction=0.25)
+    argv = sglang_server_command(cfg.engine, cfg.model, cfg.lora, "/models/smollm2", resolved)
     assert argv[:3] == ["/opt/py", "-m", "sglang.launch_server"]
     assert flag(argv, "--model-path") == ["/models/smollm2"] and flag(argv, "--port") == ["31234"]
-    assert flag(argv, "--max-lora-rank") == ["8"] and "--mem-fraction-static" in argv
+    assert flag(argv, "--max-lora-rank") == ["8"] and flag(argv, "--mem-fraction-static") == ["0.250"]
 
 
 @pytest.mark.parametrize(

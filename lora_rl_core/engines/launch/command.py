@@ -7,7 +7,8 @@ The flags and their checks mirror sglang 0.5.23 `sglang/srt/arg_groups/fields/lo
 and the eviction policy is `lru` or `fifo` (`EngineConfig` checks that). Pinned adapters are rendered as JSON objects
 `{"lora_name", "lora_path", "pinned": true}`, the others as `NAME=PATH`.
 
-`launch_flags` adds what `engine.launch` sets beyond LoRA (backends, memory fraction, CUDA graphs);
+`launch_flags` adds what the resolved `engine.launch` (`resolve.resolve_launch`) sets beyond LoRA (backends,
+memory fraction and saver, CUDA graphs);
 `sglang_server_command` is the whole argv that `lora_rl_core.engines.launch.process` starts.
 """
 
@@ -23,7 +24,8 @@ from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_DEFAULT_PORT
 from lora_rl_core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig, SGLangLaunchConfig
+    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig
+    from lora_rl_core.engines.launch.resolve import ResolvedLaunch
 
 
 LoraPath = tuple[str, str, bool]  # (name, path, pinned)
@@ -178,13 +180,22 @@ def sglang_launch_command_from_config(
     )
 
 
-def launch_flags(launch: SGLangLaunchConfig) -> list[str]:
-    """The non-LoRA flags of `engine.launch` that made SGLang 0.5.17 start and serve LoRA on one GPU
-    (docs/SGLANG.md, "Launch"): backends, memory fraction, decode CUDA graphs (or none), then `extra_args`."""
-    flags = ["--attention-backend", launch.attention_backend, "--sampling-backend", launch.sampling_backend]
-    flags += ["--lora-backend", launch.lora_backend, "--grammar-backend", launch.grammar_backend]
+def launch_flags(launch: ResolvedLaunch) -> list[str]:
+    """The non-LoRA flags of a resolved `engine.launch` (`resolve.resolve_launch`): backends (omitted where
+    SGLang's own choice stands), memory fraction and saver, decode CUDA graphs (or none), then `extra_args`."""
+    flags: list[str] = []
+    for flag, value in (
+        ("--attention-backend", launch.attention_backend),
+        ("--sampling-backend", launch.sampling_backend),
+        ("--lora-backend", launch.lora_backend),
+        ("--grammar-backend", launch.grammar_backend),
+    ):
+        if value is not None:
+            flags += [flag, value]
     if launch.mem_fraction_static is not None:
-        flags += ["--mem-fraction-static", str(launch.mem_fraction_static)]
+        flags += ["--mem-fraction-static", f"{launch.mem_fraction_static:.3f}"]
+    if launch.memory_saver:
+        flags.append("--enable-memory-saver")
     if launch.cuda_graph_max_bs is None:
         flags.append("--disable-cuda-graph")
     else:
@@ -197,9 +208,11 @@ def launch_flags(launch: SGLangLaunchConfig) -> list[str]:
     return flags + list(launch.extra_args)
 
 
-def sglang_server_command(engine: EngineConfig, model: ModelConfig, lora: LoRAConfig, model_path: str) -> list[str]:
+def sglang_server_command(
+    engine: EngineConfig, model: ModelConfig, lora: LoRAConfig, model_path: str, resolved: ResolvedLaunch
+) -> list[str]:
     """The argv `engine.launch` starts: `sglang_launch_command_from_config` for the local model folder
-    `model_path`, with `engine.launch`'s interpreter, address and flags (`launch_flags`).
+    `model_path`, with `engine.launch`'s interpreter and address and the `resolved` flags (`launch_flags`).
 
     Raises:
         ConfigError: as `sglang_launch_command`.
@@ -213,7 +226,7 @@ def sglang_server_command(engine: EngineConfig, model: ModelConfig, lora: LoRACo
         host=launch.host,
         port=launch.port,
         python=launch.python,
-        extra=launch_flags(launch),
+        extra=launch_flags(resolved),
     )
 
 

@@ -86,7 +86,7 @@ class SGLangReplica:
         engine = inputs.engine.model_copy(update={"launch": launch})
         self.host = launch.host
         self.server: SGLangServer = launch_sglang(
-            engine, inputs.model, inputs.lora, Path(log_dir) / f"sglang-{index}.log"
+            engine, inputs.model, inputs.lora, Path(log_dir) / f"sglang-{index}.log", plan=inputs.launch_plan
         )
         assert self.server.pid is not None
         starter = subprocess.Popen(

@@ -28,7 +28,7 @@ def sglang_engine(inputs: EngineInputs) -> BuiltEngine:
     if inputs.model is None or inputs.lora is None:
         raise ConfigError("engine.launch needs the model and lora sections (EngineInputs)")
     log = (inputs.log_dir or Path.cwd()) / "sglang.log"
-    server = launch_sglang(inputs.engine, inputs.model, inputs.lora, log)
+    server = launch_sglang(inputs.engine, inputs.model, inputs.lora, log, plan=inputs.launch_plan)
     try:
         built = connect(SGLANG, _at(inputs, [server.url]))
     except BaseException:

@@ -1,0 +1,254 @@
+"""Real model sizes on GPUs: the main job's step time for Qwen2.5-1.5B and -7B shapes (issue 22).
+
+Random weights in the published shapes (`benchmarks/model_configs/qwen2.5-<shape>.json`; speed and memory
+need no trained weights), the default config plus only the model path and the batch shape (16 prompts x 8
+samples x 256 new tokens), SGLang launched by the run, 10 steps through the library's step loop
+(`lora_rl_core.run.loop.run_steps` over `RunPhases`, phase by phase as `benchmarks/cpu_step.py` does).
+Random weights score 0 on every problem, so `algorithm.skip_uniform_groups=false` makes every step train
+on all 128 rows as a learning run would.
+
+    one GPU, trainer and SGLang colocated:   python benchmarks/gpu_scale.py --shape 7b
+    two GPUs, SGLang on GPU 0, trainer on GPU 1, async rollouts:   ... --gpus 2
+
+On the offline GPU host (docs/SGLANG.md, "GPU host"): `--sglang-pythonpath /tmp/sglsite` and a tokenizer
+folder `--tokenizer /tmp/models/meta` (SmolLM2's: random weights make any tokenizer right). Writes
+`benchmarks/results/gpu_scale/<shape>-<gpus>gpu.json` and prints a table.
+
+Physical limit (`physical_limit_seconds`): decoding reads every bf16 weight once per new token for the whole
+batch, and training runs at the GPU's dense bf16 peak:
+
+    limit = max_new_tokens x weight_bytes / HBM bandwidth + 6 x params x trained_tokens / peak_flops
+
+(trained tokens: prompt + completion of every row). `mfu` is `6 x params x trained_tokens / train_seconds /
+peak_flops` (the usual 6N per token; LoRA skips the frozen weights' gradients and checkpointing recomputes,
+so the GPU does about 4N-8N). Peaks: H100 SXM 989 TFLOP/s and 3.35 TB/s, H200 989 TFLOP/s and 4.8 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, before torch loads
+import lora_rl_core  # noqa: E402, F401
+
+# isort: split
+import torch  # noqa: E402
+from _common import RESULTS, ROOT, machine_info, model_config, print_table, random_model, write_json  # noqa: E402
+from cpu_step import TimedPhases  # noqa: E402
+
+PHASES = ("rollout", "score", "train", "sync", "publish")
+PEAKS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}  # dense bf16 FLOP/s, HBM bytes/s
+
+
+def build_model(shape: str, tokenizer: Path, out: Path) -> Path:
+    """A random-weight model folder of the shape (config + safetensors + the tokenizer's files)."""
+    if (out / "config.json").exists():
+        return out
+    import shutil
+
+    cfg = model_config(ROOT / "benchmarks" / "model_configs" / f"qwen2.5-{shape}.json")
+    model = random_model(cfg, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    for f in tokenizer.iterdir():
+        if f.name != "config.json" and f.is_file():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+class GpuMemory:
+    """Samples `nvidia-smi`'s used memory of every GPU twice a second (every process: trainer and SGLang)."""
+
+    def __init__(self) -> None:
+        self.peak: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GpuMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+            ).stdout
+            used = [int(x) * 1024**2 for x in out.split()]
+            self.peak = [max(a, b) for a, b in zip(self.peak, used, strict=False)] if self.peak else used
+            self._stop.wait(0.5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["0.5b", "1.5b", "7b"], default="1.5b")
+    p.add_argument("--gpus", type=int, default=1, choices=[1, 2])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--tokenizer", type=Path, default=Path("/tmp/models/meta"))
+    p.add_argument("--models", type=Path, default=Path("/tmp/models"))
+    p.add_argument("--sglang-pythonpath", default=None, help="PYTHONPATH of SGLang's interpreter")
+    p.add_argument("--override", action="append", default=[], help="further config overrides")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+
+    from lora_rl_core.config import load_config
+    from lora_rl_core.records import RolloutBatch
+    from lora_rl_core.run import build_run
+    from lora_rl_core.run.loop import RunPhases, run_steps
+
+    model_dir = build_model(args.shape, args.tokenizer, args.models / f"qwen2.5-{args.shape}-random")
+    work = Path(tempfile.mkdtemp(prefix="gpu-scale-"))
+    env = {"PYTHONPATH": args.sglang_pythonpath} if args.sglang_pythonpath else {}
+    if args.gpus == 2:
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+    overrides = [
+        f"model.name_or_path={model_dir}",
+        "rollout.prompts_per_step=16",
+        "rollout.group_size=8",
+        "rollout.max_new_tokens=256",
+        f"trainer.steps={args.steps}",
+        "engine.type=sglang",
+        "engine.launch.enabled=true",
+        "algorithm.skip_uniform_groups=false",
+    ]
+    if args.gpus == 2:  # SGLang on GPU 0, the trainer on GPU 1, rollouts one step ahead of training
+        overrides += ["model.device=cuda:1", "rollout.mode=async", "engine.tensor_transport=inline"]
+    overrides += args.override
+    shown = [o for o in overrides if not o.startswith("model.name_or_path")]
+    plumbing = [f"run.output_dir={work}", f"store.uri=file://{work}/store", f"engine.launch.env={json.dumps(env)}"]
+    cfg = load_config(None, overrides + plumbing)
+    steps: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    with GpuMemory() as memory:
+        run = build_run(cfg, "gpu-scale")
+        setup_s = time.perf_counter() - start
+        try:
+            with RunPhases(run) as inner:
+                timed = TimedPhases(inner)
+                last = [time.perf_counter()]
+
+                def on_step(m: dict[str, Any]) -> None:
+                    now = time.perf_counter()
+                    times = timed.take()
+                    wall = now - last[0]
+                    last[0] = now
+                    rows = run.run_dir.read_phase("rollouts", m["step"], RolloutBatch).rows
+                    trained = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+                    times["other"] = max(0.0, wall - sum(times.values()))  # async: includes waiting for rollouts
+                    times["rollout"] = m["rollout_seconds"]  # generation time (async: overlapped with training)
+                    steps.append(
+                        {
+                            "step": m["step"],
+                            "step_seconds": wall,
+                            "seconds": times,
+                            "completion_tokens": m["completion_tokens"],
+                            "trained_tokens": trained,
+                        }
+                    )
+                    print(
+                        f"step {m['step']}: {wall:.2f} s { ({k: round(v, 2) for k, v in times.items()}) }", flush=True
+                    )
+
+                run_steps(timed, steps=args.steps, ahead=cfg.rollouts_ahead(), on_step=on_step)
+            plan = run.runtime.get("memory_plan")
+            sglang_log = (run.workdir / "sglang.log").read_text(errors="replace").splitlines()
+        finally:
+            run.close()
+    command = next((ln for ln in sglang_log if ln.startswith("[lora-rl] command:")), "")
+    record = summarize(args, steps, shown, memory.peak, model_dir)
+    record.update(
+        setup_seconds=setup_s, memory_plan=plan, sglang_command=command, steps=steps, machine=machine_info("cuda")
+    )
+    out = args.out or RESULTS / "gpu_scale" / f"{args.shape}-{args.gpus}gpu.json"
+    write_json(record, out)
+    ph = record["phases"]
+    print_table(
+        f"{args.shape} on {args.gpus} x {record['gpu']}: median of steps 2..{args.steps}",
+        ["step s", *ph.keys(), "rollout tok/s", "train tok/s", "MFU", "peak GiB", "limit s", "ratio"],
+        [
+            [
+                record["median_step_seconds"],
+                *ph.values(),
+                record["rollout_tokens_per_second"],
+                record["train_tokens_per_second"],
+                record["mfu"],
+                record["peak_gpu_memory_gib"],
+                record["physical_limit_seconds"],
+                record["limit_ratio"],
+            ]
+        ],
+    )
+
+
+def summarize(
+    args: argparse.Namespace, steps: list[dict[str, Any]], overrides: list[str], peak: list[int], model_dir: Path
+) -> dict[str, Any]:
+    """Medians over the steps after the first (which pays Triton compilation and cold caches)."""
+    timed = steps[1:] or steps
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    phases = {k: med([s["seconds"].get(k, 0.0) for s in timed]) for k in (*PHASES, "other")}
+    gpu = torch.cuda.get_device_name(0)
+    flops, bandwidth = next((v for k, v in PEAKS.items() if k in gpu), PEAKS["H100"])
+    params = sum(v for v in _param_count(model_dir).values())
+    weight_bytes = 2 * params
+    trained = med([s["trained_tokens"] for s in timed])
+    limit = 256 * weight_bytes / bandwidth + 6 * params * trained / flops
+    step_s = med([s["step_seconds"] for s in timed])
+    train_s = phases["train"]
+    return {
+        "gpu": gpu,
+        "gpus": args.gpus,
+        "shape": f"qwen2.5-{args.shape}",
+        "params": params,
+        "prompts_per_step": 16,
+        "group_size": 8,
+        "max_new_tokens": 256,
+        "overrides": overrides,
+        "median_step_seconds": step_s,
+        "phases": phases,
+        "rollout_tokens_per_second": med([s["completion_tokens"] / s["seconds"]["rollout"] for s in timed]),
+        "rollout_mode": "async" if args.gpus == 2 else "sync",
+        "train_tokens_per_second": trained / train_s if train_s else None,
+        "mfu": 6 * params * trained / train_s / flops if train_s else None,
+        "peak_gpu_memory_gib": [round(b / 1024**3, 2) for b in peak],
+        "physical_limit_seconds": limit,
+        "limit_ratio": step_s / limit,
+    }
+
+
+def _param_count(model_dir: Path) -> dict[str, int]:
+    """Elements of every tensor in the model folder's safetensors files (read from their headers)."""
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():  # noqa: SIM118 - safe_open is not a dict
+                n = 1
+                for d in st.get_slice(k).get_shape():
+                    n *= d
+                counts[k] = n
+    return counts
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,343 @@
+"""The GPU memory plan of a run: what the trainer and a colocated SGLang need, decided before step 1.
+
+A run whose trainer and SGLang share one GPU (the default on a one-GPU machine) holds two copies of the base
+weights; the rest goes to SGLang's KV cache during the rollout and to the trainer's activations during the
+train phase. With SGLang's memory saver (`--enable-memory-saver`) the KV cache is freed while the trainer
+trains and taken back before the next rollout (verl does the same in its LoRA mode, verl PR #5769), so the
+two peaks do not add up:
+
+    rollout phase:  engine weights + LoRA pool + engine overhead + KV cache  + trainer resident   <= budget
+    train phase:    engine weights + LoRA pool + engine overhead             + trainer resident
+                                                                             + trainer activations <= budget
+    trainer resident = base weights (bf16) + LoRA weights, gradients and AdamW moments (float32, 16 B each)
+
+Without the saver (async rollouts keep SGLang busy while training, or `torch_memory_saver` is missing) the
+KV cache and the activations add up. `plan_memory` chooses `trainer.gradient_checkpointing` (`auto`: on only
+where a micro-batch's activations would not fit even halved down to `MIN_MICRO_BATCH`; the micro-batch is
+halved as far as needed either way),
+SGLang's `--mem-fraction-static` (`auto`: weights plus the KV cache this plan gives it) and the memory saver,
+and raises `ConfigError` naming the settings to change where even checkpointed activations do not fit. The
+estimates (bytes) are deliberately simple:
+
+    activations per token and decoder layer, kept for backward:  34 h + 8 I bytes (bf16 matmul inputs kept
+        for the LoRA branches, float32 RMSNorm inputs, SDPA q/k/v/out, SwiGLU gate/up/act), h = hidden size,
+        I = intermediate size (Korthikanti et al. 2022, "Reducing Activation Recomputation", section 4,
+        for the method; the coefficients counted for PEFT LoRA on Llama/Qwen2 blocks with frozen bases)
+    with gradient checkpointing per decoder layer: 2 h bytes per token and layer, plus one layer's set
+    logits of the completion positions: 20 V bytes per token (bf16 head output, float32 copy, log-softmax,
+        entropy, their gradient), V = vocabulary size
+    KV cache: 2 (K and V) x layers x kv heads x head dim x 2 bytes per token
+
+The plan's figures are logged and written to the run's `run.json` (`runtime.memory_plan`), so a run that
+does not fit can be compared against it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from lora_rl_core.config import LoRAConfig, ModelConfig, RunConfig
+from lora_rl_core.errors import ConfigError
+
+GIB = 1024**3
+_log = logging.getLogger(__name__)
+
+CUDA_CONTEXT_BYTES = int(0.75 * GIB)
+"""A CUDA context and the libraries it loads (cuBLAS, NCCL handles), per process."""
+SAFETY_BYTES = 2 * GIB
+"""Left free on the GPU: allocator fragmentation, NCCL and cuBLAS workspaces, estimate error."""
+ENGINE_OVERHEAD_BYTES = int(2.5 * GIB)
+"""SGLang outside its static pool, besides prefill activations: its CUDA context, decode CUDA graphs, sampling."""
+MIN_MICRO_BATCH = 4
+"""The smallest micro-batch the plan halves to before it turns on gradient checkpointing instead."""
+SGLANG_CHUNKED_PREFILL = 8192
+"""SGLang's `--chunked-prefill-size` on an 80 GB GPU (sglang 0.5.17 `_handle_gpu_memory_settings`)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a causal LM and of its LoRA adapter that the memory plan reads.
+
+    Attributes:
+        params: base parameters (embeddings and head included).
+        lora_params: trainable LoRA parameters for the run's `lora` section.
+        hidden / intermediate / layers / vocab: `hidden_size`, `intermediate_size`, `num_hidden_layers`,
+            `vocab_size`.
+        kv_dim: key/value width per token and layer (`num_key_value_heads x head_dim`).
+    """
+
+    params: int
+    lora_params: int
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    kv_dim: int
+
+    @classmethod
+    def of(cls, model: ModelConfig, lora: LoRAConfig) -> ModelShape:
+        """Read the model's config (no weights) and count its parameters on the meta device.
+
+        Raises:
+            ModelError: the model folder cannot be had.
+            ConfigError: `lora.target_modules` names no linear module of the model.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from lora_rl_core.lora import resolve_target_modules
+        from lora_rl_core.models import model_folder
+
+        config = AutoConfig.from_pretrained(model_folder(model), trust_remote_code=model.trust_remote_code)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
+        targets = set(resolve_target_modules(meta, lora))
+        lora_params = sum(
+            lora.rank * (mod.in_features + mod.out_features)
+            for name, mod in meta.named_modules()
+            if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+        )
+        text = getattr(config, "text_config", None) or config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(
+            params=sum(p.numel() for p in meta.parameters()),
+            lora_params=lora_params,
+            hidden=text.hidden_size,
+            intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
+            layers=text.num_hidden_layers,
+            vocab=text.vocab_size,
+            kv_dim=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+        )
+
+    def weight_bytes(self, dtype_bytes: int = 2) -> int:
+        """The base weights, bytes."""
+        return self.params * dtype_bytes
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV cache per token, all layers, bytes."""
+        return 2 * self.layers * self.kv_dim * dtype_bytes
+
+    def activation_bytes(self, tokens: int, frame_tokens: int, *, checkpointing: bool) -> int:
+        """Peak activation memory of one micro-batch's forward and backward (module docstring), bytes.
+
+        Args:
+            tokens: padded tokens of the micro-batch (`[batch, seq]` numel).
+            frame_tokens: positions whose logits are kept (the completions).
+            checkpointing: gradient checkpointing per decoder layer.
+        """
+        per_layer = 34 * self.hidden + 8 * self.intermediate
+        body = (
+            tokens * (2 * self.hidden * self.layers + per_layer) if checkpointing else tokens * per_layer * self.layers
+        )
+        return body + frame_tokens * 20 * self.vocab
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the run's GPU memory allows, decided before step 1 (module docstring). Sizes in bytes.
+
+    Attributes:
+        gradient_checkpointing: the trainer's setting (resolved from `auto`).
+        micro_batch_size: sequences per forward/backward pass: `trainer.micro_batch_size`, halved where it
+            does not fit and `gradient_checkpointing` is `auto` (without checkpointing not below
+            `MIN_MICRO_BATCH`).
+        mem_fraction_static: SGLang's `--mem-fraction-static`; None = SGLang's own (no trainer beside it).
+        memory_saver: SGLang frees its KV cache during each train phase.
+        rollout_batch: sequences decoded at once (prompts x group size x rollouts in flight).
+        colocated: trainer and SGLang share one GPU.
+        gpu_total: the trainer's GPU memory; 0 on a CPU.
+        trainer_resident / activations / engine_fixed / kv_cache / kv_needed: the plan's figures.
+    """
+
+    gradient_checkpointing: bool
+    micro_batch_size: int
+    mem_fraction_static: float | None = None
+    memory_saver: bool = False
+    rollout_batch: int = 0
+    colocated: bool = False
+    gpu_total: int = 0
+    trainer_resident: int = 0
+    activations: int = 0
+    engine_fixed: int = 0
+    kv_cache: int = 0
+    kv_needed: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        """The plan as JSON-safe values, sizes in GiB (for logs and `run.json`)."""
+        return {
+            k: round(v / GIB, 2) if isinstance(v, int) and not isinstance(v, bool) and v > 4096 else v
+            for k, v in asdict(self).items()
+        }
+
+
+def rollout_batch(cfg: RunConfig) -> int:
+    """Sequences an engine decodes at once: prompts x group size x rollouts in flight (1 + `rollouts_ahead`)."""
+    return cfg.rollout.prompts_per_step * cfg.rollout.group_size * (1 + cfg.rollouts_ahead())
+
+
+def plan_memory(
+    cfg: RunConfig,
+    shape: ModelShape | None,
+    *,
+    prompt_tokens: int,
+    gpu_free: int,
+    gpu_total: int,
+    colocated: bool,
+    saver_available: bool,
+) -> MemoryPlan:
+    """The run's memory plan (module docstring); pure arithmetic, no GPU touched.
+
+    Args:
+        cfg: the run (trainer, rollout, engine sections).
+        shape: the model's sizes; None when the trainer is on a CPU (then only `auto` values are resolved).
+        prompt_tokens: the longest rendered prompt, tokens.
+        gpu_free / gpu_total: the trainer's GPU before anything of this run is on it, bytes.
+        colocated: a launched SGLang shares the trainer's GPU.
+        saver_available: the installed SGLang has `torch_memory_saver`.
+
+    Raises:
+        ConfigError: the trainer (and SGLang beside it) cannot fit, naming the settings to change.
+    """
+    batch = rollout_batch(cfg)
+    checkpointing = cfg.trainer.gradient_checkpointing
+    if shape is None:
+        return MemoryPlan(
+            gradient_checkpointing=checkpointing is True,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+            rollout_batch=batch,
+        )
+    r, t, launch = cfg.rollout, cfg.trainer, cfg.engine.launch
+    world = max(1, t.world_size)
+    seq = prompt_tokens + r.max_new_tokens
+    resident = shape.weight_bytes() // world + shape.lora_params * 16 + CUDA_CONTEXT_BYTES
+    budget = gpu_free - SAFETY_BYTES
+    kv_needed = batch * seq * shape.kv_bytes_per_token()
+    engine_fixed = kv = 0
+    saver = False
+    fraction: float | None = None
+    if colocated:
+        prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2
+        lora_pool = cfg.engine.max_loras_per_batch * shape.lora_params * 2
+        engine_fixed = shape.weight_bytes() + lora_pool + ENGINE_OVERHEAD_BYTES + prefill
+        saver = (launch.memory_saver is True) or (
+            launch.memory_saver == "auto" and saver_available and cfg.rollout.mode == "sync"
+        )
+    room = budget - resident - engine_fixed  # for the KV cache and the activations
+    if colocated and isinstance(launch.mem_fraction_static, float):
+        kv = int(launch.mem_fraction_static * gpu_total) - shape.weight_bytes() - (gpu_total - gpu_free)
+    elif colocated:
+        kv = max(int(kv_needed * 1.5), GIB)
+    train_room = room if saver else room - kv
+
+    def act(micro: int, ckpt: bool) -> int:
+        return shape.activation_bytes(micro * seq, micro * (r.max_new_tokens + 1), checkpointing=ckpt)
+
+    micro = min(t.micro_batch_size, r.prompts_per_step * r.group_size)
+    if checkpointing == "auto":
+        # Without recomputation where a micro-batch of at least MIN_MICRO_BATCH fits (halving it costs less than
+        # the ~1/3 more compute of recomputing every layer), else with it, at the largest halving that fits.
+        checkpointing = act(_fit(micro, MIN_MICRO_BATCH, lambda m: act(m, False) <= train_room), False) > train_room
+        micro = _fit(micro, MIN_MICRO_BATCH if not checkpointing else 1, lambda m: act(m, checkpointing) <= train_room)
+    needed = act(micro, bool(checkpointing))
+    if needed > train_room or (colocated and kv < kv_needed):
+        raise ConfigError(
+            _does_not_fit(
+                cfg,
+                shape,
+                {c: act(micro, c) for c in (False, True)},
+                train_room,
+                kv,
+                kv_needed,
+                colocated,
+                gpu_total,
+                micro,
+                seq,
+            )
+        )
+    if colocated:
+        if saver and launch.mem_fraction_static == "auto":
+            kv = max(kv, room - GIB)  # the whole rollout-phase room: it is freed while the trainer trains
+        fraction = min(0.95, (kv + shape.weight_bytes() + (gpu_total - gpu_free)) / gpu_total)
+    return MemoryPlan(
+        gradient_checkpointing=bool(checkpointing),
+        micro_batch_size=micro,
+        mem_fraction_static=fraction,
+        memory_saver=saver,
+        rollout_batch=batch,
+        colocated=colocated,
+        gpu_total=gpu_total,
+        trainer_resident=resident,
+        activations=needed,
+        engine_fixed=engine_fixed,
+        kv_cache=kv,
+        kv_needed=kv_needed,
+    )
+
+
+def _fit(micro: int, smallest: int, fits: Any) -> int:
+    """`micro` halved until `fits(micro)` or it reaches `smallest`."""
+    while micro > smallest and not fits(micro):
+        micro //= 2
+    return micro
+
+
+def _does_not_fit(
+    cfg: RunConfig,
+    shape: ModelShape,
+    act: dict[bool, int],
+    room: int,
+    kv: int,
+    kv_needed: int,
+    colocated: bool,
+    total: int,
+    micro: int,
+    seq: int,
+) -> str:
+    g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    what = (
+        f"the rollout batch's KV cache needs {g(kv_needed)} but SGLang gets {g(kv)}"
+        if colocated and kv < kv_needed and act[True] <= room
+        else f"a micro-batch of {micro} sequences x {seq} tokens needs {g(act[False])} of activations "
+        f"({g(act[True])} with gradient checkpointing) and {g(room)} are left"
+    )
+    beside = " beside SGLang's copy of the model" if colocated else ""
+    return (
+        f"this run does not fit the GPU ({g(total)}, a {shape.params / 1e9:.1f}B-parameter model{beside}): {what}. "
+        "Lower trainer.micro_batch_size or rollout.max_new_tokens, set trainer.gradient_checkpointing: true, "
+        + (
+            "lower or unset engine.launch.mem_fraction_static, set rollout.mode: sync (frees the KV cache while "
+            "training), or put SGLang on another GPU (engine.launch.env: {CUDA_VISIBLE_DEVICES: '1'})"
+            if colocated
+            else "or use more GPUs (trainer.world_size)"
+        )
+    )
+
+
+def physical_gpu(device: torch.device, visible: str | None) -> str:
+    """The physical GPU id a process's `device` is, given its `CUDA_VISIBLE_DEVICES` (None: all visible)."""
+    index = device.index or 0
+    ids = [v.strip() for v in visible.split(",")] if visible else None
+    return ids[index] if ids and index < len(ids) else str(index)
+
+
+def sglang_shares_trainer_gpu(cfg: RunConfig, trainer_device: torch.device) -> bool:
+    """A launched SGLang (one server, tensor parallel 1) runs on the trainer's GPU: its first visible GPU
+    (`engine.launch.env`'s `CUDA_VISIBLE_DEVICES`, else this process's) is the trainer's (FSDP ranks: any of
+    `cuda:0 .. world_size - 1`)."""
+    e = cfg.engine
+    if trainer_device.type != "cuda" or e.type != "sglang" or not e.launch.enabled or e.ray_replicas:
+        return False
+    ours = os.environ.get("CUDA_VISIBLE_DEVICES")
+    server = physical_gpu(torch.device("cuda", 0), e.launch.env.get("CUDA_VISIBLE_DEVICES", ours))
+    ranks = range(max(1, cfg.trainer.world_size)) if cfg.trainer.world_size else [trainer_device.index or 0]
+    return any(physical_gpu(torch.device("cuda", i), ours) == server for i in ranks)
+
+
+def log_plan(plan: MemoryPlan) -> None:
+    """Log the plan's figures (GiB) at INFO."""
+    _log.info("memory plan: %s", plan.summary())

@@ -1,0 +1,118 @@
+"""The GPU memory plan (`lora_rl_core.memory`): what fits beside a colocated SGLang, decided before step 1."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_rl_core.config import LoRAConfig, ModelConfig
+from lora_rl_core.config.load import config_from_dict
+from lora_rl_core.errors import ConfigError
+from lora_rl_core.memory import GIB, ModelShape, plan_memory, sglang_shares_trainer_gpu
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "model_configs"
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> dict[str, ModelShape]:
+    out = {}
+    for name in ("1.5b", "7b"):
+        folder = tmp_path_factory.mktemp(name)
+        shutil.copy(CONFIGS / f"qwen2.5-{name}.json", folder / "config.json")
+        out[name] = ModelShape.of(ModelConfig(name_or_path=str(folder)), LoRAConfig())
+    return out
+
+
+def _cfg(mode: str = "sync", **trainer) -> object:
+    return config_from_dict(
+        {
+            "rollout": {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 256, "mode": mode},
+            "engine": {"type": "sglang", "launch": {"enabled": True}},
+            "trainer": trainer,
+        }
+    )
+
+
+def _plan(cfg, shape, gib: float = 79.1, saver: bool = True):
+    total = int(gib * GIB)
+    return plan_memory(
+        cfg, shape, prompt_tokens=150, gpu_free=total, gpu_total=total, colocated=True, saver_available=saver
+    )
+
+
+def test_shapes_are_counted_from_the_config(shapes):
+    assert 7.5e9 < shapes["7b"].params < 7.7e9 and 1.5e9 < shapes["1.5b"].params < 1.6e9
+    # rank 16 on the 7 linear modules of 28 layers: 16 x (in + out) each
+    assert shapes["7b"].lora_params == 16 * 28 * (3584 * 4 + 512 * 2 + 3584 + 3584 + (3584 + 18944) * 3)
+    assert shapes["7b"].kv_bytes_per_token() == 2 * 28 * 512 * 2
+
+
+def test_a_7b_model_with_the_default_config_fits_one_80gb_gpu(shapes):
+    plan = _plan(_cfg(), shapes["7b"])
+    assert plan.memory_saver and plan.colocated
+    # micro-batch 16 would need ~57 GiB of activations: halved to 8 instead of recomputing every layer
+    assert plan.micro_batch_size == 8 and not plan.gradient_checkpointing
+    assert plan.kv_cache >= plan.kv_needed
+    assert 0.3 < plan.mem_fraction_static < 0.95
+    # both phases within the GPU: the KV cache is released while training
+    budget = int(79.1 * GIB)
+    assert plan.engine_fixed + plan.kv_cache + plan.trainer_resident < budget
+    assert plan.engine_fixed + plan.trainer_resident + plan.activations < budget
+
+
+def test_without_the_memory_saver_the_kv_cache_and_activations_add_up(shapes):
+    saver = _plan(_cfg(), shapes["7b"])
+    async_plan = _plan(_cfg("async"), shapes["7b"])  # SGLang is busy while training: nothing released
+    assert not async_plan.memory_saver and async_plan.rollout_batch == 256
+    assert async_plan.mem_fraction_static < saver.mem_fraction_static
+    budget = int(79.1 * GIB)
+    total = async_plan.engine_fixed + async_plan.kv_cache + async_plan.trainer_resident + async_plan.activations
+    assert total < budget
+
+
+def test_checkpointing_turns_on_where_a_small_micro_batch_does_not_fit(shapes):
+    halved = _plan(_cfg(micro_batch_size=16), shapes["7b"], gib=60.0)
+    assert halved.micro_batch_size == 4 and not halved.gradient_checkpointing
+    plan = _plan(_cfg(micro_batch_size=16), shapes["7b"], gib=50.0)  # not even 4 sequences: recompute instead
+    assert plan.gradient_checkpointing and 1 <= plan.micro_batch_size <= 16
+    explicit = _plan(_cfg(micro_batch_size=16, gradient_checkpointing=False), shapes["1.5b"])
+    assert explicit.micro_batch_size == 16 and not explicit.gradient_checkpointing
+
+
+def test_a_run_that_cannot_fit_says_so_naming_the_settings(shapes):
+    with pytest.raises(ConfigError) as err:
+        _plan(_cfg(), shapes["7b"], gib=24.0)
+    message = str(err.value)
+    assert "does not fit the GPU" in message and "7.6B" in message
+    for setting in ("trainer.micro_batch_size", "rollout.max_new_tokens", "engine.launch.mem_fraction_static"):
+        assert setting in message
+    with pytest.raises(ConfigError, match="activations"):
+        _plan(_cfg(micro_batch_size=128, gradient_checkpointing=False), shapes["7b"])
+
+
+def test_on_a_cpu_auto_checkpointing_is_off():
+    plan = plan_memory(_cfg(), None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False)
+    assert plan.gradient_checkpointing is False and plan.micro_batch_size == 16 and plan.mem_fraction_static is None
+
+
+def test_sglang_on_another_gpu_is_not_colocated(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = _cfg()
+    assert sglang_shares_trainer_gpu(cfg, torch.device("cuda", 0))
+    assert not sglang_shares_trainer_gpu(cfg, torch.device("cuda", 1))
+    split = config_from_dict(
+        {"engine": {"type": "sglang", "launch": {"enabled": True, "env": {"CUDA_VISIBLE_DEVICES": "1"}}}}
+    )
+    assert sglang_shares_trainer_gpu(split, torch.device("cuda", 1))
+    assert not sglang_shares_trainer_gpu(split, torch.device("cuda", 0))
+    assert not sglang_shares_trainer_gpu(cfg, torch.device("cpu"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert sglang_shares_trainer_gpu(
+        config_from_dict(
+            {"engine": {"type": "sglang", "launch": {"enabled": True, "env": {"CUDA_VISIBLE_DEVICES": "3"}}}}
+        ),
+        torch.device("cuda", 1),
+    )
