@@ -75,6 +75,8 @@ class AdapterNames:
             HTTPError: 404 for a reference to an unknown run, version or tag; 400 for a malformed reference,
                 a tag on a server without a store, or a plain name that is not loaded (SGLang's message).
         """
+        if all(name is None for name in names):
+            return list(names)  # the base model alone: nothing to list
         listed = list(self.engine.list_adapters())
         done: dict[str | None, str | None] = {None: None}
         for name in names:
