@@ -171,7 +171,8 @@ def serve(
         str | None, typer.Option(help="the base model's id in /v1/models (default: the model folder's name)")
     ] = None,
 ) -> None:
-    """Serve the config's model through the SGLang HTTP API subset (/generate, LoRA load/unload, /metrics).
+    """Serve the config's model through the SGLang HTTP API subset (/generate, LoRA load/unload, /metrics) and
+    OpenAI's /v1/completions and /v1/chat/completions; an adapter may be named RUN@latest, RUN@N or RUN@TAG.
 
     Model, engine limits (engine.max_loras_per_batch, max_loaded_loras, eviction_policy, max_lora_rank,
     max_batch_size, timeout_s) and the store (loads by RUN@VERSION) come from the config and its overrides,

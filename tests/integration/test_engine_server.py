@@ -192,9 +192,10 @@ def test_load_and_unload_by_path(client, tok, adapters, tmp_path):
     r = client.post("/load_lora_adapter", json=load)
     assert r.status_code == 200
     assert r.json() == {"success": True, "error_message": None, "loaded_adapters": {"run-v000001": str(folder)}}
-    base_card, card = client.get("/v1/models").json()["data"]
+    base_card, card, alias = client.get("/v1/models").json()["data"]
     assert base_card["id"] == SERVED and base_card["parent"] is None
     assert (card["id"], card["root"], card["parent"], card["version"]) == ("run-v000001", str(folder), SERVED, 1)
+    assert (alias["id"], alias["alias_of"], alias["version"]) == ("run@latest", "run-v000001", 1)
     assert card["sha256"] == hashlib.sha256((folder / "adapter_model.safetensors").read_bytes()).hexdigest()
 
     again = client.post("/load_lora_adapter", json=load)
@@ -258,7 +259,7 @@ def test_bad_adapters_are_rejected_and_active_keeps_serving(client, tok, adapter
     evil = client.post("/load_lora_adapter", json={"lora_name": "../evil", "lora_path": str(good)})
     assert evil.status_code == 400 and "bad adapter name" in evil.json()["error"]["message"]
 
-    assert [c["id"] for c in client.get("/v1/models").json()["data"]] == [SERVED, "run-v000001"]
+    assert [c["id"] for c in client.get("/v1/models").json()["data"]] == [SERVED, "run-v000001", "run@latest"]
     assert [o["output_ids"] for o in client.post("/generate", json=request).json()] == before
 
 

@@ -123,10 +123,11 @@ def _abort_reason(finish: Any, reason: str | None) -> str:
 
 def adapters_from_models(answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """`/v1/models` -> adapters: cards with a `parent`, name -> {path (the card's `root`), version, and any
-    of sha256, in_flight, pinned, resident the server reports}."""
+    of sha256, in_flight, pinned, resident the server reports}. Our server's alias cards (`RUN@latest`, with
+    `alias_of`) name no adapter of their own and are left out."""
     out = {}
     for card in answer.get("data") or []:
-        if card.get("parent") is None:
+        if card.get("parent") is None or card.get("alias_of") is not None:
             continue
         extra = {k: card[k] for k in _CARD_EXTRAS if card.get(k) is not None}
         out[card["id"]] = {"path": card.get("root"), "version": adapter_version(card["id"]), **extra}

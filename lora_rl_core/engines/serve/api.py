@@ -4,7 +4,8 @@ Request bodies mirror the structs of sglang 0.5.23 `sglang/srt/managers/io_struc
 `LoadLoRAAdapterReqInput`, `LoadLoRAAdapterFromTensorsReqInput`, `UnloadLoRAAdapterReqInput`,
 `PauseGenerationReqInput`, `AbortReq`) as pydantic models; only the sampling params are strict (an unknown
 field is a 400). Errors are answered as SGLang does, `{"error": {"message": ...}}` with HTTP 400 for a
-refused request (`install_error_handlers`). `generate_output` shapes one completion as an element of
+refused request, and on `/v1/` routes as OpenAI does, `{"error": {"message", "type", "param", "code"}}`
+(`install_error_handlers`). `generate_output` shapes one completion as an element of
 SGLang's `/generate` answer. `EngineServer` (`lora_rl_core.engines.serve.app`) and its adapter routes
 (`serve.adapters`) use these; docs/SGLANG.md is the contract.
 """
@@ -26,6 +27,7 @@ from lora_rl_core.engines.base import Completion, SamplingParams
 from lora_rl_core.errors import LoraRLError
 
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
+OPENAI_PREFIX = "/v1/"  # routes whose errors take OpenAI's shape
 
 
 class SamplingIn(BaseModel):
@@ -106,12 +108,15 @@ class AbortIn(BaseModel):
 
 
 class HTTPError(Exception):
-    """An error answered as `{"error": {"message": ...}}` with `status`."""
+    """An error answered as `{"error": {"message": ...}}` with `status` (on `/v1/` routes in OpenAI's shape,
+    with `param`, the request field at fault, and `code`)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param
+        self.code = code
 
 
 def error_response(status: int, message: str, **extra: Any) -> JSONResponse:
@@ -119,9 +124,28 @@ def error_response(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": {"message": message}, **extra}, status_code=status)
 
 
+def openai_error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """OpenAI's error answer: `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"message": message, "type": kind, "param": param, "code": code}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def _answer(
+    request: Request, status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """The error in the shape of the route asked: OpenAI's under `/v1/`, else SGLang's."""
+    if request.url.path.startswith(OPENAI_PREFIX):
+        return openai_error_response(status, message, param=param, code=code)
+    return error_response(status, message)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error in SGLang's shape: `HTTPError` with its status, `LoraRLError` (an engine refusal)
-    and request validation errors with 400, Starlette's own (404, 405) with theirs."""
+    """Answer every error in SGLang's shape (OpenAI's on `/v1/` routes): `HTTPError` with its status,
+    `LoraRLError` (an engine refusal) and request validation errors with 400, Starlette's own (404, 405)
+    with theirs."""
     handlers: dict[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]] = {
         HTTPError: _on_http_error,
         LoraRLError: _on_engine_error,
@@ -231,17 +255,19 @@ def _decode(tokenizer: Any, ids: list[int], skip_special: bool) -> str:
 
 
 async def _on_http_error(request: Request, exc: HTTPError) -> JSONResponse:
-    return error_response(exc.status, exc.message)
+    return _answer(request, exc.status, exc.message, exc.param, exc.code)
 
 
 async def _on_engine_error(request: Request, exc: LoraRLError) -> JSONResponse:
-    return error_response(400, str(exc))
+    return _answer(request, 400, str(exc))
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-    return error_response(400, "invalid request: " + "; ".join(parts))
+    errors = exc.errors()
+    fields = [".".join(str(p) for p in e["loc"][1:] if p is not None) for e in errors]  # loc[0] is "body"
+    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors]
+    return _answer(request, 400, "invalid request: " + "; ".join(parts), next((f for f in fields if f), None))
 
 
 async def _on_starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail))
+    return _answer(request, exc.status_code, str(exc.detail))

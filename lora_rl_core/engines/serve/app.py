@@ -27,20 +27,27 @@ Choices made here:
 * `/abort_request` also takes `abort_message` (a field of SGLang's `AbortReq` that SGLang's
   endpoint ignores): one of the protocol's `ABORT_REASONS`, given to the engine's `abort` and
   answered as the aborted requests' `finish_reason.message` (default `aborted`).
+* `lora_path` (and the OpenAI endpoints' `model`) may name a reference, `RUN@latest` (the newest version of
+  RUN loaded here), `RUN@N` or `RUN@TAG`, resolved when the call is admitted and held until it ends
+  (`serve.names`, `EngineServer.complete_named`); `meta_info.lora_path` says which version served it.
 * `lora_path` may also be `store://RUN@VERSION` (the engine loads it from its store on first use),
   and `/load_lora_adapter` takes any fsspec URI, a store version folder (`AdapterRef.uri`, read
   sha256-verified by the engine), or, with `--store`, `RUN@VERSION` / an adapter name.
 * `/v1/models` adapter cards carry extra fields (`version`, `sha256` of the safetensors bytes
-  this server loaded, `in_flight`, `pinned`, `resident`) that SGLang clients ignore.
+  this server loaded, `in_flight`, `pinned`, `resident`) that SGLang clients ignore; a card per
+  `RUN@latest` alias follows them, with `alias_of` naming the version it resolves to now.
+* OpenAI-compatible `/v1/completions` and `/v1/chat/completions` (`serve.openai_api`) serve the same
+  engine with `model` naming the base model or an adapter; errors on `/v1/` routes take OpenAI's shape.
 * `/metrics` is Prometheus text read from `engine.metrics()` at scrape time (a fresh
   `CollectorRegistry` per app), names prefixed `lora_rl_` (`serve.metrics`).
 
 Modules: this one holds `EngineServer` (the routes: generation, control, info), `create_app`, the bind
 check and `serve`; `api` the request bodies, error answers and output shape; `adapters` the
-adapter load/unload routes; `metrics` the Prometheus collector.
+adapter load/unload routes; `names` the adapter references; `openai_api` the OpenAI routes; `metrics`
+the Prometheus collector.
 
-Left out: streaming (`stream: true` is a 400), OpenAI-compatible `/v1/completions`, input
-logprobs and top-k logprobs, stop strings and penalties (unknown sampling fields are a 400).
+Left out: streaming (`stream: true` is a 400), input logprobs and top-k logprobs, stop strings and
+penalties on `/generate` (unknown sampling fields are a 400; `/v1/` routes apply stop strings).
 """
 
 from __future__ import annotations
@@ -66,7 +73,6 @@ from lora_rl_core.engines.base import (
     GenerationRequest,
     InferenceEngine,
     SamplingParams,
-    unknown_adapter_message,
 )
 from lora_rl_core.engines.serve.adapters import AdapterRoutes
 from lora_rl_core.engines.serve.api import (
@@ -83,12 +89,15 @@ from lora_rl_core.engines.serve.api import (
     run_blocking,
 )
 from lora_rl_core.engines.serve.metrics import server_registry
+from lora_rl_core.engines.serve.names import AdapterNames, is_reference, latest_aliases
+from lora_rl_core.engines.serve.openai_api import OpenAIRoutes
 from lora_rl_core.errors import LoraRLError
 
 if TYPE_CHECKING:
     from lora_rl_core.config import EngineConfig, ModelConfig, StoreConfig
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # as SGLANG_HEALTH_CHECK_TIMEOUT
+RESOLVE_ATTEMPTS = 3  # resolutions of one call that raced a sync retiring the version resolved (`complete_named`)
 
 
 class EngineServer:
@@ -134,6 +143,9 @@ class EngineServer:
         self.adapters = AdapterRoutes(
             engine, store=store, control_timeout_s=control_timeout_s, load_seconds=load_seconds
         )
+        self.names = AdapterNames(engine, store=store)
+        bases = dict.fromkeys([served_model_name, self.model_path])
+        self.openai = OpenAIRoutes(self.complete_named, tokenizer=tokenizer, base_names=list(bases))
 
     def app(self) -> FastAPI:
         """A FastAPI app serving the SGLang subset plus `/metrics`."""
@@ -149,6 +161,8 @@ class EngineServer:
             ("/flush_cache", self.flush_cache, ["GET", "POST"], control),
             ("/abort_request", self.abort_request, ["POST"], control),
             ("/v1/models", self.models, ["GET"], []),
+            ("/v1/completions", self.openai.completions, ["POST"], []),
+            ("/v1/chat/completions", self.openai.chat_completions, ["POST"], []),
             ("/health", self.health, ["GET"], []),
             ("/health_generate", self.health_generate, ["GET"], []),
             ("/model_info", self.model_info, ["GET"], []),
@@ -170,41 +184,70 @@ class EngineServer:
     # ------------------------------------------------------------- generation
 
     async def generate(self, body: GenerateIn) -> Any:
-        """`POST /generate`: complete each prompt `n` times with its adapter."""
+        """`POST /generate`: complete each prompt `n` times with its adapter (`lora_path`: a name or a
+        reference such as `RUN@latest`, `serve.names`)."""
         if body.stream:
             raise HTTPError(400, "stream=true is not supported by this server: send stream=false")
         prompts, batch = prompt_ids(body, self.tokenizer)
         sampling = per_prompt(body.sampling_params or SamplingIn(), len(prompts), "sampling_params")
         adapters = per_prompt(body.lora_path, len(prompts), "lora_path")
         rids = [rid or os.urandom(16).hex() for rid in per_prompt(body.rid, len(prompts), "rid")]
-        requests = self._requests(prompts, sampling, adapters, rids)
-        try:
-            await self._check_adapters({r.adapter for r in requests if r.adapter is not None})
-            completions = await self._complete(requests)
-        finally:
-            for rid in rids:
-                self.rids.pop(rid, None)
+        completions = await self.complete_named(prompts, sampling, adapters, rids)
         outs = [self._output(c, s, body) for c, s in zip(completions, expand_samples(sampling), strict=True)]
         return outs if batch or len(outs) > 1 else outs[0]
 
-    def _requests(self, prompts: list, sampling: list, adapters: list, rids: list[str]) -> list[GenerationRequest]:
-        """Prompt-major requests (SGLang's order); the samples of rid R are `R-0`, `R-1`, ... when n > 1."""
+    async def complete_named(
+        self, prompts: list[list[int]], sampling: list[SamplingIn], names: list[str | None], rids: list[str]
+    ) -> list[Completion]:
+        """Resolve the adapter each prompt names (`AdapterNames`) and complete each prompt `n` times, in
+        SGLang's prompt-major order; `rids` are the prompts' client request ids (for `/abort_request`).
+
+        The resolution is held from submission: the engine counts each request in flight from then, and a
+        sync never retires a version in flight. One race is left: a sync retires the version a reference
+        named between the resolution and the submission (the requests then fail at submission, or end
+        aborted `adapter_unloaded` at admission, never having run). Such a call is resolved and run again,
+        whole, under fresh request ids (at most `RESOLVE_ATTEMPTS` times), so one resolution serves a call.
+
+        Raises:
+            HTTPError: as `AdapterNames.resolve`; 504 when generation did not end after its deadline.
+            LoraRLError: the engine refused a request (answered 400).
+        """
+        for attempt in range(RESOLVE_ATTEMPTS):
+            last = attempt == RESOLVE_ATTEMPTS - 1 or not any(is_reference(n) for n in names)
+            adapters = await run_blocking(self.control_timeout_s, self.names.resolve, names)
+            requests = self._requests(prompts, sampling, adapters, rids, attempt)
+            try:
+                completions = await self._complete(requests)
+            except LoraRLError:
+                if last or not await self._retired(names, adapters):
+                    raise
+                continue
+            finally:
+                for rid in rids:
+                    self.rids.pop(rid, None)
+            unloaded = any(c.abort_reason == "adapter_unloaded" for c in completions)
+            if last or not unloaded or not await self._retired(names, adapters):
+                return completions
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _retired(self, names: list[str | None], adapters: list[str | None]) -> bool:
+        """Whether a version that a reference of `names` resolved to (in `adapters`) is no longer loaded."""
+        listed = await run_blocking(self.control_timeout_s, self.engine.list_adapters)
+        resolved = {a for n, a in zip(names, adapters, strict=True) if is_reference(n)}
+        return any(a is not None and not a.startswith(STORE_URI_PREFIX) and a not in listed for a in resolved)
+
+    def _requests(
+        self, prompts: list, sampling: list, adapters: list, rids: list[str], attempt: int = 0
+    ) -> list[GenerationRequest]:
+        """Prompt-major requests (SGLang's order); the samples of rid R are `R-0`, `R-1`, ... when n > 1, and
+        carry a suffix `.A` on attempt A > 0."""
         requests = []
         for prompt, params, adapter, rid in zip(prompts, sampling, adapters, rids, strict=True):
             ids = [rid] if params.n == 1 else [f"{rid}-{j}" for j in range(params.n)]
+            ids = [f"{i}.{attempt}" for i in ids] if attempt else ids
             self.rids[rid] = ids
             requests += [GenerationRequest(list(prompt), adapter, params.to_params(), request_id=i) for i in ids]
         return requests
-
-    async def _check_adapters(self, names: set[str]) -> None:
-        """SGLang's 400 for a name that is not registered (`store://` names are the engine's to resolve)."""
-        names = {n for n in names if not n.startswith(STORE_URI_PREFIX)}
-        if not names:
-            return
-        loaded = await run_blocking(self.control_timeout_s, self.engine.list_adapters)
-        unknown = sorted(names - set(loaded))
-        if unknown:
-            raise HTTPError(400, unknown_adapter_message(unknown[0], list(loaded)))
 
     async def _complete(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Submit every request and wait until `request_timeout_s`; requests unfinished then are aborted and
@@ -274,13 +317,18 @@ class EngineServer:
     # ------------------------------------------------------------- info
 
     async def models(self) -> JSONResponse:
-        """`GET /v1/models`: the base model, then one card per adapter (`parent` = base model)."""
+        """`GET /v1/models`: the base model, one card per adapter (`parent` = base model), then one per alias
+        `RUN@latest` (`alias_of` = the newest loaded version of RUN; SGLang clients read it as an adapter,
+        ours skip it)."""
         listed = await run_blocking(self.control_timeout_s, self.engine.list_adapters)
         cards = [self._card(self.served_model_name, self.model_path, None, {})]
         cards += [
             self._card(name, self.adapters.root(name, info), self.served_model_name, info)
             for name, info in listed.items()
         ]
+        for alias, name in latest_aliases(listed).items():
+            card = self._card(name, self.adapters.root(name, listed[name]), self.served_model_name, listed[name])
+            cards.append({**card, "id": alias, "alias_of": name})
         return JSONResponse({"object": "list", "data": cards})
 
     def _card(self, name: str, root: str, parent: str | None, info: dict[str, Any]) -> dict[str, Any]:
