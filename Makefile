@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/smollm2-arith-grpo.yaml
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast lint clean
+.PHONY: install run test test-fast lint clean install-gpu run-gpu
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,22 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# A GPU machine with internet: SGLang and the CUDA torch it pins (no CPU torch first), then a Qwen2.5-1.5B GSM8K run
+# with SGLang launched beside the trainer. GPU_STAMP keeps the CPU and GPU installs of one checkout apart.
+GPU_STAMP := $(VENV)/.installed-gpu
+GPU_CONFIG ?= configs/qwen2.5-1.5b-gsm8k-gpu.yaml
+
+$(GPU_STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[gpu,s3,ray,dev]"
+	touch $(GPU_STAMP)
+
+install-gpu: $(GPU_STAMP)
+
+run-gpu: install-gpu
+	$(VENV)/bin/lora-rl train -c $(GPU_CONFIG)
 
 clean:
 	rm -rf $(VENV) runs

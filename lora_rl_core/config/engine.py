@@ -3,6 +3,7 @@ may launch (`engine.launch`)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -25,8 +26,13 @@ class SGLangLaunchConfig(Section):
 
     enabled: bool = False
     """Launch the server; `engine.urls` must then be empty (the run talks to the server it started)."""
-    python: str = "python3"
-    """Interpreter that runs `-m sglang.launch_server` (SGLang may live in another environment than ours)."""
+    python: str | None = None
+    """Interpreter that runs `-m sglang.launch_server`; None = the one running lora-rl (`make install-gpu` puts
+    SGLang beside it). SGLang may live in another environment than ours: name its interpreter here."""
+
+    def interpreter(self) -> str:
+        """`python`, or this process's interpreter."""
+        return self.python or sys.executable
     env: dict[str, str] = {}
     """Extra environment of the server process, e.g. `{PYTHONPATH: /opt/sglang-site}`."""
     host: str = "127.0.0.1"

@@ -225,7 +225,7 @@ def sglang_server_command(
         model_path=model_path,
         host=launch.host,
         port=launch.port,
-        python=launch.python,
+        python=launch.interpreter(),
         extra=launch_flags(resolved),
     )
 

@@ -112,7 +112,7 @@ def probe_sglang(launch: SGLangLaunchConfig, timeout_s: float = 180.0) -> SGLang
         EngineError: the interpreter cannot be run, or has no `sglang` (naming `engine.launch.python` and
             `engine.launch.env`, which say where SGLang lives).
     """
-    return _probe(launch.python, tuple(sorted(launch.env.items())), timeout_s)
+    return _probe(launch.interpreter(), tuple(sorted(launch.env.items())), timeout_s)
 
 
 @lru_cache(maxsize=8)
