@@ -30,9 +30,6 @@ class SGLangLaunchConfig(Section):
     """Interpreter that runs `-m sglang.launch_server`; None = the one running lora-rl (`make install-gpu` puts
     SGLang beside it). SGLang may live in another environment than ours: name its interpreter here."""
 
-    def interpreter(self) -> str:
-        """`python`, or this process's interpreter."""
-        return self.python or sys.executable
     env: dict[str, str] = {}
     """Extra environment of the server process, e.g. `{PYTHONPATH: /opt/sglang-site}`."""
     host: str = "127.0.0.1"
@@ -76,6 +73,10 @@ class SGLangLaunchConfig(Section):
         if isinstance(graphs, int) and graphs < 1:
             raise ValueError(f"engine.launch.cuda_graph_max_bs must be >= 1, `auto` or null, got {graphs}")
         return self
+
+    def interpreter(self) -> str:
+        """`python`, or this process's interpreter."""
+        return self.python or sys.executable
 
 
 class EngineConfig(Section):
