@@ -183,10 +183,20 @@ def train(run: RunComponents, step: int) -> TrainStats:
         checkpointed=checkpointed,
         version_lag=batch.version_lag,
     )
-    state = checkpoint_state(run, step) if checkpointed else None
-    label = f"the checkpoint of step {step}" if checkpointed else f"the train record of step {step}"
-    run.writer.submit(f"{label} of run {run.run_id}", functools.partial(_write_trained, run, step, stats, state))
+    record_train(run, step, stats)
     return stats
+
+
+def record_train(run: RunComponents, step: int, stats: TrainStats) -> None:
+    """Hand step `step`'s stats and, when `stats.checkpointed`, a snapshot of the checkpoint (taken now) to the
+    run's writer, which writes the stats first, then the checkpoint.
+
+    Raises:
+        BackgroundWriteError: an earlier background write failed.
+    """
+    state = checkpoint_state(run, step) if stats.checkpointed else None
+    label = f"the checkpoint of step {step}" if state is not None else f"the train record of step {step}"
+    run.writer.submit(f"{label} of run {run.run_id}", functools.partial(_write_trained, run, step, stats, state))
 
 
 def _write_trained(run: RunComponents, step: int, stats: TrainStats, state: dict[str, Any] | None) -> None:
