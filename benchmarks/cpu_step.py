@@ -140,6 +140,10 @@ class TimedPhases:
         """Timed `train`."""
         return self._timed("train", self.inner.train, step)
 
+    def flush(self) -> None:
+        """Not timed: after the last step (the store writes still queued then)."""
+        self.inner.flush()
+
 
 def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
     """Mean seconds per phase over the steps after `warmup`, completions/s of the rollout phase."""

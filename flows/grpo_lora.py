@@ -2,10 +2,11 @@
 
 Reads like the algorithm: open the run, measure the base model, run the steps (the library's step loop,
 `lora_rl_core.run.loop.run_steps`: publish and sync version 0, then per step rollout -> score -> train ->
-publish -> sync, each phase a Prefect task), and finally measure the trained adapter and write the report
-and artifacts. With `rollout.mode: async` the loop submits the rollouts of the next
-`algorithm.max_staleness` steps as task futures before a step trains, so they are generated while it trains,
-each with the version current when it starts (docs/DESIGN.md, "Asynchronous rollouts").
+publish -> sync, each phase a Prefect task, the checkpoint and version uploads running in the background
+until `flush_writes`), and finally measure the trained adapter and write the report and artifacts. With
+`rollout.mode: async` the loop submits the rollouts of the next `algorithm.max_staleness` steps as task
+futures before a step trains, so they are generated while it trains, each with the version current when it
+starts (docs/DESIGN.md, "Asynchronous rollouts").
 Runs on an ephemeral Prefect server when no `PREFECT_API_URL` is set.
 """
 

@@ -18,6 +18,7 @@ import datetime as _dt
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -98,11 +99,15 @@ class CheckpointStore:
         base = f"{self._root}/{validate_run_id(run_id)}/checkpoints"
         return base if step is None else f"{base}/step-{step:06d}"
 
-    def save(self, run_id: str, step: int, state: dict[str, Any]) -> str:
+    def save(
+        self, run_id: str, step: int, state: dict[str, Any], *, before_manifest: Callable[[], None] | None = None
+    ) -> str:
         """Write the checkpoint of `step` (files first, manifest last); returns its folder path.
 
         Leftovers of an attempt that died before its manifest are overwritten; an existing complete
         checkpoint of the same step loses its manifest first, so no reader mixes old and new files.
+        `before_manifest` is called with the files written and the manifest not yet (fault-injection tests
+        crash the writer there).
 
         Raises:
             TypeError: `state` holds something that is neither a tensor nor a JSON scalar.
@@ -115,6 +120,8 @@ class CheckpointStore:
             self._io.rm(f"{folder}/manifest.json")
         for name, data in blobs.items():
             self._io.put(f"{folder}/{name}", data)
+        if before_manifest is not None:
+            before_manifest()
         manifest = {
             "run_id": run_id,
             "step": step,

@@ -32,6 +32,11 @@ class StoreError(LoraRLError):
     """An adapter store object is missing, malformed or fails its checksum."""
 
 
+class BackgroundWriteError(StoreError):
+    """A version or checkpoint written to the store in the background failed (the message names it and the
+    cause; what was stored before it is intact, and the run resumes from there)."""
+
+
 class EngineError(LoraRLError):
     """An inference engine rejected a request (unknown adapter, bad params)."""
 

@@ -1,9 +1,11 @@
 """Fault injection for resume tests: `LORA_RL_FAULT=phase:step[:mode]`.
 
 `phase` is a step phase (`rollout`, `score`, `train_step`, `publish_adapter`,
-`sync_engines`), `step` the step number, `mode` one of `raise` (default: raise
-`InjectedFault`), `kill` (SIGKILL this process, as `kill -9` would) or
-`hang` (sleep up to an hour, so a test can kill the worker). Several faults
+`sync_engines`) or a background write (`checkpoint`; `publish_adapter` fires in
+the version's upload, with its files written and its manifest not), `step` the
+step number, `mode` one of `raise` (default: raise `InjectedFault`), `kill`
+(SIGKILL this process, as `kill -9` would) or `hang` (sleep up to an hour, so a
+test can kill the worker). Several faults
 are separated by commas. A fault fires once per run: a marker object
 `<store>/<run>/faults/<phase>-<step>` records that it fired, so a retried
 flow run goes past it.

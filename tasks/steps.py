@@ -4,14 +4,18 @@
 Tasks take the run id and small values and return small typed records (`lora_rl_core.records` stats,
 `AdapterRef`s); models, engines and tensors stay in the run's components, which `tasks.registry` keeps.
 
-Resume: step tasks persist their results with cache keys that name the run,
-the task and the step (`<run>-rollout-000007`), in result storage next to
-the run in the adapter store (`step_tasks(result_storage)`). A retried flow
-run, or a new flow run with the same run id, takes finished steps from the
-cache (their task runs show `Cached`) and resumes with the first unfinished
-one; `open_run` restores the trainer from the newest checkpoint. `train_step`
-is cached only on checkpoint steps, so a cached update always has a checkpoint
-behind it.
+Resume: `rollout` and `score` persist their results with cache keys that name
+the run, the task and the step (`<run>-rollout-000007`), in result storage next
+to the run in the adapter store (`step_tasks(result_storage)`). A retried flow
+run, or a new flow run with the same run id, takes them from the cache (their
+task runs show `Cached`); `open_run` restores the trainer from the newest
+checkpoint. `train_step` and `publish_adapter` are not cached: they return as
+soon as their snapshot is handed to the run's store writer, before the store
+holds it, so a cached result could name a checkpoint or version a crash never
+let land. The library answers them from the store instead: a step the restored
+checkpoint holds replays its recorded stats, a version the store holds is
+returned as stored (`lora_rl_core.run.phases.train`, `versions.publish`).
+`flush_writes` waits for the writes at the end of the steps (and on a failure).
 """
 
 from __future__ import annotations
@@ -39,11 +43,6 @@ def _step_key(context: Any, params: dict[str, Any]) -> str:
     return f"{params['run_id']}-{context.task.name}-{int(params['step']):06d}"
 
 
-def _train_key(context: Any, params: dict[str, Any]) -> str | None:
-    every = registry.get_run(params["run_id"]).cfg.trainer.checkpoint_every
-    return _step_key(context, params) if params["step"] % every == 0 else None
-
-
 def _eval_key(context: Any, params: dict[str, Any]) -> str:
     return f"{params['run_id']}-evaluate-{params['adapter'] or 'base'}"
 
@@ -66,23 +65,25 @@ def score(run_id: str, step: int) -> ScoreStats:
     return phases.score(registry.get_run(run_id), step)
 
 
-@task(name="train_step", task_run_name="train_step-{step}", cache_key_fn=_train_key, persist_result=True)
+@task(name="train_step", task_run_name="train_step-{step}", **_NO_CACHE)
 def train_step(run_id: str, step: int) -> TrainStats:
-    """One policy update on the step's scored rollouts (checkpointed every `checkpoint_every` steps)."""
+    """One policy update on the step's scored rollouts; its record and checkpoint (every `checkpoint_every`
+    steps) are written in the background. A step the restored checkpoint holds replays its recorded stats."""
     return phases.train(registry.get_run(run_id), step)
 
 
-@task(
-    name="publish_adapter",
-    task_run_name="publish_adapter-{step}",
-    cache_key_fn=_step_key,
-    persist_result=True,
-    retries=2,
-    retry_delay_seconds=2,
-)
+@task(name="publish_adapter", task_run_name="publish_adapter-{step}", **_NO_CACHE)
 def publish_adapter(run_id: str, step: int, metrics: dict[str, Any]) -> AdapterRef:
-    """Publish the current LoRA weights as immutable version `step` (idempotent on retry)."""
+    """Publish the current LoRA weights as immutable version `step`: returns its ref at once, the upload runs
+    in the background (a version already in the store is returned as stored). Not retried: the store retries
+    transient errors itself, and a failed background write fails the run until it is resumed."""
     return versions.publish(registry.get_run(run_id), step, metrics)
+
+
+@task(name="flush_writes", **_NO_CACHE)
+def flush_writes(run_id: str) -> None:
+    """Wait until every train record, checkpoint and version of the run is in the store; raise a failed one."""
+    versions.flush(registry.get_run(run_id))
 
 
 @task(name="sync_engines", **_NO_CACHE)
@@ -134,6 +135,7 @@ class StepTasks:
     train_step: Task[..., TrainStats]
     publish_adapter: Task[..., AdapterRef]
     sync_engines: Task[..., SyncStats]
+    flush_writes: Task[..., None]
     evaluate: Task[..., dict[str, Any]]
     write_report: Task[..., str]
 
@@ -144,9 +146,10 @@ def step_tasks(storage: WritableFileSystem) -> StepTasks:
         open_run=open_run,
         rollout=rollout.with_options(result_storage=storage),
         score=score.with_options(result_storage=storage),
-        train_step=train_step.with_options(result_storage=storage),
-        publish_adapter=publish_adapter.with_options(result_storage=storage),
+        train_step=train_step,
+        publish_adapter=publish_adapter,
         sync_engines=sync_engines,
+        flush_writes=flush_writes,
         evaluate=evaluate.with_options(result_storage=storage),
         write_report=write_report,
     )
@@ -184,3 +187,7 @@ class TaskPhases:
     def train(self, step: int) -> TrainStats:
         """The `train_step` task."""
         return self.t.train_step(self.run_id, step)
+
+    def flush(self) -> None:
+        """The `flush_writes` task."""
+        self.t.flush_writes(self.run_id)

@@ -214,6 +214,13 @@ class TrainerConfig(Section):
     of a step are a function of `run.seed` and the step, so no data cursor is saved."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept in the store; older ones are deleted."""
+    background_publish: bool = True
+    """Write each step's adapter version and checkpoint to the store on a background thread while the next
+    rollout runs (the engines take the new version from memory at once: `engine.sync: tensor`; a sync that
+    reads the store waits for its version). The snapshot is taken at once; one thread writes in step order,
+    at most one step behind; a failed write fails the run at the next step, naming the version or checkpoint,
+    and a resume redoes it (docs/DESIGN.md, "Publish and checkpoint in the background"). False writes them
+    inside the train and publish phases."""
 
 
 class DataConfig(Section):

@@ -15,11 +15,13 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lora_rl_core.config import EngineConfig
 from lora_rl_core.engines.embedded.build import embedded_engine
 from lora_rl_core.engines.launch.ray_replicas import start_ray_replicas
 from lora_rl_core.engines.launch.sglang import sglang_engine, sglang_replicas
 from lora_rl_core.engines.remote.connect import connect
 from lora_rl_core.engines.remote.dialect import SERVER
+from lora_rl_core.engines.remote.transport import sglang_tensor_load_reads_folder
 from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
 from lora_rl_core.errors import ConfigError
 
@@ -34,18 +36,29 @@ class EngineKind:
         build: the engine in this process (or the clients of remote ones).
         replicate: `engine.ray_replicas` replicas as Ray actors; None = the kind has no replicas
             (`EngineConfig` refuses `ray_replicas` for it).
+        tensor_load_reads_folder: whether loading a version given as tensors makes the engine read the
+            version's published folder (then a sync waits for the version's write to the store); default never.
     """
 
     build: Builder
     replicate: Builder | None = None
+    tensor_load_reads_folder: Callable[[EngineConfig], bool] = lambda cfg: False
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
     "embedded": EngineKind(build=embedded_engine, replicate=functools.partial(start_ray_replicas, embedded_engine)),
     "server": EngineKind(build=functools.partial(connect, SERVER)),
-    "sglang": EngineKind(build=sglang_engine, replicate=sglang_replicas),
+    "sglang": EngineKind(
+        build=sglang_engine, replicate=sglang_replicas, tensor_load_reads_folder=sglang_tensor_load_reads_folder
+    ),
 }
 """Every engine kind, by `EngineConfig.type`."""
+
+
+def sync_reads_folder(cfg: EngineConfig) -> bool:
+    """Whether syncing a version to `cfg`'s engines reads its published folder from the store (`sync: store`,
+    or a tensor load the kind routes through the folder), so the sync must wait for the version's write."""
+    return cfg.sync == "store" or ENGINE_KINDS[cfg.type].tensor_load_reads_folder(cfg)
 
 
 def build_engine(inputs: EngineInputs) -> BuiltEngine:

@@ -11,6 +11,7 @@ import random
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -33,8 +34,9 @@ from lora_rl_core.memory import MemoryPlan, ModelShape, log_plan, plan_memory, s
 from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
 from lora_rl_core.rewards import RewardSet
 from lora_rl_core.run.rundir import RunDir
+from lora_rl_core.run.writer import StoreWriter
 from lora_rl_core.runtime import configure_threads, cpu_threads
-from lora_rl_core.store import AdapterStore, validate_run_id
+from lora_rl_core.store import AdapterRef, AdapterStore, validate_run_id
 from lora_rl_core.trainer import PolicyTrainer, Trainer
 from lora_rl_core.trainer.workers import TrainerWorkers
 
@@ -147,6 +149,39 @@ def plan_run_memory(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, problems
     return plan
 
 
+@dataclass(frozen=True)
+class PublishedVersion:
+    """The last published version as the trainer made it, for the tensor sync path, and its write to the store.
+
+    Attributes:
+        ref: the version.
+        tensors / config: its PEFT-keyed CPU tensors (a copy: later train steps do not change them) and its
+            PEFT config.
+        stored: done once the version is in the store (`StoreWriter.submit`); `result()` raises
+            `BackgroundWriteError` if writing it failed.
+    """
+
+    ref: AdapterRef
+    tensors: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    stored: Future[None]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What `lora_rl_core.run.resume.restore` found when the run opened (0 and None for a fresh run).
+
+    Attributes:
+        step: the checkpoint step the trainer was restored from. Its update and every earlier one are in the
+            trainer: the train phase of such a step replays the stats it recorded instead of training again.
+        newest_version: the newest adapter version then in the store. Publishing a version up to it returns
+            the stored one (versions are immutable; a resumed run re-derives the same weights).
+    """
+
+    step: int = 0
+    newest_version: int | None = None
+
+
 @dataclass
 class PolicyState:
     """Which adapter version the engines serve for rollouts, which versions rollouts still hold, and the
@@ -154,12 +189,12 @@ class PolicyState:
 
     Attributes:
         version: the policy version rollouts use; None until version 0 is synced.
-        pending: `(tensors, peft_config)` of the last published version, for the tensor sync path
-            (`engine.sync: tensor`); dropped once synced.
+        pending: the last version published from the trainer, for the tensor sync path (`engine.sync:
+            tensor`) and for a sync that must wait for its write to the store; dropped once synced.
     """
 
     version: int | None = None
-    pending: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+    pending: PublishedVersion | None = None
     _holds: Counter[int] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -211,8 +246,11 @@ class RunComponents:
         train_problems / test_problems / sampler: the data.
         rewards: the reward terms (`RewardSet`: it owns the math verifier's worker processes).
         runtime: device, dtype and why, CPU threads, the memory plan (`runtime_info`).
+        writer: writes train records, checkpoints and adapter versions to the store, in step order, on a
+            background thread (`trainer.background_publish`) or at once.
         memory: the GPU memory plan (`lora_rl_core.memory`; None on a CPU).
         policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
+        restored: what the run resumed from (`lora_rl_core.run.resume.restore` sets it).
     """
 
     cfg: RunConfig
@@ -229,7 +267,9 @@ class RunComponents:
     sampler: PromptSampler
     rewards: RewardSet
     runtime: dict[str, Any]
+    writer: StoreWriter
     policy: PolicyState = field(default_factory=PolicyState)
+    restored: Restored = Restored()
     memory: MemoryPlan | None = None
 
     @contextmanager
@@ -274,12 +314,14 @@ class RunComponents:
             ) from None
 
     def close(self) -> None:
-        """Stop the trainer's worker processes, then the engine (its worker thread, or its HTTP clients) and what
-        was started for it (`engine.launch`'s SGLang server, Ray actors)."""
+        """Wait for the store writes still queued and stop the writer's thread, then stop the trainer's worker
+        processes, then the engine (its worker thread, or its HTTP clients) and what was started for it
+        (`engine.launch`'s SGLang server, Ray actors)."""
         with ExitStack() as stack:  # closes in reverse order, each one even if an earlier one raised
             stack.callback(self.rewards.close)
             stack.callback(self.built.close)
             stack.callback(self.trainer.close)
+            stack.callback(self.writer.close)
 
 
 def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
@@ -349,4 +391,5 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
         rewards=rewards,
         runtime=runtime,
         memory=memory if memory.gpu_total else None,
+        writer=StoreWriter(background=cfg.trainer.background_publish),
     )

@@ -3,6 +3,14 @@
     publish(0) -> sync                                     the fresh, no-op LoRA is version 0
     for step k = 1 .. steps:
         rollout(k) -> score(k) -> train(k) -> publish(k) -> sync
+    flush                                                  every version and checkpoint is in the store
+
+Train and publish take their snapshots at once and hand the store writes (step k's train record and
+checkpoint, then version k) to the run's writer, which writes them in order on one background thread while
+the next rollout runs (`trainer.background_publish`); sync gives the engines the new version from memory
+(docs/DESIGN.md, "Publish and checkpoint in the background"). A failed write is raised by the next train or
+publish, or by `flush`, which the loop calls at the end, and on a failure before it raises, so nothing is
+still being written when the loop returns.
 
 In `rollout.mode: async` (`ahead` > 0), taking step k's rollout first submits those of steps k .. k + ahead,
 so up to `ahead` rollouts are generated while step k trains, each with the version current when it starts
@@ -15,16 +23,20 @@ retried, persisted) and submits async rollouts as task futures. Evaluation and t
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lora_rl_core.errors import BackgroundWriteError
 from lora_rl_core.records import RolloutStats, ScoreStats, SyncStats, TrainStats
 from lora_rl_core.run import phases, versions
 from lora_rl_core.run.components import RunComponents
 from lora_rl_core.store import AdapterRef
+
+log = logging.getLogger(__name__)
 
 
 class Pending(Protocol):
@@ -62,6 +74,11 @@ class StepPhases(Protocol):
         """One policy update on step `step`'s scored rollouts."""
         ...
 
+    def flush(self) -> None:
+        """Wait until every train record, checkpoint and version handed to the store is written; raise the
+        first background write that failed."""
+        ...
+
 
 @dataclass
 class LoopResult:
@@ -92,14 +109,19 @@ def run_steps(
         ahead: rollouts generated ahead of the step that trains (`RunConfig.rollouts_ahead()`; 0 = sync mode).
         on_step: called after each step with its metrics (logging, progress events, benchmarks).
 
+    Returns:
+        The history and the final version, every version and checkpoint written to the store.
+
     Raises:
-        whatever a phase raised; rollouts already running ahead finish (and persist their output) first.
+        whatever a phase raised, or `BackgroundWriteError` for a failed store write (naming it); rollouts
+        already running ahead finish (and persist their output), and the store writes still queued finish,
+        before it propagates.
     """
-    ref = run.publish(0, {})
-    run.sync(ref)
     rollouts = _Rollouts(run, ahead=ahead, last=steps)
     history: list[dict[str, Any]] = []
     try:
+        ref = run.publish(0, {})
+        run.sync(ref)
         for step in range(1, steps + 1):
             start = time.perf_counter()
             metrics: dict[str, Any] = {"step": step, "steps": steps}
@@ -111,9 +133,21 @@ def run_steps(
             history.append(metrics)
             if on_step is not None:
                 on_step(metrics)
-    finally:
+    except BaseException as error:
         rollouts.drain()
+        _flush_after_failure(run, error)
+        raise
+    run.flush()  # the final version and checkpoint are complete before the caller evaluates or reports
     return LoopResult(history, ref)
+
+
+def _flush_after_failure(run: StepPhases, error: BaseException) -> None:
+    """Let the queued store writes finish on the way out of a failed loop; the loop's own `error` propagates."""
+    try:
+        run.flush()
+    except Exception as exc:  # noqa: BLE001 - reported, but the step's error is the one that propagates
+        if not isinstance(error, BackgroundWriteError):
+            log.warning("a store write failed too while the run was failing: %s", exc)
 
 
 @dataclass
@@ -190,3 +224,7 @@ class RunPhases:
     def train(self, step: int) -> TrainStats:
         """`phases.train`."""
         return phases.train(self.run, step)
+
+    def flush(self) -> None:
+        """`versions.flush`."""
+        versions.flush(self.run)

@@ -2,15 +2,19 @@
 
     rollout(run, k) -> RolloutStats    sample G completions per prompt with policy version k - 1
     score(run, k)   -> ScoreStats      rewards and group advantages
-    train(run, k)   -> TrainStats      one policy update (and a checkpoint every `checkpoint_every` steps)
+    train(run, k)   -> TrainStats      one policy update; its record and (every `checkpoint_every` steps) a
+                                       checkpoint go to the run's store writer
 
 Publishing and syncing the resulting adapter version are `lora_rl_core.run.versions`. Each phase reads its
-input from and writes its output to the run's files in the store (`RunDir`: `rollouts/`, `scored/`), so a
-phase can be re-run, on any machine, from what the previous one left (docs/DESIGN.md, "One training step").
+input from and writes its output to the run's files in the store (`RunDir`: `rollouts/`, `scored/`,
+`trained/`), so a phase can be re-run, on any machine, from what the previous one left (docs/DESIGN.md, "One
+training step").
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from typing import Any
 
@@ -20,7 +24,7 @@ from lora_rl_core.adapters import adapter_name
 from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal, masked_group_advantages
 from lora_rl_core.data import prompt_instruction, render_prompt, stable_seed
 from lora_rl_core.engines import GenerationRequest, SamplingParams
-from lora_rl_core.errors import EngineError
+from lora_rl_core.errors import EngineError, LoraRLError
 from lora_rl_core.evaluation import evaluate_run_policy
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import (
@@ -35,7 +39,9 @@ from lora_rl_core.records import (
 )
 from lora_rl_core.rewards import RewardBatch
 from lora_rl_core.run.components import RunComponents
-from lora_rl_core.run.resume import save_checkpoint
+from lora_rl_core.run.resume import checkpoint_state, write_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 def rollout(run: RunComponents, step: int) -> RolloutStats:
@@ -147,9 +153,20 @@ def score(run: RunComponents, step: int) -> ScoreStats:
 
 def train(run: RunComponents, step: int) -> TrainStats:
     """One policy update on the scored rollouts of `step` (`TrainBatch.from_scored`: stale rows rejected,
-    uniform groups skipped with `skip_uniform_groups`), then a checkpoint every `checkpoint_every` steps. Where
-    the memory plan put SGLang's memory saver on, its KV cache is released for the update
-    (`RunComponents.engine_memory_released`)."""
+    uniform groups skipped with `skip_uniform_groups`). Its stats (`trained/step-N.json`) and, every
+    `checkpoint_every` steps, a checkpoint go to the run's `StoreWriter` (snapshots taken here, written in the
+    background with `trainer.background_publish`). Where the memory plan put SGLang's memory saver on, its KV
+    cache is released for the update (`RunComponents.engine_memory_released`).
+
+    A step the restored checkpoint already holds (`run.restored.step`, a resumed run) is not trained again:
+    its recorded stats are returned.
+
+    Raises:
+        BackgroundWriteError: an earlier background write failed.
+    """
+    if step <= run.restored.step:
+        return _recorded_train(run, step)
+    run.writer.check()  # a failed write fails the run before another update is computed
     maybe_fail("train_step", step, run.run_dir)
     algo = run.cfg.algorithm
     rows = run.run_dir.read_phase("scored", step, ScoredBatch).rows
@@ -159,9 +176,7 @@ def train(run: RunComponents, step: int) -> TrainStats:
     with run.engine_memory_released():  # a colocated SGLang's KV cache is free while the trainer trains
         metrics = run.trainer.train_step(batch)
     checkpointed = step % run.cfg.trainer.checkpoint_every == 0
-    if checkpointed:
-        save_checkpoint(run, step)
-    return TrainStats(
+    stats = TrainStats(
         trainer=metrics,
         trained_rows=len(batch),
         stale_rejected=batch.stale_rejected,
@@ -170,6 +185,36 @@ def train(run: RunComponents, step: int) -> TrainStats:
         checkpointed=checkpointed,
         version_lag=batch.version_lag,
     )
+    record_train(run, step, stats)
+    return stats
+
+
+def record_train(run: RunComponents, step: int, stats: TrainStats) -> None:
+    """Hand step `step`'s stats and, when `stats.checkpointed`, a snapshot of the checkpoint (taken now) to the
+    run's writer, which writes the stats first, then the checkpoint.
+
+    Raises:
+        BackgroundWriteError: an earlier background write failed.
+    """
+    state = checkpoint_state(run, step) if stats.checkpointed else None
+    label = f"the checkpoint of step {step}" if state is not None else f"the train record of step {step}"
+    run.writer.submit(f"{label} of run {run.run_id}", functools.partial(_write_trained, run, step, stats, state))
+
+
+def _write_trained(run: RunComponents, step: int, stats: TrainStats, state: dict[str, Any] | None) -> None:
+    """The step's stats, then its checkpoint (so every step up to a complete checkpoint has its record)."""
+    run.run_dir.write_phase("trained", step, stats)
+    if state is not None:
+        write_checkpoint(run, step, state)
+
+
+def _recorded_train(run: RunComponents, step: int) -> TrainStats:
+    """The stats step `step` recorded when it trained (runs checkpointed before records existed: zeros)."""
+    try:
+        return run.run_dir.read_phase("trained", step, TrainStats)
+    except LoraRLError as exc:
+        log.warning("step %d is in the restored checkpoint but its train record is unreadable (%s)", step, exc)
+        return TrainStats(trainer={}, trained_rows=0, stale_rejected=0, uniform_skipped=0, checkpointed=False)
 
 
 def evaluate(run: RunComponents, adapter: str | None) -> dict[str, Any]:

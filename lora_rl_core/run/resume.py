@@ -4,38 +4,55 @@ A checkpoint (`lora_rl_core.checkpoint`, every `trainer.checkpoint_every` steps)
 (LoRA weights, AdamW moments, scheduler, per-rank RNG) and the Python and torch RNG states of this process.
 It does not hold the prompt sampler: the prompts of step `k` are a function of `(run.seed, k)`
 (`lora_rl_core.run.phases.rollout` places the sampler's cursor from the step), so a resumed run draws the
-same prompts whichever phases came from Prefect's cache.
+same prompts whichever phases came from Prefect's cache. The train phase takes the snapshot
+(`checkpoint_state`) and hands the write (`write_checkpoint`) to the run's `StoreWriter`, which writes it
+after that step's train record and before that step's adapter version.
 
-Resuming = restore the newest checkpoint, then make the engines serve the newest published adapter version
-(which may be one step ahead of the checkpoint when a run died between publish and the next checkpoint; the
-flow's cached tasks then replay from the checkpoint step, docs/DESIGN.md "Resume").
+Resuming = restore the newest checkpoint, then make the engines serve the newest published adapter version.
+The writer's order bounds what a crash leaves: the newest version is at least the checkpoint's step minus
+one (a crash between the step's checkpoint and its version: the resumed run publishes that version from the
+restored trainer) and at most the last step before the next checkpoint (steps after the checkpoint are
+trained again, and their stored versions kept; docs/DESIGN.md "Resume").
 """
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
+from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import ResumeInfo
-from lora_rl_core.run.components import RunComponents
+from lora_rl_core.run.components import Restored, RunComponents
 from lora_rl_core.run.versions import sync
 
 
-def save_checkpoint(run: RunComponents, step: int) -> None:
-    """Checkpoint the trainer and the RNG states after `step`, then prune to `trainer.keep_checkpoints`."""
-    state = {
+def checkpoint_state(run: RunComponents, step: int) -> dict[str, Any]:
+    """What a checkpoint after `step` holds, taken now: the trainer state (copies: `Trainer.state_dict`) and
+    the RNG states, so later steps do not change it while it is written."""
+    return {
         "step": step,
         "trainer": run.trainer.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
     }
-    run.checkpoints.save(run.run_id, step, state)
+
+
+def write_checkpoint(run: RunComponents, step: int, state: dict[str, Any]) -> None:
+    """Write `state` (from `checkpoint_state`) as the checkpoint of `step`, then prune to
+    `trainer.keep_checkpoints`. Fault point `checkpoint` fires with its files written and its manifest not yet.
+
+    Raises:
+        StoreError: the store failed (after retries).
+    """
+    run.checkpoints.save(run.run_id, step, state, before_manifest=lambda: maybe_fail("checkpoint", step, run.run_dir))
     run.checkpoints.prune(run.run_id, keep_last=run.cfg.trainer.keep_checkpoints)
 
 
 def restore(run: RunComponents) -> ResumeInfo:
-    """Load the newest checkpoint (trainer, RNG states) and sync the newest published version to the engines.
+    """Load the newest checkpoint (trainer, RNG states) and sync the newest published version to the engines;
+    record both in `run.restored`.
 
     Returns:
         Where the run starts: the checkpoint step (0 when fresh) and the policy version served.
@@ -52,6 +69,7 @@ def restore(run: RunComponents) -> ResumeInfo:
         version, internal, gauss = state["python_rng"]
         random.setstate((version, tuple(internal), gauss))
     latest = run.store.latest(run.run_id)
+    run.restored = Restored(step=step or 0, newest_version=latest.version if latest else None)
     if latest is not None:
         sync(run, latest)
     return ResumeInfo(

@@ -5,6 +5,7 @@ Layout under `<store>/<run_id>/` (docs/DESIGN.md, "Object store layout"):
     run.json                     config snapshot + runtime (written when the run opens)
     rollouts/step-NNNNNN.json    `RolloutBatch` of each step
     scored/step-NNNNNN.json      `ScoredBatch` of each step
+    trained/step-NNNNNN.json     `TrainStats` of each step (a resumed run replays them for restored steps)
     faults/<phase>-NNNNNN        markers of injected faults that fired (`lora_rl_core.faults`)
 
 Every access goes through `StoreIO`, like adapters and checkpoints: transient store errors are retried with

@@ -4,19 +4,28 @@ Version `k` is the adapter after training step `k` (version 0: the fresh, no-op 
 `k + 1` name version `k` explicitly (`<run>-v<NNNNNN>`), so every completion records the version that
 produced it. The hot-swap protocol itself (load under a new name, verify, switch, retire what no request
 holds) is `lora_rl_core.subscriber.sync_version`; docs/HOTSWAP.md describes it.
+
+Publishing is split in two (docs/DESIGN.md, "Publish and checkpoint in the background"): `publish` takes the
+trainer's adapter now, checks and serialises it (so its `AdapterRef`, sha256 included, is known at once) and
+hands the store write to the run's `StoreWriter`; `sync` gives the engines the in-memory tensors without
+waiting for that write, unless the engines read the version from the store (`engine.sync: store`, or an
+SGLang tensor transport that loads the published folder): then it waits for the write first. `flush` waits
+for every write and raises a failed one.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from lora_rl_core.adapters import adapter_name
-from lora_rl_core.errors import EngineError, LoraRLError
+from lora_rl_core.engines.registry import sync_reads_folder
+from lora_rl_core.errors import EngineError, LoraRLError, StoreError
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import SyncStats
-from lora_rl_core.run.components import RunComponents
-from lora_rl_core.store import AdapterRef
-from lora_rl_core.subscriber import sync_version
+from lora_rl_core.run.components import PublishedVersion, RunComponents
+from lora_rl_core.store import AdapterRef, PreparedVersion
+from lora_rl_core.subscriber import SyncResult, sync_version
 
 
 def policy_adapter(run: RunComponents) -> str:
@@ -31,10 +40,32 @@ def policy_adapter(run: RunComponents) -> str:
 
 
 def publish(run: RunComponents, step: int, metrics: dict[str, Any] | None = None) -> AdapterRef:
-    """Write the trainer's current LoRA weights to the store as version `step` (immutable; a retry of the
-    same step finds the identical version and returns it). Numeric `metrics` go into the manifest."""
+    """Publish the trainer's current LoRA weights as version `step`: taken, checked and serialised now, written
+    to the store by the run's writer (in the background with `trainer.background_publish`; the version becomes
+    visible once complete, its manifest last). Numeric `metrics` go into the manifest.
+
+    On a resumed run, a version the store held when the run opened is returned as stored (versions are
+    immutable); a retry of the same step finds the identical version.
+
+    Returns:
+        The version's ref, known before its write finishes.
+
+    Raises:
+        BackgroundWriteError: an earlier background write failed.
+        StoreError: non-finite or malformed tensors; a version the trainer is past is missing from the store;
+            without `background_publish`, the write failed.
+    """
+    run.writer.check()
+    newest = run.restored.newest_version
+    if newest is not None and step <= newest:
+        return run.store.ref(run.run_id, step)
+    if step < run.restored.step:
+        raise StoreError(
+            f"version {step} of run {run.run_id} is missing from the store, but the trainer was restored from the "
+            f"checkpoint of step {run.restored.step}, past it: it cannot be published again"
+        )
     tensors, config = run.trainer.adapter_state()
-    ref = run.store.publish(
+    prepared = run.store.prepare(
         run.run_id,
         step,
         tensors=tensors,
@@ -42,40 +73,42 @@ def publish(run: RunComponents, step: int, metrics: dict[str, Any] | None = None
         step=step,
         base_model=run.cfg.model.name_or_path,
         metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)},
-        # fault injection fires with the data files written and the manifest not yet: the worst moment
-        before_manifest=lambda: maybe_fail("publish_adapter", step, run.run_dir),
     )
-    run.policy.pending = (tensors, config)
-    return ref
+    stored = run.writer.submit(f"adapter version {prepared.ref.name}", functools.partial(_write, run, prepared))
+    run.policy.pending = PublishedVersion(prepared.ref, tensors, config, stored)
+    return prepared.ref
+
+
+def _write(run: RunComponents, prepared: PreparedVersion) -> None:
+    step = prepared.manifest.version
+    # fault injection fires with the data files written and the manifest not yet: the worst moment
+    run.store.write(prepared, before_manifest=lambda: maybe_fail("publish_adapter", step, run.run_dir))
 
 
 def sync(run: RunComponents, ref: AdapterRef) -> SyncStats:
     """Make version `ref` the one rollouts use: every engine loads it under its versioned name (tensor path:
-    the tensors just published; store path: the engines read the sha256-verified version from the store),
-    lists it, and retires versions beyond `max_staleness + 1` that no request holds.
+    the tensors just published, not waiting for their write to the store; store path: the engines read the
+    sha256-verified version from the store, once its write is done), lists it, and retires versions beyond
+    `max_staleness + 1` that no request holds.
 
     A version that fails verification or loading is skipped: the previous version stays active. A version
     older than the one serving (a replayed task) changes nothing.
 
     Raises:
         EngineError: the version failed and no earlier version is serving.
+        BackgroundWriteError: the engines read the store and writing the version there failed.
     """
     if run.policy.version is not None and ref.version < run.policy.version:
         return SyncStats(adapter=policy_adapter(run), skipped_older=True)
-    pending = run.policy.pending if run.cfg.engine.sync == "tensor" else None
-    # Rollouts hold only the version current when they start; a version held now stays protected, and one
-    # taken during this sync is the serving one, always inside the `keep` window (max_staleness + 1 >= 2 in
-    # async mode), so the protocol never retires a version that queued rollouts still use.
-    held = {adapter_name(run.run_id, v) for v in run.policy.held()}
-    result = sync_version(
-        run.engine,
-        ref,
-        tensors=pending[0] if pending else None,
-        config=pending[1] if pending else None,
-        store=run.store,
-        keep=run.cfg.algorithm.max_staleness + 1,
-        protect=held,
-    )
+    pending = run.policy.pending if run.policy.pending and run.policy.pending.ref == ref else None
+    tensor_path = pending is not None and run.cfg.engine.sync == "tensor"
+    if pending is not None and (not tensor_path or sync_reads_folder(run.cfg.engine)):
+        pending.stored.result()
+    result = _sync_version(run, ref, pending if tensor_path else None)
+    if not result.ok and pending is not None and tensor_path and not pending.stored.done():
+        # an engine that refuses tensors falls back to the published folder (SGLang): once it is stored
+        pending.stored.result()
+        result = _sync_version(run, ref, pending)
     run.policy.pending = None
     if not result.ok:
         if run.policy.version is None:
@@ -83,3 +116,29 @@ def sync(run: RunComponents, ref: AdapterRef) -> SyncStats:
         return SyncStats(adapter=policy_adapter(run), skipped=ref.name, error=result.error, sync_seconds=result.seconds)
     run.policy.switch(ref.version)
     return SyncStats(adapter=ref.name, retired=result.retired, sync_seconds=result.seconds, sync_path=result.path)
+
+
+def _sync_version(run: RunComponents, ref: AdapterRef, pending: PublishedVersion | None) -> SyncResult:
+    """`sync_version` of `ref`, from `pending`'s tensors, or from the store when None."""
+    # Rollouts hold only the version current when they start; a version held now stays protected, and one
+    # taken during this sync is the serving one, always inside the `keep` window (max_staleness + 1 >= 2 in
+    # async mode), so the protocol never retires a version that queued rollouts still use.
+    held = {adapter_name(run.run_id, v) for v in run.policy.held()}
+    return sync_version(
+        run.engine,
+        ref,
+        tensors=pending.tensors if pending else None,
+        config=pending.config if pending else None,
+        store=run.store,
+        keep=run.cfg.algorithm.max_staleness + 1,
+        protect=held,
+    )
+
+
+def flush(run: RunComponents) -> None:
+    """Wait until every train record, checkpoint and version handed to the run's writer is in the store.
+
+    Raises:
+        BackgroundWriteError: one of them failed (naming it and the cause).
+    """
+    run.writer.flush()

@@ -40,7 +40,9 @@ input, pull destinations) are refused.
 Faults: transient store errors (5xx, 429, throttling, timeouts, dropped
 connections) are retried with exponential backoff and jitter; permanent ones
 raise ``StoreError`` at once. A publish that fails leaves no manifest, so a
-Prefect retry of the task simply publishes again.
+retry simply publishes again. ``publish`` is ``write(prepare(...))``: ``prepare``
+checks and serialises in memory (the ref is known then), ``write`` does the store
+half, so a trainer can run it on a background thread (``lora_rl_core.run.writer``).
 
 Modules: ``adapter_store`` (``AdapterStore``, the one object callers use) owns its parts, which share
 its ``StoreIO`` (``io``) and ``StoreLayout`` (``layout``: paths, size caps, JSON): ``reader``
@@ -70,6 +72,7 @@ from lora_rl_core.store.adapter_store import AdapterStore
 from lora_rl_core.store.io import RetryPolicy, is_transient
 from lora_rl_core.store.layout import DEFAULT_MAX_FILE_BYTES, MAX_JSON_BYTES
 from lora_rl_core.store.models import AdapterManifest, AdapterRef, FileEntry, RetentionPolicy, plan_retention
+from lora_rl_core.store.publish import PreparedVersion
 
 __all__ = [
     "CONFIG_FILE",
@@ -84,6 +87,7 @@ __all__ = [
     "AdapterRef",
     "AdapterStore",
     "FileEntry",
+    "PreparedVersion",
     "RetentionPolicy",
     "RetryPolicy",
     "adapter_name",

@@ -25,7 +25,7 @@ from lora_rl_core.errors import StoreError
 from lora_rl_core.store.io import RetryPolicy, StoreIO
 from lora_rl_core.store.layout import DEFAULT_MAX_FILE_BYTES, StoreLayout
 from lora_rl_core.store.models import AdapterManifest, AdapterRef, RetentionPolicy
-from lora_rl_core.store.publish import AdapterPublisher
+from lora_rl_core.store.publish import AdapterPublisher, PreparedVersion
 from lora_rl_core.store.reader import VersionReader
 from lora_rl_core.store.retention import Retention
 from lora_rl_core.store.tags import AdapterTags
@@ -149,6 +149,55 @@ class AdapterStore:
             metrics=metrics,
             before_manifest=before_manifest,
         )
+
+    def prepare(
+        self,
+        run_id: str,
+        version: int,
+        *,
+        tensors: dict[str, torch.Tensor],
+        adapter_config: dict,
+        step: int,
+        base_model: str,
+        metrics: dict[str, float] | None = None,
+    ) -> PreparedVersion:
+        """The in-memory half of ``publish``: check the tensors and serialise the version, reading and writing
+        nothing in the store. The result holds bytes only, so later changes to ``tensors`` do not reach it, and
+        its ``ref`` (version folder URI, sha256) is the one the version has once ``write`` stores it.
+
+        Args:
+            as ``publish``.
+
+        Raises:
+            StoreError: non-finite tensors, a malformed config or tensors that do not match it, a file over
+                ``max_file_bytes``, bad run id or version.
+        """
+        return self._publisher.prepare(
+            run_id,
+            version,
+            tensors=tensors,
+            adapter_config=adapter_config,
+            step=step,
+            base_model=base_model,
+            metrics=metrics,
+        )
+
+    def write(self, prepared: PreparedVersion, *, before_manifest: Callable[[], None] | None = None) -> AdapterRef:
+        """The store half of ``publish``: write a prepared version (data files, then the manifest, exclusively),
+        from any thread. ``publish(...)`` is ``write(prepare(...))``.
+
+        Args:
+            prepared: from ``prepare``.
+            before_manifest: as ``publish``.
+
+        Returns:
+            ``prepared.ref`` (or the ref of an identical version already stored).
+
+        Raises:
+            StoreError: the version already exists with different bytes, another writer won the race for it,
+                or the store failed (after retries). Nothing of a failed attempt stays visible.
+        """
+        return self._publisher.write(prepared, before_manifest)
 
     def publish_folder(
         self,

@@ -7,7 +7,10 @@
 4. ``LATEST`` is updated, best effort.
 
 A failed or losing attempt deletes its data folder (best effort; ``gc`` removes what is left), so
-nothing of it is ever visible. Left out: any check that versions grow (any unused number publishes).
+nothing of it is ever visible. ``prepare`` does the in-memory half (checks, safetensors bytes,
+checksums: the ref is known) and ``write`` the store half (steps 1-4), so a trainer can hand the
+write to a background thread (``lora_rl_core.run.writer``). Left out: any check that versions grow
+(any unused number publishes).
 """
 
 from __future__ import annotations
@@ -15,11 +18,19 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_rl_core.adapters.io import load_safetensors, refuse_pickles, safetensors_bytes
-from lora_rl_core.adapters.names import CONFIG_FILE, LATEST_FILE, MODEL_FILE, adapter_name
+from lora_rl_core.adapters.names import (
+    CONFIG_FILE,
+    LATEST_FILE,
+    MODEL_FILE,
+    adapter_name,
+    validate_run_id,
+    validate_version,
+)
 from lora_rl_core.adapters.validation import AdapterRules
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store.io import StoreIO
@@ -50,6 +61,22 @@ def _peft_config(adapter_config: dict, base_model: str) -> dict:
     if not cfg.get("base_model_name_or_path"):
         cfg["base_model_name_or_path"] = base_model
     return cfg
+
+
+@dataclass(frozen=True)
+class PreparedVersion:
+    """An adapter version checked and serialised in memory, not yet in the store (``AdapterStore.prepare``).
+
+    Attributes:
+        manifest: the manifest it will have (the data folder of this attempt included).
+        files: file name -> bytes (``adapter_model.safetensors``, ``adapter_config.json``).
+        ref: the ref it has once written (``AdapterStore.write`` returns the same, or that of an identical
+            version already stored).
+    """
+
+    manifest: AdapterManifest
+    files: dict[str, bytes]
+    ref: AdapterRef
 
 
 class AdapterPublisher:
@@ -92,10 +119,38 @@ class AdapterPublisher:
         Raises:
             StoreError: tensors that are non-finite or do not match the config, or as ``publish_bytes``.
         """
+        prepared = self.prepare(
+            run_id,
+            version,
+            tensors=tensors,
+            adapter_config=adapter_config,
+            step=step,
+            base_model=base_model,
+            metrics=metrics,
+        )
+        return self.write(prepared, before_manifest)
+
+    def prepare(
+        self,
+        run_id: str,
+        version: int,
+        *,
+        tensors: dict[str, torch.Tensor],
+        adapter_config: dict,
+        step: int,
+        base_model: str,
+        metrics: dict[str, float] | None = None,
+    ) -> PreparedVersion:
+        """Check a PEFT-keyed LoRA state dict and serialise it with its config, without touching the store;
+        ``AdapterStore.prepare`` documents it.
+
+        Raises:
+            StoreError: tensors that are non-finite or do not match the config, a file over its size cap,
+                bad run id or version.
+        """
         AdapterRules(allow_dora=True).check_tensors(tensors, adapter_config)
-        model_bytes = safetensors_bytes(tensors)
-        return self.publish_bytes(
-            run_id, version, model_bytes, adapter_config, step, base_model, metrics, before_manifest
+        return self._prepare_bytes(
+            run_id, version, safetensors_bytes(tensors), adapter_config, step, base_model, metrics
         )
 
     def publish_folder(
@@ -150,17 +205,27 @@ class AdapterPublisher:
             StoreError: a file over its size cap, bad run id or version, the version exists with other
                 files, another writer won the race with other weights, or the store failed (after retries).
         """
+        prepared = self._prepare_bytes(run_id, version, model_bytes, adapter_config, step, base_model, metrics)
+        return self.write(prepared, before_manifest)
+
+    def _prepare_bytes(
+        self,
+        run_id: str,
+        version: int,
+        model_bytes: bytes,
+        adapter_config: dict,
+        step: int,
+        base_model: str,
+        metrics: dict[str, float] | None,
+    ) -> PreparedVersion:
         config_bytes = json_bytes(_peft_config(adapter_config, base_model), CONFIG_FILE)
         files = {MODEL_FILE: model_bytes, CONFIG_FILE: config_bytes}
         for name, data in files.items():
             self._layout.check_size(name, len(data), name)
         entries = {n: FileEntry(sha256=sha256_hex(b), size=len(b)) for n, b in files.items()}
-        existing = self._reader.read_manifest(run_id, version)
-        if existing is not None:
-            return self._existing_ref(existing, entries)
         manifest = AdapterManifest(
-            run_id=run_id,
-            version=version,
+            run_id=validate_run_id(run_id),
+            version=validate_version(version),
             step=step,
             base_model=base_model,
             created_at=utc_now(),
@@ -169,6 +234,19 @@ class AdapterPublisher:
             lora=_lora_summary(adapter_config),
             data_dir=f"{entries[MODEL_FILE].sha256[:12]}-{uuid.uuid4().hex[:12]}",
         )
+        return PreparedVersion(manifest, files, self._reader.ref_from(manifest))
+
+    def write(self, prepared: PreparedVersion, before_manifest: Callable[[], None] | None = None) -> AdapterRef:
+        """Store a prepared version (steps 1-4 of the module docstring); ``AdapterStore.write`` documents it.
+
+        Raises:
+            StoreError: the version exists with other files, another writer won the race with other weights,
+                or the store failed (after retries).
+        """
+        manifest, files = prepared.manifest, prepared.files
+        existing = self._reader.read_manifest(manifest.run_id, manifest.version)
+        if existing is not None:
+            return self._existing_ref(existing, manifest.files)
         try:
             for name, data in files.items():
                 self._io.put(f"{self._layout.files_dir(manifest)}/{name}", data)
@@ -181,8 +259,8 @@ class AdapterPublisher:
         if not won:
             self._discard_attempt(manifest)
             return self._lost_race(manifest)
-        self._write_latest(run_id)
-        return self._reader.ref_from(manifest)
+        self._write_latest(manifest.run_id)
+        return prepared.ref
 
     def commit_manifest(self, manifest: AdapterManifest) -> bool:
         """Create manifest.json if absent; True if this writer's manifest is the one in the store.

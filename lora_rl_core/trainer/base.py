@@ -18,11 +18,13 @@ class Trainer(Protocol):
         ...
 
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The full adapter: PEFT-keyed float32 CPU tensors and the JSON-safe PEFT config."""
+        """The full adapter: PEFT-keyed float32 CPU tensors and the JSON-safe PEFT config. The tensors are copies
+        that later train steps do not change (a version is written, and engines keep it, while training goes on)."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume (`PolicyTrainer.state_dict` format, loadable at any world size)."""
+        """Everything needed to resume (`PolicyTrainer.state_dict` format, loadable at any world size), as copies
+        that later train steps do not change (a checkpoint is written in the background)."""
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -39,7 +39,8 @@ def _rows(tmp_path, run_id: str, step: int) -> list[dict]:
 
 @pytest.fixture
 def traced(monkeypatch):
-    """(phase, step, thread name, start s, end s) of every rollout and train phase that ran."""
+    """(phase, step, thread name, start s, end s) of every rollout and train phase that ran (not the train
+    phases of a resumed run's restored steps, which replay their recorded stats)."""
     import time
 
     calls: list[tuple[str, int, str, float, float]] = []
@@ -51,7 +52,8 @@ def traced(monkeypatch):
             try:
                 return _original(run, step)
             finally:
-                calls.append((_name, step, threading.current_thread().name, start, time.perf_counter()))
+                if _name == "rollout" or step > run.restored.step:
+                    calls.append((_name, step, threading.current_thread().name, start, time.perf_counter()))
 
         monkeypatch.setattr(phases, phase, wrapped)
     return calls

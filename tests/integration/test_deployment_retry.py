@@ -4,9 +4,11 @@ A temporary `PREFECT_HOME`, `prefect server start` on 127.0.0.1, a process work 
 from the project's prefect.yaml, a worker, and `prefect deployment run` with a tiny random model:
 
 1. an injected fault (`LORA_RL_FAULT=train_step:2`) fails the flow run; `prefect flow-run retry` (what the UI's
-   Retry does: AwaitingRetry, then a worker runs it again) completes it, and the finished steps show as Cached;
-2. `kill -9` of the worker (and its flow process) while publish_adapter has written version 2's files but not its
-   manifest leaves no partial version; setting the run to AwaitingRetry and starting a new worker completes it.
+   Retry does: AwaitingRetry, then a worker runs it again) completes it: the finished rollouts and scores show
+   as Cached, step 1's update comes from its checkpoint and version 1 from the store;
+2. `kill -9` of the worker (and its flow process) while the background upload of version 2 has written its files
+   but not its manifest leaves no partial version; setting the run to AwaitingRetry and starting a new worker
+   completes it (version 2 published again from step 2's checkpoint).
 
 Every process runs in a process group of its own (`tests.support.processes`) and is stopped with its group and
 its descendants, which covers the flow-run processes a worker starts in sessions of their own: the hung one of
@@ -153,8 +155,10 @@ def test_injected_fault_then_ui_retry_completes_from_cache(server, tiny_model_di
     finally:
         _stop(worker)
     states = _task_states(api, flow_run)
-    assert states["rollout-1"] == "Cached" and states["publish_adapter-1"] == "Cached"
-    assert states["train_step-1"] == "Cached"  # checkpoint_every 1: the update of step 1 is not recomputed
+    assert states["rollout-1"] == "Cached" and states["score-1"] == "Cached"
+    # not cached, answered from the store: the step-1 checkpoint holds the update (its stats are replayed, nothing
+    # is recomputed), and version 1 is returned as stored
+    assert states["train_step-1"] == "Completed" and states["publish_adapter-1"] == "Completed"
     assert AdapterStore(f"file://{store}").versions("it-fault") == [0, 1, 2, 3]
 
 

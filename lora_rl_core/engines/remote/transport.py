@@ -19,7 +19,7 @@ import logging
 from typing import Any, Protocol
 
 from lora_rl_core.adapters import safetensors_bytes
-from lora_rl_core.config import ENGINE_DEFAULTS, IpcLayout, TensorDtype, TensorTransport
+from lora_rl_core.config import ENGINE_DEFAULTS, EngineConfig, IpcLayout, TensorDtype, TensorTransport
 from lora_rl_core.engines.remote.wire import json_safe
 from lora_rl_core.errors import EngineError, EngineUnavailable
 
@@ -187,3 +187,18 @@ def tensor_loader(
     if upload == "safetensors":
         return SafetensorsUpload()
     return SGLangTensorLoad(transport, layout, dtype)
+
+
+def sglang_tensor_load_reads_folder(cfg: EngineConfig) -> bool:
+    """Whether SGLang clients of `cfg` load tensor syncs from the published folder: `tensor_transport: disk`,
+    or `auto` unless every server is on this host with CUDA here (then `ipc`); Ray replicas' servers may run
+    on other hosts, so `auto` counts as the folder there. (A server that refuses the tensors falls back to the
+    folder too; `lora_rl_core.run.versions.sync` then tries again once the folder is stored.)"""
+    from lora_rl_core.engines.remote.ipc import pick_transport  # lazy: torch only for tensor loads
+
+    if cfg.tensor_transport != "auto":
+        return cfg.tensor_transport == "disk"
+    if cfg.ray_replicas:
+        return True
+    urls = cfg.urls or [f"http://{cfg.launch.host}:{cfg.launch.port}"]
+    return any(pick_transport("auto", url=url, has_path=True) == "disk" for url in urls)

@@ -1,0 +1,208 @@
+"""Publish and checkpoint off the critical path (`trainer.background_publish`), on a tiny run without Prefect.
+
+The store's `write` is gated in these tests, so the upload of a version is provably still running while the
+publish has returned and the engine serves the version from memory; a store sync waits for the upload; a
+failed upload fails the next step naming the version and its cause and leaves what was stored intact; a
+resumed run re-publishes a version whose upload was lost from the restored trainer, and replays the stats of
+steps its checkpoint holds instead of training them again.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from lora_rl_core.config import EngineConfig, load_config
+from lora_rl_core.engines.registry import sync_reads_folder
+from lora_rl_core.errors import BackgroundWriteError, StoreError
+from lora_rl_core.faults import InjectedFault
+from lora_rl_core.records import TrainStats
+from lora_rl_core.run import build_run, phases, versions
+from lora_rl_core.run.components import Restored
+from lora_rl_core.run.resume import checkpoint_state, restore, write_checkpoint
+from lora_rl_core.subscriber import SyncResult
+from tests.integration.tiny_run import write_tiny_config
+
+
+@pytest.fixture
+def make_run(tmp_path, tiny_model_dir):
+    built = []
+
+    def make(run_id: str = "bg", *overrides: str):
+        cfg = load_config(write_tiny_config(tmp_path, tiny_model_dir, run_id), list(overrides))
+        built.append(build_run(cfg, run_id))
+        return built[-1]
+
+    yield make
+    for run in built:
+        run.close()
+
+
+def gate_writes(run, from_version: int = 1) -> threading.Event:
+    """Hold every version write from `from_version` on until the returned event is set."""
+    gate, write = threading.Event(), run.store.write
+
+    def gated(prepared, **kwargs):
+        if prepared.manifest.version >= from_version:
+            assert gate.wait(30), "the test never opened the gate"
+        return write(prepared, **kwargs)
+
+    run.store.write = gated
+    return gate
+
+
+def test_publish_returns_before_the_upload_and_the_engine_serves_the_version_from_memory(make_run):
+    run = make_run()
+    versions.sync(run, versions.publish(run, 0))
+    gate = gate_writes(run)
+    try:
+        ref = versions.publish(run, 1)
+        stats = versions.sync(run, ref)  # engine.sync tensor, embedded engine: no wait for the store
+        assert stats.adapter == "bg-v000001" and stats.sync_path == "tensor" and run.policy.version == 1
+        assert "bg-v000001" in run.engine.list_adapters()
+        assert run.store.versions("bg") == [0]  # not visible before it is complete
+    finally:
+        gate.set()
+    versions.flush(run)
+    assert run.store.versions("bg") == [0, 1] and run.store.ref("bg", 1) == ref  # the ref was exact at once
+
+
+def test_a_store_sync_waits_for_the_upload_of_its_version(make_run):
+    run = make_run("bg", "engine.sync=store")
+    versions.sync(run, versions.publish(run, 0))
+    gate = gate_writes(run)
+    ref = versions.publish(run, 1)
+    result: list = []
+    syncing = threading.Thread(target=lambda: result.append(versions.sync(run, ref)))
+    syncing.start()
+    syncing.join(0.5)
+    assert syncing.is_alive() and run.policy.version == 0  # waiting for the upload
+    gate.set()
+    syncing.join(30)
+    assert result[0].adapter == "bg-v000001" and result[0].sync_path == "store"
+
+
+def test_a_failed_tensor_sync_tries_again_once_the_version_is_stored(make_run, monkeypatch):
+    """SGLang falls back to the published folder when it refuses tensors: that folder must be there."""
+    run = make_run()
+    versions.sync(run, versions.publish(run, 0))
+    gate = gate_writes(run)
+    real, calls = versions.sync_version, []
+
+    def refuses_until_stored(engines, ref, **kwargs):
+        calls.append(1 in run.store.versions("bg"))
+        if not calls[-1]:
+            threading.Timer(0.2, gate.set).start()
+            return SyncResult(ref.name, ref.version, False, "tensor", 1, error="tensors refused")
+        return real(engines, ref, **kwargs)
+
+    monkeypatch.setattr(versions, "sync_version", refuses_until_stored)
+    stats = versions.sync(run, versions.publish(run, 1))
+    assert calls == [False, True] and stats.adapter == "bg-v000001" and stats.error is None
+
+
+def test_a_failed_upload_fails_the_next_step_naming_the_version_and_keeps_what_was_stored(
+    make_run, monkeypatch, tmp_path
+):
+    run = make_run()
+    versions.sync(run, versions.publish(run, 0))
+    monkeypatch.setenv("LORA_RL_FAULT", "publish_adapter:1")  # raises with v1's files written, before its manifest
+    ref = versions.publish(run, 1)  # returns: the upload fails in the background
+    upload = run.policy.pending.stored
+    versions.sync(run, ref)
+    message = r"adapter version bg-v000001.*InjectedFault: injected fault at publish_adapter step 1"
+    with pytest.raises(BackgroundWriteError, match=message):
+        upload.result(timeout=30)
+    with pytest.raises(BackgroundWriteError, match=message) as info:
+        phases.train(run, 2)  # the next step fails before it computes an update
+    assert isinstance(info.value.__cause__, InjectedFault)
+    with pytest.raises(BackgroundWriteError, match=message):
+        versions.publish(run, 2)
+    with pytest.raises(BackgroundWriteError, match=message):
+        versions.flush(run)
+    assert run.store.versions("bg") == [0] and run.store.load_tensors("bg", 0)[0]
+    assert not (tmp_path / "store" / "bg" / "adapters" / "v000001" / "manifest.json").exists()
+
+
+def test_without_background_publish_the_upload_happens_inside_publish(make_run, monkeypatch):
+    run = make_run("fg", "trainer.background_publish=false")
+    versions.sync(run, versions.publish(run, 0))
+    assert run.store.versions("fg") == [0] and not run.writer.background
+    monkeypatch.setenv("LORA_RL_FAULT", "publish_adapter:1")
+    with pytest.raises(InjectedFault):
+        versions.publish(run, 1)
+    assert run.store.versions("fg") == [0]
+
+
+def test_snapshots_do_not_change_when_the_trainer_moves_on(make_run):
+    run = make_run()
+    state = checkpoint_state(run, 1)
+    tensors, _ = run.trainer.adapter_state()
+    before = copy.deepcopy((state, tensors))
+    with torch.no_grad():
+        for p in run.trainer.params:  # what the next optimizer step does: in place
+            p.add_(1.0)
+    for key, value in state["trainer"]["tensors"].items():
+        assert torch.equal(value, before[0]["trainer"]["tensors"][key]), key
+    assert all(torch.equal(tensors[k], before[1][k]) for k in tensors)
+
+
+def test_a_resumed_run_republishes_a_lost_version_from_the_restored_trainer_and_replays_its_step(make_run, monkeypatch):
+    """A crash between step 1's checkpoint and its version: the resumed run restores step 1 and publishes
+    version 1 from it; step 1's train phase returns its record without training; version 0 is the stored one."""
+    first = make_run("lost")
+    versions.sync(first, versions.publish(first, 0))
+    with torch.no_grad():
+        for p in first.trainer.params:  # step 1's update, as far as the store can tell
+            p.add_(0.01)
+    recorded = TrainStats(
+        trainer={"loss": -1.5}, trained_rows=8, stale_rejected=0, uniform_skipped=0, checkpointed=True
+    )
+    first.run_dir.write_phase("trained", 1, recorded)
+    write_checkpoint(first, 1, checkpoint_state(first, 1))
+    expected, _ = first.trainer.adapter_state()
+    monkeypatch.setenv("LORA_RL_FAULT", "publish_adapter:1")
+    versions.publish(first, 1)
+    with pytest.raises(BackgroundWriteError):
+        versions.flush(first)
+    first.close()
+    monkeypatch.delenv("LORA_RL_FAULT")
+
+    second = make_run("lost")
+    info = restore(second)
+    assert info.restored_step == 1 and second.restored == Restored(step=1, newest_version=0)
+    monkeypatch.setattr(second.trainer, "train_step", lambda batch: pytest.fail("step 1 is in the checkpoint"))
+    assert phases.train(second, 1) == recorded
+    assert versions.publish(second, 0) == second.store.ref("lost", 0)  # as stored, nothing written
+    versions.sync(second, versions.publish(second, 1))
+    versions.flush(second)
+    assert second.store.versions("lost") == [0, 1]
+    stored, _ = second.store.load_tensors("lost", 1)
+    assert all(torch.equal(stored[k], expected[k]) for k in expected)
+
+
+def test_a_resumed_run_refuses_to_publish_a_missing_version_it_is_past(make_run):
+    run = make_run("gap")
+    run.restored = Restored(step=3, newest_version=1)
+    with pytest.raises(StoreError, match="version 2 of run gap is missing.*checkpoint of step 3"):
+        versions.publish(run, 2)
+
+
+@pytest.mark.parametrize(
+    ("engine", "reads"),
+    [
+        ({}, False),  # embedded, tensors in process
+        ({"sync": "store"}, True),
+        ({"type": "server", "urls": ["http://10.0.0.2:30000"]}, False),  # our server takes the tensors
+        ({"type": "sglang", "urls": ["http://10.0.0.2:30000"], "tensor_transport": "inline"}, False),
+        ({"type": "sglang", "urls": ["http://127.0.0.1:30000"], "tensor_transport": "ipc"}, False),
+        ({"type": "sglang", "urls": ["http://127.0.0.1:30000"], "tensor_transport": "disk"}, True),
+        ({"type": "sglang", "urls": ["http://10.0.0.2:30000"]}, True),  # auto: another host gets the folder
+        ({"type": "sglang", "urls": ["http://127.0.0.1:30000"]}, not torch.cuda.is_available()),  # auto: ipc w/ CUDA
+    ],
+)
+def test_which_syncs_wait_for_the_upload(engine, reads):
+    assert sync_reads_folder(EngineConfig(**engine)) is reads
