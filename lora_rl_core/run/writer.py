@@ -102,6 +102,7 @@ class StoreWriter:
                 f"writing {label} to the store in the background failed: {type(exc).__name__}: {exc}. What was "
                 "stored before it is intact; resume the run to redo the rest"
             )
+            error.__cause__ = exc  # before others can see it (`check` raises from the cause)
             with self._lock:
                 self._failure = self._failure or error
             raise error from exc

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow  # the flow under the Prefect test server
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _write_config(tmp_path, tiny_model_dir, run_id: str):
+def _write_config(tmp_path, tiny_model_dir, run_id: str, **trainer):
     return str(
         write_tiny_config(
             tmp_path,
@@ -39,7 +39,7 @@ def _write_config(tmp_path, tiny_model_dir, run_id: str):
             run_id,
             run={"id": run_id, "eval_before_after": False},
             rollout={"max_new_tokens": 6},
-            trainer={"steps": 4},
+            trainer={"steps": 4, **trainer},
             data={"train_size": 32},
         )
     )
@@ -105,6 +105,27 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path, tiny_model_di
     # steps 1-2 come from the step-2 checkpoint (their stats replayed); step 3's rollout was cached before the fault
     assert executed == [("train_step", 3), ("rollout", 4), ("train_step", 4)]
     _assert_same_versions(AdapterStore(f"file://{tmp_path / 'store'}"), "resumed", straight)
+
+
+def test_a_run_checkpointed_every_other_step_resumes_from_its_last_checkpoint(
+    tmp_path, tiny_model_dir, straight, executed, monkeypatch
+):
+    """Step 4 fails with checkpoints at steps 2 (and 4): the resumed run replays steps 1-2 from the checkpoint,
+    trains step 3 again, keeps the stored version 3, and trains step 4."""
+    from flows.grpo_lora import train
+
+    config = _write_config(tmp_path, tiny_model_dir, "every2", checkpoint_every=2)
+    monkeypatch.setenv("LORA_RL_FAULT", "train_step:4")
+    with pytest.raises(InjectedFault):
+        train(config_path=config)
+    store = AdapterStore(f"file://{tmp_path / 'store'}")
+    assert store.versions("every2") == [0, 1, 2, 3] and CheckpointStore(store.uri).latest("every2") == 2
+    stored_v3 = store.manifest("every2", 3).data_dir
+    executed.clear()
+    train(config_path=config)
+    assert executed == [("train_step", 3), ("train_step", 4)]  # the rollouts of steps 3 and 4 were cached
+    assert store.manifest("every2", 3).data_dir == stored_v3  # the stored version, not written again
+    _assert_same_versions(store, "every2", straight)
 
 
 @pytest.mark.parametrize(
