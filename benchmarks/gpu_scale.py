@@ -70,6 +70,27 @@ def build_model(shape: str, tokenizer: Path, out: Path) -> Path:
     return out
 
 
+class ProfiledTrain(TimedPhases):
+    """`TimedPhases` that runs one step's train phase under `torch.profiler` (CPU and CUDA) and keeps the table
+    of the operators that took the most GPU time."""
+
+    def __init__(self, inner: Any, step: int) -> None:
+        super().__init__(inner)
+        self.step = step
+        self.table = ""
+
+    def train(self, step: int) -> Any:
+        """Timed `train`; profiled at `self.step`."""
+        if step != self.step:
+            return super().train(step)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            result = super().train(step)
+        self.table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
+        return result
+
+
 class GpuMemory:
     """Samples `nvidia-smi`'s used memory of every GPU twice a second (every process: trainer and SGLang)."""
 
@@ -108,6 +129,7 @@ def main() -> None:
     p.add_argument("--sglang-pythonpath", default=None, help="PYTHONPATH of SGLang's interpreter")
     p.add_argument("--override", action="append", default=[], help="further config overrides")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile-step", type=int, default=0, help="profile this step's train phase (torch.profiler)")
     args = p.parse_args()
 
     from lora_rl_core.config import load_config
@@ -131,7 +153,7 @@ def main() -> None:
         "algorithm.skip_uniform_groups=false",
     ]
     if args.gpus == 2:  # SGLang on GPU 0, the trainer on GPU 1, rollouts one step ahead of training
-        overrides += ["model.device=cuda:1", "rollout.mode=async", "engine.tensor_transport=inline"]
+        overrides += ["model.device=cuda:1", "rollout.mode=async"]
     overrides += args.override
     shown = [o for o in overrides if not o.startswith("model.name_or_path")]
     plumbing = [f"run.output_dir={work}", f"store.uri=file://{work}/store", f"engine.launch.env={json.dumps(env)}"]
@@ -143,7 +165,7 @@ def main() -> None:
         setup_s = time.perf_counter() - start
         try:
             with RunPhases(run) as inner:
-                timed = TimedPhases(inner)
+                timed = ProfiledTrain(inner, args.profile_step) if args.profile_step else TimedPhases(inner)
                 last = [time.perf_counter()]
 
                 def on_step(m: dict[str, Any]) -> None:
@@ -170,16 +192,26 @@ def main() -> None:
 
                 run_steps(timed, steps=args.steps, ahead=cfg.rollouts_ahead(), on_step=on_step)
             plan = run.runtime.get("memory_plan")
+            trainer_device = torch.device(str(run.runtime["device"]))
+            trainer_peak = torch.cuda.max_memory_reserved(trainer_device) if trainer_device.type == "cuda" else 0
             sglang_log = (run.workdir / "sglang.log").read_text(errors="replace").splitlines()
         finally:
             run.close()
     command = next((ln for ln in sglang_log if ln.startswith("[lora-rl] command:")), "")
     record = summarize(args, steps, shown, memory.peak, model_dir)
     record.update(
-        setup_seconds=setup_s, memory_plan=plan, sglang_command=command, steps=steps, machine=machine_info("cuda")
+        setup_seconds=setup_s,
+        memory_plan=plan,
+        trainer_peak_reserved_gib=round(trainer_peak / 1024**3, 2),
+        sglang_command=command,
+        steps=steps,
+        machine=machine_info("cuda"),
     )
     out = args.out or RESULTS / "gpu_scale" / f"{args.shape}-{args.gpus}gpu.json"
     write_json(record, out)
+    if isinstance(timed, ProfiledTrain) and timed.table:
+        Path(str(out).removesuffix(".json") + ".train-profile.txt").write_text(timed.table)
+        print(timed.table)
     ph = record["phases"]
     print_table(
         f"{args.shape} on {args.gpus} x {record['gpu']}: median of steps 2..{args.steps}",

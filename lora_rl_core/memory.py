@@ -217,41 +217,54 @@ def plan_memory(
     resident = shape.weight_bytes() // world + shape.lora_params * 16 + CUDA_CONTEXT_BYTES
     budget = gpu_free - SAFETY_BYTES
     kv_needed = batch * seq * shape.kv_bytes_per_token()
-    engine_fixed = kv = 0
-    saver = False
+    engine_fixed = 0
+    saver_allowed = False
     fraction: float | None = None
     if colocated:
         prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2
         lora_pool = cfg.engine.max_loras_per_batch * shape.lora_params * 2
         engine_fixed = shape.weight_bytes() + lora_pool + ENGINE_OVERHEAD_BYTES + prefill
-        saver = (launch.memory_saver is True) or (
-            launch.memory_saver == "auto" and saver_available and cfg.rollout.mode == "sync"
+        # the KV cache can be released only while SGLang is idle (sync rollouts) and from one trainer process
+        saver_allowed = launch.memory_saver is True or (
+            launch.memory_saver == "auto" and saver_available and r.mode == "sync" and t.world_size == 0
         )
     room = budget - resident - engine_fixed  # for the KV cache and the activations
+    kv_min = 0
     if colocated and isinstance(launch.mem_fraction_static, float):
-        kv = int(launch.mem_fraction_static * gpu_total) - shape.weight_bytes() - (gpu_total - gpu_free)
+        kv_min = int(launch.mem_fraction_static * gpu_total) - shape.weight_bytes() - (gpu_total - gpu_free)
     elif colocated:
-        kv = max(int(kv_needed * 1.5), GIB)
-    train_room = room if saver else room - kv
+        kv_min = max(int(kv_needed * 1.5), GIB)
 
     def act(micro: int, ckpt: bool) -> int:
         return shape.activation_bytes(micro * seq, micro * (r.max_new_tokens + 1), checkpointing=ckpt)
 
-    micro = min(t.micro_batch_size, r.prompts_per_step * r.group_size)
-    if checkpointing == "auto":
-        # Without recomputation where a micro-batch of at least MIN_MICRO_BATCH fits (halving it costs less than
-        # the ~1/3 more compute of recomputing every layer), else with it, at the largest halving that fits.
-        checkpointing = act(_fit(micro, MIN_MICRO_BATCH, lambda m: act(m, False) <= train_room), False) > train_room
-        micro = _fit(micro, MIN_MICRO_BATCH if not checkpointing else 1, lambda m: act(m, checkpointing) <= train_room)
-    needed = act(micro, bool(checkpointing))
-    if needed > train_room or (colocated and kv < kv_needed):
+    def choose(train_room: int) -> tuple[bool, int]:
+        """(checkpointing, micro-batch) for this much room: without recomputation where a micro-batch of at
+        least MIN_MICRO_BATCH fits (halving it costs less than the ~1/3 more compute of recomputing every
+        layer), else with it, at the largest halving that fits."""
+        micro = min(t.micro_batch_size, r.prompts_per_step * r.group_size)
+        if checkpointing != "auto":
+            return bool(checkpointing), micro
+        ckpt = act(_fit(micro, MIN_MICRO_BATCH, lambda m: act(m, False) <= train_room), False) > train_room
+        return ckpt, _fit(micro, 1 if ckpt else MIN_MICRO_BATCH, lambda m: act(m, ckpt) <= train_room)
+
+    # The memory saver (release the KV cache for each train phase) costs a release, a resume and the trainer's
+    # CUDA cache every step: used where it buys a better choice than KV cache and activations side by side.
+    plain = choose(room - kv_min)
+    saver = launch.memory_saver is True or (
+        saver_allowed and (plain[0], -plain[1]) > (choose(room)[0], -choose(room)[1])
+    )
+    train_room = room if saver else room - kv_min
+    ckpt, micro = choose(train_room)
+    needed = act(micro, ckpt)
+    if needed > train_room or (colocated and kv_min < kv_needed):
         raise ConfigError(
             _does_not_fit(
                 cfg,
                 shape,
                 {c: act(micro, c) for c in (False, True)},
                 train_room,
-                kv,
+                kv_min,
                 kv_needed,
                 colocated,
                 gpu_total,
@@ -259,10 +272,14 @@ def plan_memory(
                 seq,
             )
         )
+    kv = kv_min
     if colocated:
-        if saver and launch.mem_fraction_static == "auto":
-            kv = max(kv, room - GIB)  # the whole rollout-phase room: it is freed while the trainer trains
+        if launch.mem_fraction_static == "auto":
+            # the rest of the room goes to the KV cache: all of it with the saver (freed while training), else
+            # what the activations leave (a larger cache keeps more prefixes; SGLang never has to retract)
+            kv = max(kv_min, room - GIB if saver else room - needed - GIB)
         fraction = min(0.95, (kv + shape.weight_bytes() + (gpu_total - gpu_free)) / gpu_total)
+    checkpointing = ckpt
     return MemoryPlan(
         gradient_checkpointing=bool(checkpointing),
         micro_batch_size=micro,

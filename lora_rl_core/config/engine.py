@@ -121,8 +121,9 @@ class EngineConfig(Section):
     """`sglang` with `sync: tensor`: how the tensors reach SGLang's `/load_lora_adapter_from_tensors`. `ipc`:
     CUDA IPC handles (the server on this host, CUDA here); `inline`: the data in the request (any host);
     `disk`: the published version's folder (`/load_lora_adapter`); `auto`: `ipc` for a server on a loopback
-    address when CUDA is available, else `disk`. A refused tensor load falls back to the folder
-    (docs/SGLANG.md, "Tensor path")."""
+    address when CUDA is available, else `disk`, and `disk` for a server this run launches on another GPU than
+    the trainer's (`build_run`). A refused tensor load falls back to the folder (docs/SGLANG.md, "Tensor
+    path")."""
     tensor_layout: IpcLayout = "host"
     """`tensor_transport` `ipc`: how the adapter's CUDA tensors are shared (`engines.remote.ipc`). `per-tensor`: one
     CUDA IPC handle per tensor (SGLang opens each, then copies each to its CPU pool); `packed`: views into one

@@ -141,9 +141,6 @@ class PolicyTrainer:
             for k, v in self._minibatch_update(batch, rows, plan, old_logprobs).items():
                 sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
         self.scheduler.step()
-        if self.device.type == "cuda":
-            # give the step's activations back to the driver: a colocated SGLang takes its KV cache back next
-            torch.cuda.empty_cache()
         tokens = sum(len(c) for c in batch.completion_ids)
         return {
             **sums,
