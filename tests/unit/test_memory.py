@@ -57,22 +57,22 @@ def test_a_7b_model_with_the_default_config_fits_one_80gb_gpu(shapes):
     assert plan.micro_batch_size == 8 and not plan.gradient_checkpointing
     # KV cache and activations fit side by side: no release and re-allocation every step
     assert not plan.memory_saver and plan.kv_cache >= plan.kv_needed
-    assert 0.3 < plan.mem_fraction_static < 0.95
+    assert 0.25 < plan.mem_fraction_static < 0.95
     budget = int(79.1 * GIB)
     assert plan.engine_fixed + plan.kv_cache + plan.trainer_resident + plan.activations < budget
 
 
 def test_the_memory_saver_is_used_where_it_buys_a_larger_micro_batch(shapes):
-    plan = _plan(_cfg(), shapes["7b"], gib=66.0)
-    budget = int(66.0 * GIB)
+    plan = _plan(_cfg(), shapes["7b"], gib=70.0)
+    budget = int(70.0 * GIB)
     assert plan.memory_saver and plan.micro_batch_size == 8 and not plan.gradient_checkpointing
     # each phase fits on its own, not both together: the KV cache is released while training
     assert plan.engine_fixed + plan.kv_cache + plan.trainer_resident < budget
     assert plan.engine_fixed + plan.trainer_resident + plan.activations < budget
     assert plan.engine_fixed + plan.kv_cache + plan.trainer_resident + plan.activations > budget
-    without = _plan(_cfg(), shapes["7b"], gib=66.0, saver=False)
+    without = _plan(_cfg(), shapes["7b"], gib=70.0, saver=False)
     assert not without.memory_saver and without.micro_batch_size == 4
-    async_plan = _plan(_cfg("async"), shapes["7b"], gib=66.0)  # SGLang is busy while training: never released
+    async_plan = _plan(_cfg("async"), shapes["7b"], gib=70.0)  # SGLang is busy while training: never released
     assert not async_plan.memory_saver and async_plan.rollout_batch == 256
 
 
