@@ -13,11 +13,13 @@ this process's environment with `LORA_RL_OWNER=<random token>`, which every proc
 inherits however deep (trainer workers, Prefect's server, SGLang and its children, Ray's processes), and
 starts the reaper: this file run as a stdlib-only script (`python -I -S`) in a session of its own, so that
 neither a terminal's Ctrl-C nor a signal to lora-rl's process group reaches it. It polls its parent every
-`POLL_S` seconds; once lora-rl is gone (exited or killed) it SIGKILLs every process whose environment
-carries the token, scanning until nothing carrying it is left, and exits. After an orderly exit there is
-nothing left to find. PR_SET_PDEATHSIG alone would not do: it reaches direct children only, fires when the
-creating *thread* ends (Prefect starts its server from whichever thread first needs it), and Prefect's
-server and Ray's agents are started by code that is not ours.
+`POLL_S` seconds; once lora-rl is gone (exited or killed) it gives the processes whose environment carries
+the token `GRACE_S` to end by themselves (multiprocessing's resource tracker then unlinks the semaphores
+the dead process left, idle workers see their pipe close), SIGKILLs the rest, scanning until nothing
+carrying the token is left, and exits. After an orderly exit there is nothing left to find.
+PR_SET_PDEATHSIG alone would not do: it reaches direct children only, fires when the creating *thread*
+ends (Prefect starts its server from whichever thread first needs it), and Prefect's server and Ray's
+agents are started by code that is not ours.
 
 Linux only (`/proc/<pid>/environ`); elsewhere `watch()` does nothing.
 """
@@ -33,6 +35,7 @@ import time
 
 OWNER_ENV = "LORA_RL_OWNER"  # environment variable: the token of the lora-rl process that started it
 POLL_S = 0.2  # how often the reaper checks that lora-rl is still there, seconds
+GRACE_S = 1.0  # how long the processes lora-rl started may take to end by themselves before SIGKILL, seconds
 SWEEP_LIMIT_S = 10.0  # the reaper gives up scanning after this long
 _QUIET_SCANS = 3  # scans in a row that find nothing before the reaper exits (catches processes still starting)
 
@@ -102,6 +105,9 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, signal.SIG_IGN)
     while os.getppid() == owner:
         time.sleep(POLL_S)
+    deadline = time.monotonic() + GRACE_S
+    while marked(token) and time.monotonic() < deadline:
+        time.sleep(0.05)
     sweep(token)
 
 

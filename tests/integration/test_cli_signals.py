@@ -48,7 +48,7 @@ PREFECT_SERVER = "prefect.server.api.server:create_app"  # in the command line o
 REAPER = "cli/reaper.py"  # in the command line of the reaper (cli.reaper)
 EXIT_S = 180  # the most an orderly stop may take (it takes seconds; a loaded 2-core machine is slow)
 GONE_S = 30  # after the exit status: the most what the command started may take to end
-KILLED_S = 5  # after a SIGKILL: the most what the command started may take to end (it takes about one)
+KILLED_S = 5  # after a SIGKILL: the most what the command started may take to end (the reaper grants 1 s)
 
 
 @pytest.fixture(scope="module", autouse=True)
