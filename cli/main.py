@@ -5,7 +5,8 @@ problems) print one line `lora-rl: error: ...` and exit with code 2; a bad comma
 command, missing option, bad value) prints click's short usage error and exits with code 2, no traceback.
 SIGINT or SIGTERM stops what the command started (trainer workers, engine,
 Prefect's ephemeral server), prints one line `lora-rl: interrupted by ...`
-and exits with 130 or 143 (`cli.shutdown`).
+and exits with 130 or 143 (`cli.shutdown`). Even on SIGKILL nothing that train, eval or serve started
+outlives it: a reaper process ends it (`cli.reaper`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from cli import shutdown
+from cli import reaper, shutdown
 from cli.adapters import adapters_app
 from lora_rl_core import progress
 from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_DEFAULT_PORT
@@ -31,6 +32,7 @@ app = typer.Typer(
 )
 app.add_typer(adapters_app, name="adapters", help="List and pull adapter versions from a store.")
 API_KEY_ENV = ENGINE_DEFAULTS.api_key_env  # the config's default, for commands without one
+PREFECT_STARTUP_TIMEOUT_S = 180  # for Prefect's temporary API server (Prefect's default: 20 s)
 console = Console(soft_wrap=True)  # step lines stay whole when output is a file
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="YAML run config, e.g. configs/smollm2-arith-grpo.yaml")]
@@ -51,10 +53,13 @@ def train(
     # Before prefect is imported: the progress bar replaces Prefect's per-task console lines.
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect gives its temporary server 20 s to answer; a fresh PREFECT_HOME on a busy 2-core CPU takes longer.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(PREFECT_STARTUP_TIMEOUT_S))
     from lora_rl_core.config import load_config
     from lora_rl_core.run import preflight
 
     preflight(load_config(config, overrides or []))  # config, store, data, reward, model: one line, before Prefect
+    reaper.watch()  # before anything starts: nothing outlives this process, even on SIGKILL
     from flows.grpo_lora import train as train_flow
 
     shutdown.quiet_console_logs()  # Prefect's handlers exist now: its crash lines on SIGTERM stay off the terminal
@@ -125,6 +130,7 @@ def eval_(
 
     cfg = load_config(config, overrides or [])
     store = cfg.store.build()  # a bad store URI fails before the data and the tokenizer load
+    reaper.watch()  # nothing started from here on outlives this process, even on SIGKILL
     configure_threads()
     problems = build_problems(cfg.data, "test", cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
@@ -188,6 +194,7 @@ def serve(
     api_key = api_key or os.environ.get(cfg.engine.api_key_env)
     check_bind(host, api_key)
     cfg.store.build()  # a bad store URI: one line before the model loads
+    reaper.watch()  # nothing started from here on outlives this process, even on SIGKILL
     configure_threads()  # before loading the model
     model = cfg.model.name_or_path
     console.print(f"serving {model} on http://{host}:{port} (control endpoints {'need a key' if api_key else 'open'})")

@@ -10,7 +10,7 @@ workers, engine), the engine server's `engine.close()`, the subscriber's `engine
 calls `exit_interrupted()`: stop Prefect's ephemeral server, print one line
 `lora-rl: interrupted by SIGTERM; stopped ...` to stderr, exit 128 + the signal number (130 for SIGINT,
 143 for SIGTERM). Signals that arrive during that shutdown are ignored (every step of it has a time
-limit); SIGKILL still ends the process.
+limit); SIGKILL still ends the process (and `cli.reaper` what it started).
 
 Handlers of others that run first hand the signal back to ours: inside a flow run Prefect's SIGTERM
 handler raises its `TerminationSignal` (the run is marked Crashed, the flow's `finally` runs), then

@@ -1,12 +1,18 @@
-"""SIGTERM and SIGINT to `lora-rl train`, `serve` and `subscribe`: an orderly stop.
+"""SIGTERM and SIGINT to `lora-rl train`, `serve` and `subscribe`: an orderly stop; SIGKILL to `train` and
+`serve`: nothing they started survives them.
 
 Each command runs as a real process in a session of its own (`tests.support.processes`). Once it is busy
-(train: version 1 published, so the trainer workers have trained; serve: /health answers; subscribe: the
-engine holds the newest version), it gets the signal: `kill -TERM PID` (to the process alone, as a process
-manager sends it) or a terminal's Ctrl-C (SIGINT to the whole process group). It must exit with 128 +
-the signal number, print exactly one `lora-rl:` line (the last line of stderr, no traceback), and leave
-no process behind: not its trainer workers, not Prefect's ephemeral server (which runs in a session of
-its own), nothing else it started.
+(train: the line of step 1 is printed, so the trainer workers have trained and everything is running;
+serve: /health answers; subscribe: the engine holds the newest version), it gets the signal: `kill -TERM
+PID` (to the process alone, as a process manager sends it) or a terminal's Ctrl-C (SIGINT to the whole
+process group). It must exit with 128 + the signal number, print exactly one `lora-rl:` line (the last
+line of stderr, no traceback), and leave no process behind: not its trainer workers, not Prefect's
+ephemeral server (which runs in a session of its own), nothing else it started.
+
+SIGKILL (what the OOM killer sends) leaves the command no time: its reaper (`cli.reaper`) ends what it
+started. Within a few seconds none of the processes that ran just before the kill may be alive, and no
+orphan of this test run either (a process started meanwhile). Each test waits for an explicit sign of
+readiness, never a fixed sleep, and its deadlines are minutes, so a loaded machine only makes it slower.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lora_rl_core.engines import EmbeddedEngine
 from lora_rl_core.store import AdapterStore
 from lora_rl_testing.adapters import random_lora_factory
+from lora_rl_testing.fake_launch import fake_launch
 from lora_rl_testing.servers import serve_in_thread
 from tests.integration.tiny_run import write_tiny_config
 from tests.support import processes
@@ -37,6 +45,10 @@ pytestmark = pytest.mark.slow  # `lora-rl` processes, Prefect's ephemeral server
 REPO = Path(__file__).resolve().parents[2]
 LORA_RL = str(Path(sys.executable).with_name("lora-rl"))
 PREFECT_SERVER = "prefect.server.api.server:create_app"  # in the command line of Prefect's ephemeral server
+REAPER = "cli/reaper.py"  # in the command line of the reaper (cli.reaper)
+EXIT_S = 180  # the most an orderly stop may take (it takes seconds; a loaded 2-core machine is slow)
+GONE_S = 30  # after the exit status: the most what the command started may take to end
+KILLED_S = 5  # after a SIGKILL: the most what the command started may take to end (the reaper grants 1 s)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,7 +80,7 @@ class Command:
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = processes.popen([LORA_RL, *args], cwd=REPO, env=env, stdout=out, stderr=err)
 
-    def wait_until(self, ready: Callable[[], bool], what: str, seconds: float = 240) -> None:
+    def wait_until(self, ready: Callable[[], bool], what: str, seconds: float = 600) -> None:
         deadline = time.monotonic() + seconds
         while not ready():
             assert self.proc.poll() is None, f"exited with {self.proc.returncode} before {what}:\n{self.stderr()}"
@@ -80,15 +92,19 @@ class Command:
         table = processes.process_table()
         return [table[self.proc.pid], *processes.descendants(self.proc.pid, table)]
 
+    def printed(self, prefix: str) -> Callable[[], bool]:
+        """Readiness: a line of stdout starts with `prefix`."""
+        return lambda: any(line.startswith(prefix) for line in self.out.read_text(errors="replace").splitlines())
+
     def interrupt(self, sig: int, *, group: bool) -> list[processes.Proc]:
         """Send `sig` (to the process, or its whole group as a terminal's Ctrl-C does) and wait for the exit;
         the processes that ran just before."""
         tree = self.tree()
         (os.killpg if group else os.kill)(self.proc.pid, sig)
         try:
-            self.proc.wait(timeout=90)
+            self.proc.wait(timeout=EXIT_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"still running 90 s after {signal.Signals(sig).name}:\n{self.stderr()}")
+            pytest.fail(f"still running {EXIT_S} s after {signal.Signals(sig).name}:\n{self.stderr()}")
         return tree
 
     def stderr(self) -> str:
@@ -116,7 +132,7 @@ def assert_stopped_in_order(cmd: Command, tree: list[processes.Proc], sig: int, 
     assert ours == [f"lora-rl: interrupted by {name}; stopped {stopped}"], err[-4000:]
     assert err.rstrip().splitlines()[-1] == ours[0], err[-4000:]  # nothing after it (no late log, no warning)
     assert "Traceback" not in err, err[-4000:]
-    deadline = time.monotonic() + 5  # the exit status is in; give a child's own exit a moment
+    deadline = time.monotonic() + GONE_S  # the exit status is in; give a child's own exit a moment
     while (left := [p for p in tree if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"left running after {name}: {processes.describe(left)}"
@@ -140,20 +156,21 @@ def test_train_stops_trainer_workers_and_prefect_server(command, tiny_model_dir,
         trainer={"steps": 1000, "world_size": 2},  # never finishes: interrupted while training
     )
     cmd = command("train", "-c", str(config), "--run-id", "sig")
-    manifest = tmp_path / "store" / "sig" / "adapters" / "v000001" / "manifest.json"
-    cmd.wait_until(manifest.exists, "version 1 (the first trained step)")
+    cmd.wait_until(cmd.printed("step 1/"), "the line of step 1")
     commands = [p.cmdline() for p in cmd.tree()]
     assert sum("spawn_main" in c for c in commands) == 2, commands  # the trainer workers
     assert sum(PREFECT_SERVER in c for c in commands) == 1, commands  # the ephemeral Prefect server
+    assert sum(REAPER in c for c in commands) == 1, commands
     tree = cmd.interrupt(sig, group=group)
     assert_stopped_in_order(cmd, tree, sig, "trainer workers, engine and Prefect server")
 
 
-def test_serve_stops_on_ctrl_c(command, tiny_model_dir, tmp_path):
+def serving(command: Callable[..., Command], model_dir: Path, tmp_path: Path) -> Command:
+    """`lora-rl serve` of the tiny model on a free port of 127.0.0.1, once /health answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    model = [f"model.name_or_path={tiny_model_dir}", "model.dtype=float32", f"store.uri=file://{tmp_path}/store"]
+    model = [f"model.name_or_path={model_dir}", "model.dtype=float32", f"store.uri=file://{tmp_path}/store"]
     cmd = command("serve", *model, "--host", "127.0.0.1", "--port", str(port))
 
     def healthy() -> bool:
@@ -163,6 +180,11 @@ def test_serve_stops_on_ctrl_c(command, tiny_model_dir, tmp_path):
             return False
 
     cmd.wait_until(healthy, "the server to answer /health")
+    return cmd
+
+
+def test_serve_stops_on_ctrl_c(command, tiny_model_dir, tmp_path):
+    cmd = serving(command, tiny_model_dir, tmp_path)
     tree = cmd.interrupt(signal.SIGINT, group=True)
     assert_stopped_in_order(cmd, tree, signal.SIGINT, "the HTTP server and the engine")
 
@@ -180,3 +202,53 @@ def test_subscribe_stops_on_sigterm(command, tiny_model_dir, tmp_path):
             cmd.wait_until(lambda: "sub-v000001" in engine.list_adapters(), "version 1 to reach the engine")
             tree = cmd.interrupt(signal.SIGTERM, group=False)
     assert_stopped_in_order(cmd, tree, signal.SIGTERM, "the subscriber and closed its engine connections")
+
+
+def assert_nothing_survives_sigkill(cmd: Command, expected: dict[str, int]) -> float:
+    """SIGKILL the command once the processes named in `expected` (a command-line fragment and how many
+    carry it) run; within `KILLED_S` seconds none of the processes that ran just before may be alive, nor
+    any orphan of this test run. Returns the seconds the last of them took to end."""
+    tree = cmd.tree()
+    commands = [p.cmdline() for p in tree]
+    for fragment, count in {REAPER: 1, **expected}.items():
+        assert sum(fragment in c for c in commands) == count, (fragment, commands)
+    os.kill(cmd.proc.pid, signal.SIGKILL)
+    cmd.proc.wait(timeout=30)
+    start = time.monotonic()
+    while (left := [p for p in tree if _alive(p)] + processes.orphans()) and time.monotonic() - start < KILLED_S:
+        time.sleep(0.05)
+    seconds = time.monotonic() - start
+    assert not left, f"alive {KILLED_S} s after SIGKILL: {processes.describe(left)}"
+    print(f"the {len(tree) - 1} processes {cmd.proc.args[1]} started ended {seconds:.2f} s after its SIGKILL")
+    return seconds
+
+
+@pytest.mark.parametrize("where", ["local", "ray"])
+def test_train_sigkilled_leaves_no_process(command, tiny_model_dir, tmp_path, where):
+    """local: trainer workers, the math verifier's worker, a launched SGLang (the look-alike, with a child
+    of its own as SGLang has) and Prefect's server; ray: a local Ray with an engine replica and a trainer
+    rank (Ray's GCS, raylet, agents and workers) and Prefect's server."""
+    if where == "local":
+        sections: dict[str, Any] = {
+            "trainer": {"steps": 1000, "world_size": 2},
+            "engine": {"type": "sglang", "sync": "store", "launch": fake_launch()},
+            "reward": {"functions": [{"name": "math"}, {"name": "tests.integration.rewards:digit_fraction"}]},
+        }
+        expected = {"spawn_main": 3, "sglang.launch_server": 1, "time.sleep(600)": 1, PREFECT_SERVER: 1}
+    else:
+        sections = {"trainer": {"steps": 1000, "world_size": 1, "backend": "ray"}, "engine": {"ray_replicas": 1}}
+        expected = {
+            "ray/raylet/raylet": 1,
+            "ray/gcs/gcs_server": 1,
+            "ray::TrainerRank": 1,
+            "ray::EngineReplica": 1,
+            PREFECT_SERVER: 1,
+        }
+    config = write_tiny_config(tmp_path, tiny_model_dir, "kill", run={"eval_before_after": False}, **sections)
+    cmd = command("train", "-c", str(config), "--run-id", "kill")
+    cmd.wait_until(cmd.printed("step 1/"), "the line of step 1")
+    assert_nothing_survives_sigkill(cmd, expected)
+
+
+def test_serve_sigkilled_leaves_no_process(command, tiny_model_dir, tmp_path):
+    assert_nothing_survives_sigkill(serving(command, tiny_model_dir, tmp_path), {})

@@ -3,13 +3,21 @@ prompts gives the same tokens and logits as plain HF generation."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lora_rl_core.engines import SamplingParams
-from lora_rl_core.engines.embedded.generation import InverseCdfSampler, generate_batch, left_pad, shared_prefill
+from lora_rl_core.engines.embedded.generation import (
+    InverseCdfSampler,
+    cache_kwarg,
+    generate_batch,
+    left_pad,
+    shared_prefill,
+)
 
 PAD, EOS = 0, 2
 
@@ -144,3 +152,27 @@ def test_sampled_generation_with_shared_prefill_follows_the_seed(models) -> None
     b, _ = generate_batch(base, PROMPTS, None, params, pad_id=PAD, eos_ids=[EOS])
     assert torch.equal(a, b)
     assert not torch.equal(a[0], a[1]) or not torch.equal(a[1], a[3])  # samples of one prompt differ
+
+
+@pytest.mark.parametrize("with_adapters", [False, True])
+def test_generation_uses_the_current_cache_api(models, with_adapters: bool) -> None:
+    """Shared prefill and `generate` pass the KV cache by the name this transformers takes (`cache` since
+    5.24): no FutureWarning (`past_key_values` is deprecated) on every step of `make run`."""
+    base, peft = models
+    model = peft if with_adapters else base
+    adapters = ["a1", "a1", "__base__", "__base__", "a1", "a1"] if with_adapters else None
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the fixture's PEFT set-up warns on its own: not here
+        tokens, _ = generate_batch(model, PROMPTS, adapters, params, pad_id=PAD, eos_ids=[EOS])
+    assert tokens.shape[0] == len(PROMPTS)
+
+
+def test_cache_kwarg_is_what_the_model_forward_takes(models) -> None:
+    class Older(torch.nn.Module):  # transformers < 5.24: the cache is `past_key_values`
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    base, peft = models
+    assert cache_kwarg(Older()) == "past_key_values"
+    assert cache_kwarg(peft) == cache_kwarg(base)  # a PeftModel: its base model's name

@@ -16,15 +16,21 @@ plain `model.generate` call, both for CPU speed and both exact:
   from it (HF runs only the uncached last token). For 8 prompts x 8 samples of 47 tokens on the same CPU,
   prefill took 0.7 s instead of 6.5 s. Position ids follow HF's left-padding rule (`cumsum(mask) - 1`),
   so the cache equals the one `generate` would have built.
+
+The cache is passed by the name the model's `forward` takes (`cache_kwarg`): `cache` since transformers 5.24,
+whose old name `past_key_values` warns a FutureWarning on every call; `past_key_values` before (the GPU
+hosts' SGLang pins an older transformers).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
+from peft import PeftModel
 from transformers import (
     DynamicCache,
     GenerationConfig,
@@ -85,6 +91,14 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def cache_kwarg(model: Any) -> str:
+    """The keyword by which `model` (a PeftModel's base model for a PeftModel) takes a KV cache in `forward`
+    and `generate`: `cache` where its `forward` has that parameter (transformers >= 5.24), else
+    `past_key_values`."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 def shared_prefill(
     model: Any, input_ids_BP: torch.Tensor, attention_mask_BP: torch.Tensor, adapters: list[str] | None
 ) -> DynamicCache | None:
@@ -115,11 +129,11 @@ def shared_prefill(
     position_ids = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)  # HF generate's rule for left padding
     cache = DynamicCache()
     kwargs: dict[str, Any] = {"adapter_names": [adapters[i] for i in unique]} if adapters else {}
+    kwargs[cache_kwarg(model)] = cache
     model(
         input_ids=ids,
         attention_mask=mask,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
         **kwargs,
@@ -167,7 +181,7 @@ def generate_batch(
             torch.manual_seed(params.seed)
         cache = shared_prefill(model, input_ids, attention_mask, adapters)
         if cache is not None:
-            kwargs["past_key_values"] = cache
+            kwargs[cache_kwarg(model)] = cache
         processors = None
         if params.temperature > 0:
             processors = LogitsProcessorList([InverseCdfSampler(params.temperature, params.top_k, params.top_p)])
