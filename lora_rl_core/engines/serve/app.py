@@ -212,6 +212,8 @@ class EngineServer:
             HTTPError: as `AdapterNames.resolve`; 504 when generation did not end after its deadline.
             LoraRLError: the engine refused a request (answered 400).
         """
+        plain = {n for n in names if n is not None and not is_reference(n) and not n.startswith(STORE_URI_PREFIX)}
+        await self._check_adapters(plain)
         for attempt in range(RESOLVE_ATTEMPTS):
             last = attempt == RESOLVE_ATTEMPTS - 1 or not any(is_reference(n) for n in names)
             adapters = await run_blocking(self.control_timeout_s, self.names.resolve, names)
@@ -229,6 +231,11 @@ class EngineServer:
             if last or not unloaded or not await self._retired(names, adapters):
                 return completions
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _check_adapters(self, names: set[str]) -> None:
+        """Before a call's plain adapter names are resolved (`AdapterNames.resolve` answers 400 for one that is
+        not loaded): nothing here; the SGLang look-alike (`lora_rl_testing.sglang_fake`) reloads an unloaded
+        adapter from its remembered path at this point, as SGLang does."""
 
     async def _retired(self, names: list[str | None], adapters: list[str | None]) -> bool:
         """Whether a version that a reference of `names` resolved to (in `adapters`) is no longer loaded."""
