@@ -12,11 +12,12 @@ two peaks do not add up:
     trainer resident = base weights (bf16) + LoRA weights, gradients and AdamW moments (float32, 16 B each)
 
 Without the saver (async rollouts keep SGLang busy while training, or `torch_memory_saver` is missing) the
-KV cache and the activations add up. `plan_memory` chooses `trainer.gradient_checkpointing` (`auto`: on only
+KV cache and the activations add up. The saver costs a release, a resume and emptying the trainer's CUDA
+cache every step (re-allocating its activations), so `auto` uses it only where it buys the trainer a larger
+micro-batch or no recomputation. `plan_memory` chooses `trainer.gradient_checkpointing` (`auto`: on only
 where a micro-batch's activations would not fit even halved down to `MIN_MICRO_BATCH`; the micro-batch is
-halved as far as needed either way),
-SGLang's `--mem-fraction-static` (`auto`: weights plus the KV cache this plan gives it) and the memory saver,
-and raises `ConfigError` naming the settings to change where even checkpointed activations do not fit. The
+halved as far as needed either way), SGLang's `--mem-fraction-static` (`auto`: weights plus the KV cache
+this plan gives it: what the activations leave) and the memory saver, and raises `ConfigError` naming the settings to change where even checkpointed activations do not fit. The
 estimates (bytes) are deliberately simple:
 
     activations per token and decoder layer, kept for backward:  34 h + 8 I bytes (bf16 matmul inputs kept
@@ -26,6 +27,7 @@ estimates (bytes) are deliberately simple:
     with gradient checkpointing per decoder layer: 2 h bytes per token and layer, plus one layer's set
     logits of the completion positions: 20 V bytes per token (bf16 head output, float32 copy, log-softmax,
         entropy, their gradient), V = vocabulary size
+    the activations times ACTIVATION_CALIBRATION (1.15, measured on an H100 at 7B)
     KV cache: 2 (K and V) x layers x kv heads x head dim x 2 bytes per token
 
 The plan's figures are logged and written to the run's `run.json` (`runtime.memory_plan`), so a run that

@@ -44,8 +44,9 @@ class SGLangLaunchConfig(Section):
     memory_saver: bool | Literal["auto"] = "auto"
     """`--enable-memory-saver`: SGLang frees its KV cache during each train phase and takes it back before the
     next rollout (`/release_memory_occupation`, tag `kv_cache`; base weights and LoRA buffers stay). `auto`:
-    on where a trainer shares the GPU, rollouts are synchronous (the server is idle while training) and the
-    installed SGLang has `torch_memory_saver`."""
+    on where a trainer in this process shares the GPU, rollouts are synchronous (the server is idle while
+    training), the installed SGLang has `torch_memory_saver`, and the memory plan finds that releasing the KV
+    cache buys the trainer a larger micro-batch (or no recomputation) than keeping both side by side."""
     cuda_graph_max_bs: int | Literal["auto"] | None = "auto"
     """Largest decode batch captured as a CUDA graph (`--cuda-graph-max-bs-decode`, prefill graphs off). `auto`:
     the rollout batch (prompts x group size, times the rollouts in flight) or SGLang's own default for the GPU
