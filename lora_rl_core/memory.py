@@ -17,8 +17,8 @@ cache every step (re-allocating its activations), so `auto` uses it only where i
 micro-batch or no recomputation. `plan_memory` chooses `trainer.gradient_checkpointing` (`auto`: on only
 where a micro-batch's activations would not fit even halved down to `MIN_MICRO_BATCH`; the micro-batch is
 halved as far as needed either way), SGLang's `--mem-fraction-static` (`auto`: weights plus the KV cache
-this plan gives it: what the activations leave) and the memory saver, and raises `ConfigError` naming the settings to change where even checkpointed activations do not fit. The
-estimates (bytes) are deliberately simple:
+this plan gives it: what the activations leave) and the memory saver, and raises `ConfigError` naming the
+settings to change where even checkpointed activations do not fit. The estimates (bytes) are deliberately simple:
 
     activations per token and decoder layer, kept for backward:  34 h + 8 I bytes (bf16 matmul inputs kept
         for the LoRA branches, float32 RMSNorm inputs, SDPA q/k/v/out, SwiGLU gate/up/act), h = hidden size,
