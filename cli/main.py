@@ -256,6 +256,7 @@ def main() -> None:
     and SIGINT/SIGTERM into an orderly shutdown, one line and exit code 128 + signal (`cli.shutdown`)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     shutdown.install()
+    reaper.enable()  # this process is lora-rl itself: its commands start a reaper (`cli.reaper.watch`)
     try:
         code = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising it
         sys.exit(code if isinstance(code, int) else 0)

