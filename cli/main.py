@@ -256,29 +256,29 @@ def main() -> None:
     and SIGINT/SIGTERM into an orderly shutdown, one line and exit code 128 + signal (`cli.shutdown`)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     shutdown.install()
-    reaper.enable()  # this process is lora-rl itself: its commands start a reaper (`cli.reaper.watch`)
-    try:
-        code = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising it
-        sys.exit(code if isinstance(code, int) else 0)
-    except LoraRLError as exc:
-        signum = shutdown.received()
-        if signum is not None:  # failed while shutting down after a signal: the signal is the news
-            shutdown.exit_interrupted(signum)
-        print(f"lora-rl: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        sys.exit(1)
-    except BaseException as exc:  # SIGINT/SIGTERM (`shutdown.Interrupted`), click usage errors, crashes
-        signum = shutdown.signal_of(exc)
-        if signum is not None:
-            shutdown.exit_interrupted(signum)
-        if isinstance(exc, _CLICK_EXCEPTION):  # a usage error: click's short message, exit 2, no traceback
-            if type(exc).__name__ != "NoArgsIsHelpError":  # that one's help is already printed
-                exc.show()
+    with reaper.enabled():  # this process is lora-rl itself: its commands start a reaper (`cli.reaper`)
+        try:
+            code = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising it
+            sys.exit(code if isinstance(code, int) else 0)
+        except LoraRLError as exc:
+            signum = shutdown.received()
+            if signum is not None:  # failed while shutting down after a signal: the signal is the news
+                shutdown.exit_interrupted(signum)
+            print(f"lora-rl: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        except typer.Exit as exc:
             sys.exit(exc.exit_code)
-        raise
+        except typer.Abort:
+            sys.exit(1)
+        except BaseException as exc:  # SIGINT/SIGTERM (`shutdown.Interrupted`), click usage errors, crashes
+            signum = shutdown.signal_of(exc)
+            if signum is not None:
+                shutdown.exit_interrupted(signum)
+            if isinstance(exc, _CLICK_EXCEPTION):  # a usage error: click's short message, exit 2, no traceback
+                if type(exc).__name__ != "NoArgsIsHelpError":  # that one's help is already printed
+                    exc.show()
+                sys.exit(exc.exit_code)
+            raise
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 OWNER_ENV = "LORA_RL_OWNER"  # environment variable: the token of the lora-rl process that started it
 POLL_S = 0.2  # how often the reaper checks that lora-rl is still there, seconds
@@ -43,11 +45,17 @@ _reaper: subprocess.Popen[bytes] | None = None
 _enabled = False
 
 
-def enable() -> None:
-    """Let `watch()` start a reaper: the CLI's entry point calls it (`cli.main.main`), so a command run in
-    another program's process (a test's `CliRunner`) starts none that would outlive the command's call."""
+@contextmanager
+def enabled() -> Iterator[None]:
+    """Within the block, `watch()` starts a reaper: the CLI's entry point runs its command so (`cli.main.main`);
+    a command run by another program in its own process (a test's `CliRunner`, or `main()` called by a test
+    that then goes on) starts none after the block that would outlive the command's call."""
     global _enabled
     _enabled = True
+    try:
+        yield
+    finally:
+        _enabled = False
 
 
 def watch() -> int | None:
@@ -55,7 +63,7 @@ def watch() -> int | None:
     gone, whatever it started goes too.
 
     Returns:
-        The reaper's pid; None where there is no `/proc`, or `enable()` was not called (no reaper).
+        The reaper's pid; None where there is no `/proc`, or outside `enabled()` (no reaper).
     """
     global _reaper
     if _reaper is not None:

@@ -35,8 +35,8 @@ OWNER = f"""
 import subprocess, sys, time
 sys.path.insert(0, {str(REPO)!r})
 from cli import reaper
-reaper.enable()
-watcher = reaper.watch()
+with reaper.enabled():
+    watcher = reaper.watch()
 child = subprocess.Popen([sys.executable, "-c", {NESTED!r}], stdout=subprocess.PIPE)
 print(watcher, child.pid, child.stdout.readline().decode().strip(), flush=True)
 if sys.argv[1] == "stay":
