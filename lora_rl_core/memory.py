@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -255,11 +256,12 @@ def plan_memory(
         return ckpt, _fit(micro, 1 if ckpt else MIN_MICRO_BATCH, lambda m: act(m, ckpt) <= train_room)
 
     # The memory saver (release the KV cache for each train phase) costs a release, a resume and the trainer's
-    # CUDA cache every step: used where it buys a better choice than KV cache and activations side by side.
-    plain = choose(room - kv_min)
-    saver = launch.memory_saver is True or (
-        saver_allowed and (plain[0], -plain[1]) > (choose(room)[0], -choose(room)[1])
-    )
+    # CUDA cache every step: `auto` uses it where it buys a better choice than KV cache and activations side by
+    # side (no recomputation beats recomputation, then a larger micro-batch beats a smaller one).
+    def worse(choice: tuple[bool, int]) -> tuple[bool, int]:
+        return choice[0], -choice[1]
+
+    saver = saver_allowed and (launch.memory_saver is True or worse(choose(room - kv_min)) > worse(choose(room)))
     train_room = room if saver else room - kv_min
     ckpt, micro = choose(train_room)
     needed = act(micro, ckpt)
@@ -285,9 +287,8 @@ def plan_memory(
             # what the activations leave (a larger cache keeps more prefixes; SGLang never has to retract)
             kv = max(kv_min, room - GIB if saver else room - needed - GIB)
         fraction = min(0.95, (kv + shape.weight_bytes() + (gpu_total - gpu_free)) / gpu_total)
-    checkpointing = ckpt
     return MemoryPlan(
-        gradient_checkpointing=bool(checkpointing),
+        gradient_checkpointing=ckpt,
         micro_batch_size=micro,
         mem_fraction_static=fraction,
         memory_saver=saver,
@@ -302,7 +303,7 @@ def plan_memory(
     )
 
 
-def _fit(micro: int, smallest: int, fits: Any) -> int:
+def _fit(micro: int, smallest: int, fits: Callable[[int], bool]) -> int:
     """`micro` halved until `fits(micro)` or it reaches `smallest`."""
     while micro > smallest and not fits(micro):
         micro //= 2

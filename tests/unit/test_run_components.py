@@ -104,3 +104,33 @@ def test_the_library_loop_trains_a_tiny_run_without_prefect(tmp_path, tiny_model
         assert all(m["stale_rejected"] == 0 for m in done.history)
     finally:
         run.close()
+
+
+def test_the_kv_cache_is_released_for_the_block_and_taken_back_even_when_it_fails():
+    from types import SimpleNamespace
+
+    from lora_rl_core.run.components import RunComponents
+
+    calls: list[str] = []
+
+    class Server:
+        def __init__(self, name: str, saver: bool) -> None:
+            self.name, self.memory_saver = name, saver
+
+        def release_memory(self) -> float:
+            calls.append(f"release {self.name}")
+            return 0.0
+
+        def resume_memory(self) -> float:
+            calls.append(f"resume {self.name}")
+            return 0.0
+
+    run = SimpleNamespace(built=SimpleNamespace(servers=[Server("a", True), Server("b", False)]))
+    with RunComponents.engine_memory_released(run):  # type: ignore[arg-type]
+        calls.append("train")
+    assert calls == ["release a", "train", "resume a"]  # a server without the saver is left alone
+    calls.clear()
+    with pytest.raises(RuntimeError), RunComponents.engine_memory_released(run):  # type: ignore[arg-type]
+        calls.append("train")
+        raise RuntimeError("out of memory")
+    assert calls == ["release a", "train", "resume a"]

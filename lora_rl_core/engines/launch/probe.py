@@ -89,11 +89,12 @@ class SGLangEnvironment:
     @classmethod
     def from_json(cls, data: dict[str, object]) -> SGLangEnvironment:
         """From the probe's JSON line."""
-        gpu = data.get("gpu") or {}
-        assert isinstance(gpu, dict)
+        gpu = data.get("gpu")
+        gpu = gpu if isinstance(gpu, dict) else {}
         cap = gpu.get("capability")
+        version = data.get("version")
         return cls(
-            version=data.get("version") if isinstance(data.get("version"), str) else None,  # type: ignore[arg-type]
+            version=version if isinstance(version, str) else None,
             fa3=bool(data.get("fa3")),
             flashinfer=bool(data.get("flashinfer")),
             memory_saver=bool(data.get("memory_saver")),

@@ -41,6 +41,7 @@ class SGLangServer:
         log_path: file that receives the server's stdout and stderr (appended).
         env: extra environment variables of the server.
         startup_timeout_s: how long `start` waits for `GET /health` to answer 200, seconds.
+        memory_saver: `argv` has `--enable-memory-saver` (the KV cache can be released and resumed).
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class SGLangServer:
         log_path: str | Path,
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 900.0,
+        memory_saver: bool = False,
     ) -> None:
         self.argv = list(argv)
         self.url = url.rstrip("/")
@@ -59,7 +61,7 @@ class SGLangServer:
         self.startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
-        self.memory_saver = False
+        self.memory_saver = memory_saver
         """Started with `--enable-memory-saver`: `release_memory` / `resume_memory` work."""
 
     @property
@@ -231,8 +233,8 @@ def launch_sglang(
         log_path=log_path,
         env=launch.env,
         startup_timeout_s=launch.startup_timeout_s,
+        memory_saver=resolved.memory_saver,
     )
-    server.memory_saver = resolved.memory_saver
     return server.start()
 
 
