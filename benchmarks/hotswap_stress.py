@@ -39,6 +39,7 @@ from typing import Any
 
 import _common
 from _common import RESULTS, machine_info, model_config, print_table, random_model, stub_tokenizer, write_json
+from _sglang import launch_small_sglang, server_facts
 
 from lora_rl_core.config import SGLANG_RETIRE_POLICIES
 from lora_rl_core.engines import EmbeddedEngine
@@ -81,33 +82,21 @@ def run_sglang_targets(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lora_rl_core.config import config_from_dict
-    from lora_rl_core.engines.launch.process import launch_sglang
     from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 
     if args.model_dir is None:
         raise SystemExit("the sglang-* targets need --model-dir (an HF model folder with its tokenizer)")
     shapes = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     make_adapter = random_lora_factory(shapes, rank=args.rank)
-    launch: dict[str, Any] = {"enabled": True, "port": args.sglang_port, "python": args.sglang_python}
-    launch["mem_fraction_static"] = 0.15  # a small model; leaves the GPU to work beside it
-    launch["cuda_graph_max_bs"] = None  # eager: no capture time; the protocol, not speed, is measured
-    if args.sglang_pythonpath:
-        launch["env"] = {"PYTHONPATH": args.sglang_pythonpath}
-    cfg = config_from_dict(
-        {
-            "model": {"name_or_path": str(args.model_dir), "dtype": "bfloat16"},
-            "lora": {"rank": args.rank, "target_modules": ["q_proj", "v_proj"]},
-            "engine": {"type": "sglang", "max_loras_per_batch": 4, "launch": launch},
-        }
-    )
     vocab = AutoConfig.from_pretrained(args.model_dir).vocab_size
-    server = launch_sglang(
-        cfg.engine, cfg.model, cfg.lora, Path(tempfile.mkdtemp(prefix="stress-sglang-")) / "server.log"
-    )
+    log = Path(tempfile.mkdtemp(prefix="stress-sglang-")) / "server.log"
+    server = launch_small_sglang(
+        args.model_dir, log, rank=args.rank, port=args.sglang_port, python=args.sglang_python,
+        pythonpath=args.sglang_pythonpath,
+    )  # fmt: skip
     reports: dict[str, StressReport] = {}
     facts: dict[str, Any] = {"retire": args.sglang_retire, "argv": server.argv, "targets": {}}
-    facts["server_at_start"] = _server_facts(server.url, server.pid)
+    facts["server_at_start"] = server_facts(server.url, server.pid)
     try:
         for target in targets:
             options = {
@@ -124,44 +113,13 @@ def run_sglang_targets(
                 reports[target] = run_hotswap_stress(engine, make_adapter, **options)
                 metrics = engine.metrics()
             metrics.pop("adapters", None)  # per-adapter request counts: hundreds of names
-            facts["targets"][target] = {"client": metrics, "server": _server_facts(server.url, server.pid)}
+            facts["targets"][target] = {"client": metrics, "server": server_facts(server.url, server.pid)}
             print(f"{target}: ok={reports[target].ok} {facts['targets'][target]}", flush=True)
             on_target(reports, facts)
     finally:
         print("server log tail:\n" + server.log_tail(80), flush=True)
         server.stop()
     return reports, facts
-
-
-def _server_facts(url: str, pgid: int | None) -> dict[str, Any]:
-    """Adapters the server lists (`/v1/models`, the base model left out) and the resident memory of its
-    process group (MB); None where it cannot be had."""
-    import httpx
-
-    listed: int | None = None
-    try:
-        cards = httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"]
-        listed = sum(1 for card in cards if card.get("parent"))
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        pass
-    return {"adapters_listed": listed, "rss_mb": None if pgid is None else _group_rss_mb(pgid)}
-
-
-def _group_rss_mb(pgid: int) -> float | None:
-    """Sum of VmRSS of the processes in group `pgid` (Linux `/proc`), MB."""
-    total_kb, seen = 0, False
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:  # fields after the name: state, ppid, pgrp
-                continue
-            for line in (stat.parent / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total_kb += int(line.split()[1])
-                    seen = True
-        except (OSError, IndexError, ValueError):
-            continue
-    return round(total_kb / 1024, 1) if seen else None
 
 
 def show(reports: dict[str, StressReport], title: str) -> None:
@@ -201,7 +159,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model-dir", type=Path, default=None, help="sglang-* targets: the server's model")
-    parser.add_argument("--sglang-python", default="python3", help="sglang-* targets: the server's interpreter")
+    parser.add_argument("--sglang-python", default=None, help="sglang-* targets: the server's interpreter")
     parser.add_argument("--sglang-pythonpath", default=None, help="sglang-* targets: the server's PYTHONPATH")
     parser.add_argument("--sglang-port", type=int, default=30001, help="sglang-* targets: the server's port")
     parser.add_argument("--tensor-transport", default="auto", help="sglang-* targets: ipc | inline | auto")

@@ -183,6 +183,8 @@ def serve(
     Model, engine limits (engine.max_loras_per_batch, max_loaded_loras, eviction_policy, max_lora_rank,
     max_batch_size, timeout_s) and the store (loads by RUN@VERSION) come from the config and its overrides,
     e.g. `lora-rl serve -c configs/smollm2-arith-grpo.yaml engine.max_loras_per_batch=4 --port 30001`.
+    With engine.type=sglang it is the front door of that SGLang (engine.urls, or engine.launch.enabled=true):
+    clients talk to it, never to SGLang, so unloads never hang (docs/HOTSWAP.md).
     """
     from lora_rl_core.config import load_config
     from lora_rl_core.engines.serve.app import check_bind
@@ -201,7 +203,14 @@ def serve(
     choice = choose_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
     console.print(f"model dtype {choice.name}: {choice.reason}", markup=False)
     serve_engine(
-        cfg.engine, cfg.model, cfg.store, host=host, port=port, api_key=api_key, served_model_name=served_model_name
+        cfg.engine,
+        cfg.model,
+        cfg.store,
+        lora_cfg=cfg.lora,
+        host=host,
+        port=port,
+        api_key=api_key,
+        served_model_name=served_model_name,
     )
 
 

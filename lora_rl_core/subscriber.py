@@ -13,6 +13,11 @@ training flow's `sync_engines` and the long-running `AdapterSubscriber` both cal
    one, and never on an engine that reports generation paused: SGLang's unload waits for
    reference counts that paused or aborted requests may never release (sglang#36894, miles#2780).
 
+With `bounded=True` (the subscriber) step 4 comes first and drains: before the new version loads, the run's
+versions beyond the `keep - 1` newest are retired even while requests use them (the engine refuses new
+requests for a retired name and unloads it once its requests have ended), so an engine never holds more
+than `keep` versions of the run, however long the run and whatever its clients do.
+
 A version that fails (corrupt in the store, refused by an engine, wrong checksum) is skipped
 with its reason and unloaded where it got loaded; the previous active version keeps serving.
 A version that fails because an engine cannot be reached is retried at the next poll.
@@ -106,6 +111,7 @@ def sync_version(
     store: AdapterStore | None = None,
     keep: int,
     protect: Collection[str] = (),
+    bounded: bool = False,
 ) -> SyncResult:
     """Load `ref` on every engine, verify it, and retire stale versions of its run.
 
@@ -117,18 +123,24 @@ def sync_version(
         keep: versions of the run kept loaded (`max_staleness + 1`), >= 1.
         protect: adapter names never retired by this sync (e.g. versions that queued rollouts hold), besides
             `ref` itself and what engines report in flight.
+        bounded: retire first, down to `keep - 1` versions, draining the ones in use (`retire_stale(...,
+            drain=True)`), so at most `keep` versions of the run are ever loaded; needs `keep >= 2` (the
+            serving version stays loaded while the next one loads).
 
     Returns:
         A `SyncResult`; `ok` is False (with `error`) instead of raising for adapter problems.
     """
-    if keep < 1:
-        raise LoraRLError(f"keep must be >= 1, got {keep}")
+    if keep < 1 + bounded:
+        raise LoraRLError(f"keep must be >= {1 + bounded}{' to bound residency' if bounded else ''}, got {keep}")
     start = time.perf_counter()
     engines = engine_list(engines)
     result = SyncResult(ref.name, ref.version, False, "tensor" if tensors is not None else "store", len(engines))
     try:
         if tensors is None and store is not None:
             store.verify(ref.run_id, ref.version)  # sizes, sha256, format: StoreError names the bad object
+        if bounded:
+            result.retired = retire_stale(engines, ref.run_id, keep=keep - 1, protect=protect, drain=True)
+            _check_room(engines, ref, keep)
         for engine in engines:
             _load_verified(engine, ref, tensors, config)
     except LoraRLError as exc:
@@ -138,9 +150,25 @@ def sync_version(
             _discard(engines, ref.name)
     else:
         result.ok = True
-        result.retired = retire_stale(engines, ref.run_id, keep=keep, protect={ref.name, *protect})
+        if not bounded:
+            result.retired = retire_stale(engines, ref.run_id, keep=keep, protect={ref.name, *protect})
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _check_room(engines: list[Any], ref: AdapterRef, keep: int) -> None:
+    """Before a bounded load: every engine holds at most `keep - 1` versions of the run.
+
+    Raises:
+        EngineUnavailable: one holds more (a version still draining, pinned or protected); retried later.
+    """
+    for engine in engines:
+        held = [n for n in engine.list_adapters() if adapter_run(n) == ref.run_id and n != ref.name]
+        if len(held) >= keep:
+            raise EngineUnavailable(
+                f"{engine!r} still holds {len(held)} versions of {ref.run_id} ({', '.join(sorted(held))}); "
+                f"{ref.name} waits until at most {keep - 1} are left (keep={keep})"
+            )
 
 
 def _load_verified(engine: Any, ref: AdapterRef, tensors: dict | None, config: dict | None) -> None:
@@ -184,9 +212,15 @@ def is_paused(engine: Any) -> bool:
         return True
 
 
-def retire_stale(engines: Any, run_id: str, *, keep: int, protect: Collection[str] = ()) -> list[str]:
+def retire_stale(
+    engines: Any, run_id: str, *, keep: int, protect: Collection[str] = (), drain: bool = False
+) -> list[str]:
     """Unload `run_id`'s versions older than its `keep` newest on each engine, except `protect`ed,
     pinned and in-flight ones; engines that report paused are skipped entirely.
+
+    With `drain`, in-flight versions are unloaded too: the engine's unload refuses new requests for the name
+    at once and waits (up to its deadline) until the requests using it have ended (`unload_adapter`); one
+    that does not drain in time is logged and stays loaded (and refused) for a later retire.
 
     Returns:
         The adapter names unloaded (each once).
@@ -196,19 +230,19 @@ def retire_stale(engines: Any, run_id: str, *, keep: int, protect: Collection[st
         if is_paused(engine):
             log.info("generation is paused on %r: retiring nothing there", engine)
             continue
-        for name in _retire_on(engine, run_id, keep, protect):
+        for name in _retire_on(engine, run_id, keep, protect, drain):
             if name not in retired:
                 retired.append(name)
     return retired
 
 
-def _retire_on(engine: Any, run_id: str, keep: int, protect: Collection[str]) -> list[str]:
+def _retire_on(engine: Any, run_id: str, keep: int, protect: Collection[str], drain: bool) -> list[str]:
     listed = engine.list_adapters()
     mine = sorted((n for n in listed if adapter_run(n) == run_id), key=lambda n: adapter_version(n) or 0)
     stale = [n for n in mine[: max(0, len(mine) - keep)] if n not in protect]
     done = []
     for name in stale:
-        if listed[name].get("in_flight") or listed[name].get("pinned"):
+        if (listed[name].get("in_flight") and not drain) or listed[name].get("pinned"):
             continue  # still referenced (or pinned on purpose): a later poll retires it
         try:
             engine.unload_adapter(name)
@@ -225,7 +259,8 @@ class AdapterSubscriber:
         store: the adapter store.
         run_id: the run to follow.
         engines: one engine, a list, or a `MultiEngine`.
-        keep: versions kept loaded (>= 1).
+        keep: versions kept loaded, at most, at any time (>= 2): before a new version loads, the oldest
+            beyond `keep - 1` is retired and drained (`sync_version(..., bounded=True)`).
         poll_interval_s: seconds between polls in `run`.
         on_sync: called with each `SyncResult` (logging, UI).
 
@@ -244,8 +279,8 @@ class AdapterSubscriber:
         poll_interval_s: float = POLL_INTERVAL_S,
         on_sync: Callable[[SyncResult], None] | None = None,
     ) -> None:
-        if keep < 1:
-            raise LoraRLError(f"keep must be >= 1, got {keep}")
+        if keep < 2:
+            raise LoraRLError(f"keep must be >= 2 (the serving version stays loaded while the next loads), got {keep}")
         self.store = store
         self.run_id = validate_run_id(run_id)
         self.engines = engine_list(engines)
@@ -279,7 +314,7 @@ class AdapterSubscriber:
             name = adapter_name(self.run_id, version)
             result = SyncResult(name, version, False, "store", len(self.engines), error=str(exc))
         else:
-            result = sync_version(self.engines, ref, store=self.store, keep=self.keep)
+            result = sync_version(self.engines, ref, store=self.store, keep=self.keep, bounded=True)
             if result.ok:
                 self.active = ref
         if not result.ok and not result.retryable:

@@ -32,6 +32,16 @@ error bodies; where its answers carry more than SGLang's, this fake answers as S
   (`MultiprocessingSerializer`), unpickled with an allow-list as SGLang's `SafeUnpickler` does. Only
   pickles with the data in them work here (no GPU: CUDA IPC handles cannot be opened).
 
+* Adapter reference counts as 0.5.17 keeps them (`LoRARegistry`, `TokenizerManager`): a `/generate` takes one
+  reference per prompt naming an adapter once its names are checked, and each request that ends releases
+  one, so a prompt with `n > 1` releases `n + 1` (its prefix request and each sample) and leaves the count
+  below zero (sglang#36894); a request aborted by `/abort_request` or an `abort` pause, and every prompt of a
+  call failed with HTTP 499, releases none (0.5.17 releases nothing for a request aborted in its queue,
+  sglang#34205; the fake takes that for every such abort). `/unload_lora_adapter` unregisters the adapter,
+  then waits, holding the LoRA update lock that every load and unload takes, until its count is exactly 0:
+  SGLang waits forever; the fake gives up after `unload_wait_s` with HTTP 500 and records the adapter and
+  its count in `SGLangFakeServer.hung_unloads` (the lock stays held for that long: later loads wait).
+
 So a client that works against this fake relies on nothing only our server provides.
 """
 
@@ -41,6 +51,8 @@ import asyncio
 import base64
 import io
 import pickle
+import time
+from collections import Counter
 from typing import Any
 
 import anyio
@@ -56,6 +68,7 @@ from lora_rl_core.engines.serve.api import (
     LoadIn,
     LoadTensorsIn,
     SamplingIn,
+    UnloadIn,
     run_blocking,
 )
 from lora_rl_core.engines.serve.app import HEALTH_CHECK_TIMEOUT_S, EngineServer
@@ -71,13 +84,34 @@ _CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_mo
 
 class _RememberingRoutes(AdapterRoutes):
     """Adapter routes that remember the path of every adapter loaded from a folder, as SGLang's
-    `lora_ref_cache` does, also after the adapter is unloaded."""
+    `lora_ref_cache` does, also after the adapter is unloaded; loads and unloads take one lock, and an unload
+    waits for the adapter's reference count (`refs`) to be 0 (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, refs: Counter[str], unload_wait_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ref_cache: dict[str, str] = {}
+        self.refs = refs
+        self.unload_wait_s = unload_wait_s
+        self.update_lock = asyncio.Lock()  # SGLang's `lora_update_lock`
+        self.hung_unloads: list[tuple[str, int]] = []
+
+    async def unload_lora_adapter(self, body: UnloadIn) -> JSONResponse:
+        """Unregister, then wait under the update lock until the count is 0 (SGLang: forever)."""
+        async with self.update_lock:
+            deadline = time.monotonic() + self.unload_wait_s
+            while self.refs[body.lora_name] != 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if self.refs[body.lora_name] != 0:
+                self.hung_unloads.append((body.lora_name, self.refs[body.lora_name]))
+                message = f"fake: the unload of {body.lora_name} waits forever (reference count {self.refs[body.lora_name]})"
+                return await self._update_failed(HTTPError(500, message))
+            return await super().unload_lora_adapter(body)
 
     async def load_lora_adapter(self, body: LoadIn) -> JSONResponse:
+        async with self.update_lock:
+            return await self._load_remembering(body)
+
+    async def _load_remembering(self, body: LoadIn) -> JSONResponse:
         answer = await super().load_lora_adapter(body)
         if body.lora_name in self.loaded:
             self.ref_cache[body.lora_name] = self.loaded[body.lora_name]["path"]
@@ -85,6 +119,10 @@ class _RememberingRoutes(AdapterRoutes):
 
     async def load_lora_adapter_from_tensors(self, body: LoadTensorsIn) -> JSONResponse:
         """SGLang's pickle payload (`load_format` None); `safetensors` as our server."""
+        async with self.update_lock:
+            return await self._load_tensors_remembering(body)
+
+    async def _load_tensors_remembering(self, body: LoadTensorsIn) -> JSONResponse:
         if body.load_format is not None:
             return await super().load_lora_adapter_from_tensors(body)
         try:
@@ -121,13 +159,51 @@ class _SafeUnpickler(pickle.Unpickler):
 class SGLangFakeServer(EngineServer):
     """`EngineServer` with SGLang's answers where ours differ (see the module docstring)."""
 
-    def __init__(self, engine: InferenceEngine, *, health_check_timeout_s: float = 20.0, **options: Any) -> None:
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        *,
+        health_check_timeout_s: float = 20.0,
+        unload_wait_s: float = 5.0,
+        **options: Any,
+    ) -> None:
         super().__init__(engine, **options)
         self.health_check_timeout_s = health_check_timeout_s
+        self.refs: Counter[str] = Counter()
+        """Adapter name -> SGLang's reference count (`LoRARegistry._counters`), as 0.5.17 keeps it."""
         self.adapters = _RememberingRoutes(
-            engine, store=self.store, control_timeout_s=self.control_timeout_s, load_seconds=self.adapters.load_seconds
+            engine,
+            store=self.store,
+            control_timeout_s=self.control_timeout_s,
+            load_seconds=self.adapters.load_seconds,
+            refs=self.refs,
+            unload_wait_s=unload_wait_s,
         )
         self.reloaded: list[str] = []
+
+    @property
+    def hung_unloads(self) -> list[tuple[str, int]]:
+        """The unloads that would have waited forever on SGLang: (adapter, its reference count then)."""
+        return self.adapters.hung_unloads
+
+    async def complete_named(
+        self, prompts: list[list[int]], sampling: list[SamplingIn], names: list[str | None], rids: list[str]
+    ) -> list[Completion]:
+        """As our server, counting adapter references as SGLang 0.5.17 does (module docstring)."""
+        try:
+            completions = await super().complete_named(prompts, sampling, names, rids)
+        except HTTPError as exc:
+            if exc.status == ABORTED_STATUS:  # referenced, then failed before the scheduler: never released
+                self.refs.update(n for n in names if n is not None)
+            raise
+        done = iter(completions)
+        for name, params in zip(names, sampling, strict=True):
+            rows = [next(done) for _ in range(params.n)]
+            if name is None:
+                continue
+            ended = sum(c.abort_reason not in WHOLE_CALL_ABORTS for c in rows)  # aborted ones release nothing
+            self.refs[name] += 1 - ended - (params.n > 1)  # n > 1: the prefix request releases one more
+        return completions
 
     async def _check_adapters(self, names: set[str]) -> None:
         """SGLang loads an unloaded adapter again from its remembered path before the 400 check."""
@@ -213,6 +289,9 @@ def _result(future: asyncio.Future) -> Completion | None:
     return None if future.exception() is not None else future.result()
 
 
-def create_sglang_fake_app(engine: InferenceEngine, *, served_model_name: str = "fake-sglang") -> FastAPI:
-    """The FastAPI app of the fake SGLang server over `engine` (`input_ids` prompts only: no tokenizer)."""
-    return SGLangFakeServer(engine, served_model_name=served_model_name).app()
+def create_sglang_fake_app(
+    engine: InferenceEngine, *, served_model_name: str = "fake-sglang", **options: Any
+) -> FastAPI:
+    """The FastAPI app of the fake SGLang server over `engine` (`input_ids` prompts only: no tokenizer);
+    `options` are `SGLangFakeServer`'s keyword arguments (e.g. `unload_wait_s`)."""
+    return SGLangFakeServer(engine, served_model_name=served_model_name, **options).app()

@@ -104,10 +104,16 @@ class _Target:
         """Load one version from tensors (the tensor path)."""
         self.engine.load_adapter(name, tensors=tensors, config=config, timeout_s=self.settings.control_timeout_s)
 
-    def retire(self, active: str) -> list[str]:
-        """Unload stale versions with `subscriber.retire_stale` (which skips a paused engine)."""
+    def retire(self, active: str, *, keep: int | None = None, drain: bool = False) -> list[str]:
+        """Unload stale versions with `subscriber.retire_stale` (which skips a paused engine), beyond the
+        `keep` newest (default: the settings')."""
         s = self.settings
-        return retire_stale(self.engine, s.run_id, keep=s.keep, protect={active})
+        keep = s.keep if keep is None else keep
+        return retire_stale(self.engine, s.run_id, keep=keep, protect={active}, drain=drain)
+
+    def loaded(self, run_id: str) -> int:
+        """How many versions of `run_id` the engine lists now."""
+        return sum(1 for name in self.engine.list_adapters() if name.startswith(f"{run_id}-v"))
 
     def in_flight(self) -> int:
         """Requests holding an adapter now (sum over adapters)."""
@@ -235,11 +241,14 @@ def _target(engine: Any, settings: StressSettings) -> tuple[_Target, bool]:
 def _swapper(target: _Target, shared: Shared, make_adapter: AdapterFactory) -> None:
     s = shared.settings
     rng = random.Random(s.seed)
-    for version in range(1, s.swaps + 1):
-        if time.monotonic() > shared.deadline:
+    until = time.monotonic() + s.duration_s
+    for version in itertools.count(1):
+        if time.monotonic() > shared.deadline or (version > s.swaps and time.monotonic() >= until):
             break
         name = f"{s.run_id}-v{version:06d}"
         tensors, config = make_adapter(version)
+        if s.bounded and not _make_room(target, shared):
+            break
         shared.log.mark("load_start", name)
         try:
             shared.timed(f"load {name}", s.control_timeout_s, lambda: target.load(name, tensors, config))  # noqa: B023
@@ -250,17 +259,31 @@ def _swapper(target: _Target, shared: Shared, make_adapter: AdapterFactory) -> N
         shared.log.mark("load_done", name)
         shared.active = name
         shared.count(swaps=1)
-        _retire(target, shared, name)
+        if not s.bounded:
+            _retire(target, shared, name)
         time.sleep(rng.uniform(0, 2 * s.swap_interval_s))
 
 
-def _retire(target: _Target, shared: Shared, active: str) -> None:
+def _make_room(target: _Target, shared: Shared) -> bool:
+    """Bounded swaps: retire (draining) until at most `keep - 1` versions are loaded, so the next load makes
+    `keep`; retried while a pause holds retirement off. False when the run's deadline came first."""
+    s = shared.settings
+    while time.monotonic() < shared.deadline:
+        if shared.active is not None:
+            _retire(target, shared, shared.active, keep=s.keep - 1, drain=True)
+        if target.loaded(s.run_id) < s.keep:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _retire(target: _Target, shared: Shared, active: str, *, keep: int | None = None, drain: bool = False) -> None:
     """Retire under the control lock, so no pause transition happens while an unload is being decided."""
     limit = shared.settings.control_timeout_s * (shared.settings.keep + 1)
     with shared.control:
         start = shared.log.mark("retire_start")
         try:
-            retired = shared.timed("retire", limit, lambda: target.retire(active))
+            retired = shared.timed("retire", limit, lambda: target.retire(active, keep=keep, drain=drain))
         except LoraRLError as exc:
             shared.fail("retire", exc)
             return

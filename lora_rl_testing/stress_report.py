@@ -44,6 +44,11 @@ class StressSettings:
     request_timeout_s: float = 60.0
     control_timeout_s: float = 30.0
     samples: Literal["group", "n"] | None = None
+    bounded: bool = False
+    """Retire before each load, draining versions in use, so at most `keep` versions are ever loaded (what
+    `lora-rl subscribe` does: `sync_version(..., bounded=True)`); else retire after the load (the training flow)."""
+    duration_s: float = 0.0
+    """Keep swapping past `swaps` until this many seconds have passed (a soak); 0: stop after `swaps`."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ TensorTransport = Literal["auto", "ipc", "inline", "disk"]
 TENSOR_TRANSPORTS: tuple[str, ...] = get_args(TensorTransport)
 SGLangRetire = Literal["unload", "keep"]
 SGLANG_RETIRE_POLICIES: tuple[str, ...] = get_args(SGLangRetire)
+SGLangAbort = Literal["detach", "forward"]
 IpcLayout = Literal["per-tensor", "packed", "host"]
 IPC_LAYOUTS: tuple[str, ...] = get_args(IpcLayout)
 TensorDtype = Literal["bfloat16", "float16", "float32", "keep"]

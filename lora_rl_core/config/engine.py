@@ -14,6 +14,7 @@ from lora_rl_core.config.base import (
     EvictionPolicy,
     IpcLayout,
     Section,
+    SGLangAbort,
     SGLangRetire,
     TensorDtype,
     TensorTransport,
@@ -138,10 +139,17 @@ class EngineConfig(Section):
     each first use, so sending that dtype halves the bytes and skips the cast; `keep` sends the trainer's
     (float32). Set `float16` for a float16 server."""
     sglang_retire: SGLangRetire = "unload"
-    """`sglang`: how a stale version is retired. `unload`: `/unload_lora_adapter` (frees SGLang's memory; on
-    0.5.17 it can hang when requests are in flight or were aborted, so only while nothing else uses the
-    server, as in the training flow); `keep`: retired in our client only (refused from then on), the weights
-    stay in SGLang's CPU pool, one adapter's size per version (docs/HOTSWAP.md, "Against a real SGLang")."""
+    """`sglang`: how a stale version is retired. `unload`: retired in our client (refused from then on), then,
+    once none of our requests uses it, `/unload_lora_adapter` (frees SGLang's memory); `keep`: retired in our
+    client only, the weights stay in SGLang's CPU pool, one adapter's size per version (docs/HOTSWAP.md,
+    "Bounded residency on SGLang"). Safe only while every request reaches SGLang through this client (a
+    training run, or `lora-rl serve` in front of SGLang): SGLang 0.5.17's unload waits forever after other
+    clients' requests with n > 1 or aborted ones."""
+    sglang_abort: SGLangAbort = "detach"
+    """`sglang`: what aborting a request does. `detach`: it ends at once for the caller and SGLang finishes it
+    (its tokens are wasted, bounded by `max_new_tokens`); an `abort` pause pauses SGLang in `retract` mode.
+    `forward`: `/abort_request` to SGLang, whose 0.5.17 never releases the adapter reference of a request
+    aborted in its queue (sglang#34205), so a later unload of that adapter hangs."""
     launch: SGLangLaunchConfig = SGLangLaunchConfig()
     """Start a local SGLang server for this run (`engine.type: sglang`)."""
 

@@ -120,12 +120,11 @@ def test_latest_follows_each_newly_published_version(app, store, make_adapter):
 
 
 def test_a_call_admitted_on_version_k_finishes_on_k_while_k_plus_1_arrives(engine, app, store, make_adapter, tok):
-    """`ref@latest` resolves to v1 and is queued (held in flight); v2 is synced and becomes `ref@latest`; a
-    poll retires nothing while the call holds v1 (keep=1), the call finishes on v1, and the next poll
-    retires v1."""
+    """`ref@latest` resolves to v1 and is queued (held in flight); v2 is synced and becomes `ref@latest`; the
+    call finishes on v1; v3 then retires v1 before it loads (keep=2: never more than two versions loaded)."""
     with (
         serve_app_in_thread(app) as url,
-        open_subscriber(store.uri, RUN, [url], keep=1) as subscriber,
+        open_subscriber(store.uri, RUN, [url], keep=2) as subscriber,
         ThreadPoolExecutor(1) as pool,
     ):
         publish(store, make_adapter, 1)
@@ -136,21 +135,21 @@ def test_a_call_admitted_on_version_k_finishes_on_k_while_k_plus_1_arrives(engin
         wait_until(lambda: engine.list_adapters()[name(1)]["in_flight"] == 1)
 
         publish(store, make_adapter, 2)
-        assert [(r.name, r.ok, r.retired) for r in subscriber.poll_once()] == [(name(2), True, [])]  # paused
+        assert [(r.name, r.ok, r.retired) for r in subscriber.poll_once()] == [(name(2), True, [])]
         engine.resume()
         wait_until(lambda: engine.health()["running"] == 1)
         assert not call.done()
-        subscriber.poll_once()  # nothing new: retires what no request holds; v1 is held by the queued call
-        assert name(1) in engine.list_adapters()
+        assert subscriber.poll_once() == [] and name(1) in engine.list_adapters()  # within keep: stays
         aliases = {c["id"]: c.get("alias_of") for c in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
         assert aliases[f"{RUN}@latest"] == name(2)
 
         answer = call.result(timeout=60)
         assert served(answer) == (name(1), 1) and answer["meta_info"]["finish_reason"]["type"] != "abort"
         long.result(timeout=60)
-        subscriber.poll_once()
-        assert list(engine.list_adapters()) == [name(2)]
-        assert served(generate(url, f"{RUN}@latest")) == (name(2), 2)
+        publish(store, make_adapter, 3)
+        assert [(r.name, r.ok, r.retired) for r in subscriber.poll_once()] == [(name(3), True, [name(1)])]
+        assert sorted(engine.list_adapters()) == [name(2), name(3)]
+        assert served(generate(url, f"{RUN}@latest")) == (name(3), 3)
 
 
 # ----------------------------------------------------------------- RUN@N and RUN@TAG

@@ -1,6 +1,9 @@
 """Aborts inside a `/generate` batch against the look-alike SGLang server, which fails the whole call with HTTP
 499 as SGLang 0.5.17 does (`lora_rl_testing.sglang_fake`; docs/SGLANG.md, "Seen with our client").
 
+These are the SGLang client's `abort="forward"` (`engine.sglang_abort: forward`): aborts sent to SGLang. The
+default, `detach`, sends none (tests/integration/test_sglang_front_door.py).
+
 The fake first, raw: a batch with one request aborted by id answers 499 `Request RID was aborted` and its other
 requests are dropped. Then through `SGLangEngine`: the aborted request comes back aborted with the reason the
 client gave, the others with real tokens (sent again); a pause in `abort` mode ends every request `paused`;
@@ -106,7 +109,7 @@ def test_the_fake_fails_the_whole_batch_with_499_when_one_request_is_aborted(fak
 
 def test_one_aborted_request_of_a_batch_ends_aborted_and_the_others_complete(fake, backend):
     server, url = fake
-    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30) as client:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30, abort="forward") as client:
         with batch_held_in_queue(client, backend, ["b0", "b1", "b2"]) as done:
             assert client.abort("b1") == 1
             wait_until(lambda: {"b0~1", "b2~1"} <= set(server.rids), "the other two to be sent again")
@@ -123,7 +126,7 @@ def test_one_aborted_request_of_a_batch_ends_aborted_and_the_others_complete(fak
 
 def test_a_pause_in_abort_mode_ends_every_request_of_the_batch_paused(fake, backend):
     server, url = fake
-    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30) as client:
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30, abort="forward") as client:
         with batch_held_in_queue(client, backend, ["p0", "p1", "p2"]) as done:
             client.pause("abort")
             out = done.result(timeout=WAIT_S)

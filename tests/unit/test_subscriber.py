@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.adapters import adapter_version
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
-from lora_rl_core.errors import EngineUnavailable
+from lora_rl_core.errors import EngineUnavailable, LoraRLError
 from lora_rl_core.lora import peft_config_dict
 from lora_rl_core.store import AdapterStore
 from lora_rl_core.subscriber import AdapterSubscriber, retire_stale, sync_version
@@ -132,18 +132,49 @@ def test_corrupted_version_is_skipped_and_previous_stays_active(engine, store, a
 
 
 def test_never_retires_while_paused(engine, store, adapters):
-    subscriber = AdapterSubscriber(store, RUN, engine, keep=1)
+    subscriber = AdapterSubscriber(store, RUN, engine, keep=2)
     publish(store, adapters, 1)
+    publish(store, adapters, 2)
     subscriber.poll_once()
     engine.pause("in_place")
-    publish(store, adapters, 2)
-    [result] = subscriber.poll_once()
-    assert result.ok and result.retired == []
-    assert subscriber.poll_once() == []
-    assert loaded(engine) == [name(1), name(2)]
+    publish(store, adapters, 3)
+    [result] = subscriber.poll_once()  # nothing may be unloaded, and a third version would go past keep
+    assert not result.ok and result.retryable and "keep=2" in result.error
+    assert loaded(engine) == [name(1), name(2)] and subscriber.active.version == 2
     engine.resume()
-    assert subscriber.poll_once() == []  # nothing new; the retire pass runs now
-    assert loaded(engine) == [name(2)]
+    [result] = subscriber.poll_once()
+    assert result.ok and result.retired == [name(1)]
+    assert loaded(engine) == [name(2), name(3)]
+
+
+def test_subscriber_keeps_at_most_keep_versions_and_lets_a_retiring_versions_requests_finish(
+    engine, store, adapters
+):
+    subscriber = AdapterSubscriber(store, RUN, engine, keep=2)
+    for version in (1, 2):
+        publish(store, adapters, version)
+        subscriber.poll_once()
+    long = SamplingParams(max_new_tokens=120, temperature=1.0, seed=1)
+    running = engine.submit(GenerationRequest(PROMPT, name(1), long, request_id="on-v1"))
+    deadline = time.monotonic() + 10
+    while engine.health()["queue_depth"] or not engine.list_adapters()[name(1)]["in_flight"]:
+        assert time.monotonic() < deadline, "the request on v1 was not admitted"
+        time.sleep(0.005)
+    publish(store, adapters, 3)
+    [result] = subscriber.poll_once()  # v1 is drained (its request runs to its end), then unloaded, then v3
+    done = running.result(timeout=10)
+    assert result.ok and result.retired == [name(1)] and loaded(engine) == [name(2), name(3)]
+    assert done.finish_reason in ("stop", "length") and done.adapter_version == 1
+    with pytest.raises(LoraRLError, match="has never been loaded"):
+        engine.generate([GenerationRequest(PROMPT, name(1), GREEDY)])
+
+
+def test_a_bounded_sync_needs_room_for_the_serving_version(store, adapters):
+    ref = publish(store, adapters, 1)
+    with pytest.raises(LoraRLError, match="keep must be >= 2"):
+        sync_version(FakeEngine(), ref, store=store, keep=1, bounded=True)
+    with pytest.raises(LoraRLError, match="keep must be >= 2"):
+        AdapterSubscriber(store, RUN, FakeEngine(), keep=1)
 
 
 def test_tensor_path_then_store_path_resync_is_idempotent(engine, store, adapters):

@@ -23,6 +23,14 @@ Choices made here:
   makes no HTTP call); our server reports it (`Dialect.reports_state`).
 * Abort reasons: the server's reason wins where it names one (ours does); for SGLang's prose this client
   keeps the reason it gave (`remote.tracking.InFlightRequests`).
+* Requests on a real SGLang server are never aborted there (`abort="detach"`, the default): SGLang 0.5.17
+  never releases the adapter reference of a request aborted in its queue, by `/abort_request`, an `abort`
+  pause or a closed connection (sglang#34205), and an unload of that adapter then waits forever under its
+  LoRA lock. `abort`, an `abort` pause and the call's deadline end this client's requests at once with
+  their reason, while SGLang finishes them and this client keeps them in flight until it has; `pause("abort")`
+  pauses SGLang in `retract` mode. An unload first retires the name here, then waits until none of this
+  client's requests uses it (`unload_adapter`), so SGLang's own wait finds its count at zero
+  (docs/HOTSWAP.md, "Bounded residency on SGLang").
 * SGLang 0.5.17 answers a whole `/generate` batch HTTP 499 ("Request RID was aborted") when one of its requests
   was aborted (by id, or by `/pause_generation` in `abort` mode) before the batch reached its scheduler:
   the requests this client aborted end with their kept reason; the others are sent again under fresh rids
@@ -46,8 +54,9 @@ from typing import Any
 import httpx
 
 from lora_rl_core.adapters import adapter_version
-from lora_rl_core.config import ENGINE_DEFAULTS, IpcLayout, SGLangRetire, TensorDtype, TensorTransport
-from lora_rl_core.engines.base import ABORT_REASONS, PAUSE_MODES, Completion, GenerationRequest, aborted_completion
+from lora_rl_core.config import ENGINE_DEFAULTS, IpcLayout, SGLangAbort, SGLangRetire, TensorDtype, TensorTransport
+from lora_rl_core.engines.base import ABORT_REASONS, Completion, GenerationRequest, aborted_completion
+from lora_rl_core.engines.remote.control import ControlCalls
 from lora_rl_core.engines.remote.dialect import Dialect
 from lora_rl_core.engines.remote.tracking import InFlightRequests, LostCalls, RetiredAdapters
 from lora_rl_core.engines.remote.transport import tensor_loader
@@ -57,15 +66,20 @@ from lora_rl_core.engines.remote.wire import (
     chunks,
     error_message,
     json_or_empty,
-    parse_metrics,
     to_completion,
 )
 from lora_rl_core.errors import EngineError, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
+SUBMIT_CONCURRENCY = 512
+"""`submit` calls in flight at once (a server in front of this client submits each request on its own)."""
+DETACHED_GRACE_S = 3600.0
+"""With `abort="detach"`: how long past a call's deadline this client still waits for SGLang to answer the
+requests it ended early (closing the connection sooner would make SGLang abort them: sglang#34205)."""
 
-class HTTPEngine:
+
+class HTTPEngine(ControlCalls):
     """`InferenceEngine` over the HTTP API of a real SGLang server or of our engine server.
 
     Args:
@@ -81,8 +95,11 @@ class HTTPEngine:
             in this client and leaves the weights resident on the server; `engine.sglang_retire`).
         tensor_layout: how `ipc` shares the tensors (`engine.tensor_layout`).
         tensor_dtype: the dtype tensors are sent to SGLang in, or `keep` (`engine.tensor_dtype`).
+        abort: for a real SGLang server, `detach` (the requests `abort`, an `abort` pause or the deadline end
+            are ended here at once and left to finish on the server, which is never sent an abort) or
+            `forward` (`/abort_request`; `engine.sglang_abort`).
 
-    The allowed values of the last four are checked once, by `EngineConfig`.
+    The allowed values of the last five are checked once, by `EngineConfig`.
 
     Raises:
         EngineError: `url` is not http(s).
@@ -102,6 +119,7 @@ class HTTPEngine:
         retire: SGLangRetire = ENGINE_DEFAULTS.sglang_retire,
         tensor_layout: IpcLayout = ENGINE_DEFAULTS.tensor_layout,
         tensor_dtype: TensorDtype = ENGINE_DEFAULTS.tensor_dtype,
+        abort: SGLangAbort = ENGINE_DEFAULTS.sglang_abort,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise EngineError(f"engine URL {url!r} must start with http:// or https://")
@@ -114,6 +132,9 @@ class HTTPEngine:
         self.control_timeout_s = control_timeout_s
         self._max_batch = max_batch_requests
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="engine-http")
+        self._submits = ThreadPoolExecutor(max_workers=SUBMIT_CONCURRENCY, thread_name_prefix="engine-submit")
+        self.detach = abort == "detach" and dialect.guards_retired  # a real SGLang server
+        self._upstream = ThreadPoolExecutor(max_workers=SUBMIT_CONCURRENCY, thread_name_prefix="engine-upstream")
         self._requests = InFlightRequests()
         self._retired = RetiredAdapters()
         self.tensors = tensor_loader(
@@ -121,6 +142,7 @@ class HTTPEngine:
         )
         self.retire = retire
         self._kept: set[str] = set()  # retired here, left resident on the server (retire="keep")
+        self._draining: set[str] = set()  # retired here, still listed there until their unload is done
         self._loads: Counter[str] = Counter()
         self._lost = LostCalls(self._requests)  # calls SGLang lost (HTTP 499) and requests sent again after one
         self._closed = False
@@ -133,7 +155,8 @@ class HTTPEngine:
         """Close the HTTP connections and the worker threads (idempotent); later calls raise EngineError.
         The server is not told: requests it is running finish there."""
         self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._submits, self._upstream):
+            pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
     def members(self) -> list[HTTPEngine]:
@@ -205,13 +228,35 @@ class HTTPEngine:
         if self._closed:
             raise EngineError(f"{self!r} is closed")
         deadline = time.monotonic() + self.timeout_s
-        return self._pool.submit(lambda: self._generate_chunk([request], deadline)[0])
+        return self._submits.submit(lambda: self._generate_chunk([request], deadline)[0])
 
     def _generate_chunk(self, requests: list[GenerationRequest], deadline: float) -> list[Completion]:
-        """One `/generate` batch call; where SGLang loses the whole call to an abort (HTTP 499), the rows this
-        client aborted end with their kept reason and the others are sent again (`LostCalls.resolve`)."""
+        """One `/generate` batch call. With `detach`, the call runs in the background and this returns as soon
+        as it answers or every one of its requests was ended here (aborted, paused; at the deadline the rest
+        end `timeout`): those end with their reason while SGLang finishes them."""
         if self.dialect.guards_retired:  # never send a retired name: SGLang would load that version again
             self._retired.check(requests, self.url)
+        if not self.detach:
+            return self._run_chunk(requests, deadline)
+        call = self._upstream.submit(self._run_chunk, requests, deadline + DETACHED_GRACE_S)
+        call.add_done_callback(lambda _: self._requests.notify())
+        ended = self._requests.wait_ended([r.request_id for r in requests], call.done, deadline)
+        if ended is None:
+            return call.result()
+        call.add_done_callback(self._log_failure)
+        return [aborted_completion(r, adapter_version(r.adapter), ended[r.request_id]) for r in requests]
+
+    def _log_failure(self, call: Future[list[Completion]]) -> None:
+        """A detached call's failure, logged (its caller has its requests' completions already), unless this
+        client was closed meanwhile (closing fails the calls it leaves)."""
+        if not self._closed and not call.cancelled() and (exc := call.exception()) is not None:
+            log.warning("a /generate call whose requests ended early failed afterwards: %s", exc)
+
+    def _run_chunk(self, requests: list[GenerationRequest], deadline: float) -> list[Completion]:
+        """One `/generate` batch call, answered; where SGLang loses the whole call to an abort (HTTP 499), the
+        rows this client aborted end with their kept reason and the others are sent again
+        (`LostCalls.resolve`). With `detach`, a row ended here meanwhile ends with its kept reason whatever
+        SGLang answered for it."""
         outs: dict[str, dict[str, Any]] = {}  # request id -> its /generate output
         lost: dict[str, str] = {}  # request id -> abort reason, for rows that ended with a call SGLang lost
         with self._requests.tracking(requests) as reasons:
@@ -228,6 +273,8 @@ class HTTPEngine:
                 unexplained += not explained
                 if not pending:
                     break
+        if self.detach:
+            lost.update((i, reason) for i, reason in reasons.items() if i not in lost)
         completions = [
             aborted_completion(r, adapter_version(r.adapter), lost[r.request_id])
             if r.request_id in lost
@@ -268,7 +315,8 @@ class HTTPEngine:
         try:
             response = self._call("POST", "/generate", json_body=payload, timeout_s=max(left, 0.001), accept=(499,))
         except EngineUnavailable:
-            self._abort_quietly([rids[r.request_id] for r in requests])  # don't leave the server working on them
+            if not self.detach:  # don't leave the server working on them (detach: an abort would leak, #34205)
+                self._abort_quietly([rids[r.request_id] for r in requests])
             raise
         if response.status_code == 499:
             return error_message(response)
@@ -295,11 +343,13 @@ class HTTPEngine:
         SGLang's `/abort_request` takes no reason (`AbortReq` is `{rid, abort_all}`): this client keeps
         `reason` for its own requests in flight and sets it as `abort_reason` on their completions when the
         server's answer names no reason of its own (SGLang's prose). A request keeps the first reason given:
-        a later `abort` or `pause("abort")` does not end it again.
+        a later `abort` or `pause("abort")` does not end it again. With `detach` (a real SGLang server) nothing
+        is sent: the request ends here at once with `reason` and SGLang finishes it (`None`: this client's
+        requests only).
 
         Returns:
             How many requests were aborted: the server's count where it reports one (ours does), else
-            this client's own in-flight requests that match (real SGLang answers an empty 200).
+            this client's own in-flight requests it ended (real SGLang answers an empty 200).
 
         Raises:
             EngineError: `reason` is not one of `ABORT_REASONS`, or the server refused.
@@ -307,6 +357,8 @@ class HTTPEngine:
         if reason not in ABORT_REASONS:
             raise EngineError(f"abort reason {reason!r} is not one of {ABORT_REASONS}")
         known = self._requests.keep_reason(request_id, reason)  # before the call: the answer may come first
+        if self.detach:
+            return len(known)
         if request_id is None:
             body: dict[str, Any] = {"rid": "", "abort_all": True}
         else:  # the rid it is sent under now: a fresh one if a lost call made this client send it again
@@ -368,21 +420,33 @@ class HTTPEngine:
 
     def unload_adapter(self, name: str, *, timeout_s: float = 30.0) -> None:
         """Unload `name` (`/unload_lora_adapter`). On a real SGLang server the name is retired in this client
-        first (`RetiredAdapters`): from then on a request naming it is refused as an unknown adapter.
+        first (`RetiredAdapters`): from then on a request naming it is refused as an unknown adapter; then
+        this client waits until none of its requests in flight uses it (drained), and only then asks SGLang,
+        whose unload waits without a timeout for the adapter's requests while holding its LoRA lock.
 
         Raises:
             EngineError: unknown name, or the server's refusal.
-            EngineUnavailable: no answer within `timeout_s`: SGLang's unload waits without timeout for
-                the adapter's requests (hangs: sglang#36894); the server may be stuck.
+            EngineUnavailable: not drained, or no answer, within `timeout_s` (SGLang's unload hangs after
+                requests with n > 1 or aborted ones, sglang#36894 / #34205, which this client never sends);
+                a name not drained stays retired here and loaded there, for a later retire.
         """
+        deadline = time.monotonic() + timeout_s
         if self.dialect.guards_retired:
+            self._draining.add(name)  # listed until SGLang has unloaded it: not a revived name meanwhile
             self._retired.retire(name)
+            if self.retire == "unload" and (left := self._requests.wait_drained(name, deadline)):
+                raise EngineUnavailable(
+                    f"{self.url}: {left} request(s) of this client still use {name!r} after {timeout_s:g} s; "
+                    "not unloaded yet (SGLang's unload would wait for them under its LoRA lock)"
+                )
         if self.retire == "keep":  # SGLang 0.5.17's unload can hang under traffic (docs/HOTSWAP.md)
             if name not in self._listed_raw():
                 raise EngineError(f"{self.url}: LoRA adapter {name!r} is not loaded")
             self._kept.add(name)
+            self._draining.discard(name)
             return
-        self.update("/unload_lora_adapter", {"lora_name": name}, timeout_s)
+        self.update("/unload_lora_adapter", {"lora_name": name}, max(deadline - time.monotonic(), 1.0))
+        self._draining.discard(name)
 
     def _listed_raw(self) -> dict[str, dict[str, Any]]:
         return adapters_from_models(json_or_empty(self._call("GET", "/v1/models")))
@@ -393,89 +457,10 @@ class HTTPEngine:
         this client's own requests in flight naming the adapter, so `retire_stale` keeps those versions.
         With `retire="keep"`, versions retired in this client are left out though the server keeps them."""
         adapters = {n: a for n, a in self._listed_raw().items() if n not in self._kept}
-        back = self._retired.revived_in(adapters) if self.dialect.guards_retired else []
+        back = self._retired.revived_in(set(adapters) - self._draining) if self.dialect.guards_retired else []
         if back:
             log.warning("%s lists retired adapters again (reloaded by a request naming them): %s", self.url, back)
         held = self._requests.held()
         for name, info in adapters.items():  # SGLang reports no in-flight counts: this client's own ones
             info.setdefault("in_flight", held.get(name, 0))
         return adapters
-
-    # ------------------------------------------------------------- control
-
-    def pause(self, mode: str = "in_place") -> None:
-        """`/pause_generation` with `mode` in abort | retract | in_place; with `abort`, this client's requests
-        in flight end with `abort_reason="paused"`."""
-        if mode not in PAUSE_MODES:
-            raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        if mode == "abort":  # the server aborts every request; this client's end with reason `paused`
-            self._requests.keep_reason(None, "paused")
-        self._call("POST", "/pause_generation", json_body={"mode": mode})
-        self._paused = True
-
-    def resume(self) -> None:
-        """`/continue_generation`."""
-        self._call("POST", "/continue_generation", json_body={})
-        self._paused = False
-
-    def flush_cache(self) -> bool:
-        """`/flush_cache`: True when flushed, False when the server refused (HTTP 400: requests running)."""
-        return self._call("POST", "/flush_cache", accept=(400,)).status_code < 400
-
-    def is_paused(self) -> bool:
-        """Whether generation is paused. Our server reports it in `/health` (other clients may pause it). For
-        SGLang, whether this client paused it (`pause` without `resume` since), with no HTTP call: SGLang
-        reports no paused state, and its `/health` runs a 1-token generation (at least 1 s on 0.5.17, which
-        every adapter sync paid while `retire_stale` asked `health()`).
-
-        Raises:
-            EngineUnavailable: our server did not answer within 20 s, or is unreachable.
-            EngineError: our server's answer says nothing about pausing (its engine's health failed); closed.
-        """
-        if self._closed:
-            raise EngineError(f"{self!r} is closed")
-        if not self.dialect.reports_state:
-            return self._paused
-        facts = json_or_empty(self._call("GET", "/health", timeout_s=20.0, accept=(503,)))
-        if not isinstance(facts.get("paused"), bool):
-            raise EngineError(f"{self.url}/health does not say whether generation is paused: {facts}")
-        return facts["paused"]
-
-    def health(self) -> dict[str, Any]:
-        """`{"ok", "paused", "url"}` from `/health`, with every fact our server reports (never raises: an
-        unreachable server is not ok).
-
-        While this client has paused an SGLang server it asks `/model_info` instead: SGLang's `/health` runs a
-        1-token generation, which cannot run while paused, and answers only after its 20 s health timeout
-        (`SGLANG_HEALTH_CHECK_TIMEOUT`; seen on 0.5.17: `retire_stale` asks `health()` and held a sync for
-        those 20 s while the resume waited behind it)."""
-        path = "/model_info" if self._paused and not self.dialect.reports_state else "/health"
-        try:
-            response = self._http.get(path, timeout=20.0)
-        except httpx.HTTPError as exc:
-            return {"ok": False, "paused": self._paused, "url": self.url, "error": str(exc)}
-        if not self.dialect.reports_state:
-            return {"ok": response.status_code == 200, "paused": self._paused, "url": self.url}
-        facts = json_or_empty(response)
-        return {**facts, "ok": response.status_code == 200 and facts.get("ok", True), "url": self.url}
-
-    def metrics(self) -> dict[str, Any]:
-        """Our server's `/metrics`, read back into `{"adapters": {name: {field: value}}, ...}`. For SGLang this
-        client's counters: `{"adapters": {name: {"requests", "tokens"}}, "in_flight", "paused",
-        "revived_adapters", "adapter_loads": {transport: count}, "tensor_fallback": why or None,
-        "retired_resident": versions retired here but left on the server (`retire="keep"`), "lost_calls":
-        `/generate` calls SGLang failed whole (HTTP 499), "resent_requests": requests of them to be sent again
-        (a fresh rid; those past the deadline end `timeout` instead)}`."""
-        if self.dialect.reports_state:
-            return parse_metrics(self._call("GET", "/metrics").text)
-        return {
-            "adapters": self._requests.counts(),
-            "in_flight": len(self._requests),
-            "paused": self._paused,
-            "revived_adapters": self._retired.revived,
-            "adapter_loads": dict(self._loads),
-            "tensor_fallback": self.tensors.fallback,
-            "retired_resident": len(self._kept),
-            "lost_calls": self._lost.counts["calls"],
-            "resent_requests": self._lost.counts["resent"],
-        }

@@ -17,7 +17,7 @@ def connect(dialect: Dialect, inputs: EngineInputs) -> BuiltEngine:
     """HTTP clients of `inputs.engine.urls` in `dialect`, with the Bearer key (`inputs.api_key`, else the
     environment variable `engine.api_key_env`), the generation deadline `engine.timeout_s` and the tensor
     settings (`tensor_transport`, `tensor_layout`, `tensor_dtype`); SGLang clients also retire as
-    `engine.sglang_retire` says (our server unloads without hanging).
+    `engine.sglang_retire` and `engine.sglang_abort` say (our server unloads without hanging).
 
     Raises:
         EngineError: no URLs, or a malformed URL.
@@ -35,6 +35,7 @@ def connect(dialect: Dialect, inputs: EngineInputs) -> BuiltEngine:
             retire=cfg.sglang_retire if dialect is SGLANG else "unload",
             tensor_layout=cfg.tensor_layout,
             tensor_dtype=cfg.tensor_dtype,
+            abort=cfg.sglang_abort,
         )
         for url in cfg.urls
     ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 
 from lora_rl_core.engines.base import Completion, GenerationRequest
@@ -35,6 +35,7 @@ class InFlightRequests:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified when a request ends or gets a reason
         self._ids: set[str] = set()
         self._held: Counter[str] = Counter()  # adapter -> requests in flight naming it
         self._reasons: dict[str, str] = {}  # request id -> first reason given to `abort`
@@ -66,6 +67,7 @@ class InFlightRequests:
                 self._held.subtract(held)
                 self._held = +self._held  # drop the zeros
                 reasons.update((i, self._reasons.pop(i)) for i in ids if i in self._reasons)
+                self._changed.notify_all()
 
     def held(self) -> dict[str, int]:
         """Adapter name -> how many of this client's requests in flight name it."""
@@ -74,12 +76,50 @@ class InFlightRequests:
 
     def keep_reason(self, request_id: str | None, reason: str) -> set[str]:
         """Keep `reason` for request `request_id`, or for every request in flight when None, unless one
-        was kept before. Returns the ids in flight it concerned (empty for an id not in flight)."""
+        was kept before. Returns the ids it ended: in flight and without a reason until now (empty for an
+        id not in flight, or one aborted before)."""
         with self._lock:
             ids = set(self._ids) if request_id is None else {request_id} & self._ids
-            for rid in ids:
-                self._reasons.setdefault(rid, reason)
-        return ids
+            ended = {rid for rid in ids if rid not in self._reasons}
+            for rid in ended:
+                self._reasons[rid] = reason
+            if ended:
+                self._changed.notify_all()
+        return ended
+
+    def notify(self) -> None:
+        """Wake the waiters of `wait_ended` (a call they wait for has answered)."""
+        with self._lock:
+            self._changed.notify_all()
+
+    def wait_ended(
+        self, request_ids: Collection[str], done: Callable[[], bool], deadline: float
+    ) -> dict[str, str] | None:
+        """Wait until `done()` (the call of `request_ids` answered: None is returned) or every one of them has a
+        kept reason (all ended here: their reasons are returned, request id -> reason). At `deadline`
+        (monotonic s) those without a reason get `timeout`. `done` is checked at every change (`notify`)."""
+        with self._lock:
+            while not done():
+                if all(i in self._reasons for i in request_ids):
+                    return {i: self._reasons[i] for i in request_ids}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for i in request_ids:
+                        if i in self._ids:
+                            self._reasons.setdefault(i, "timeout")
+                    if all(i in self._reasons for i in request_ids):
+                        return {i: self._reasons[i] for i in request_ids}
+                    return None  # the call ended meanwhile: its answer is there
+                self._changed.wait(min(left, 1.0))
+            return None
+
+    def wait_drained(self, adapter: str, deadline: float) -> int:
+        """Wait until no request in flight names `adapter`, at most until `deadline` (monotonic s); returns
+        how many still do (0: drained)."""
+        with self._lock:
+            while self._held.get(adapter, 0) and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(min(left, 0.25))
+            return self._held.get(adapter, 0)
 
     def rid_of(self, request_id: str) -> str:
         """The rid request `request_id` is sent under now: its own id unless `resend_rids` gave it another."""
