@@ -14,7 +14,9 @@ Choices:
   generically as the module list of identical blocks with the most parameters,
   then on the root (torchtune `training/_distributed.py`, torchtitan). Mixed
   precision `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`
-  only on CUDA with bf16 support; on CPU params and compute stay in their dtype.
+  only on CUDA with bf16 support (and `shard_model(mixed_precision=True)`: the
+  run asks for it unless `trainer.lora_compute_dtype` is `float32`); on CPU
+  params and compute stay in their dtype.
   Activation checkpointing uses the composable `checkpoint` (FQNs unchanged, so
   PEFT state-dict keys stay the same as unsharded).
 * Gradient reduction is a SUM across ranks, not FSDP2's default mean:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from lora_rl_core.adapters.validation import adaptable_module_names
@@ -68,6 +69,20 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, *, adapter_name: str = "defaul
     The base weights are frozen; LoRA weights are float32 (PEFT's autocast of adapter dtype).
     """
     return get_peft_model(model, peft_lora_config(model, cfg), adapter_name=adapter_name)
+
+
+def set_input_dtype_casting(model: nn.Module, *, enabled: bool) -> None:
+    """Turn PEFT's cast of each adapted layer's input to the adapter's dtype on or off, for every LoRA layer.
+
+    PEFT casts the input of `lora_A` to its (float32) weight dtype (`BaseTunerLayer._cast_input_dtype`); off,
+    the input keeps the base model's dtype, and the caller must run the forward under `torch.autocast` so the
+    float32 LoRA weights are cast to it instead. Sets PEFT's `cast_input_dtype_enabled` attribute, as
+    `peft.helpers.disable_input_dtype_casting` does for the length of a block; here it stays set, so a
+    gradient-checkpointing recomputation (outside any such block) computes the same way.
+    """
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.cast_input_dtype_enabled = enabled
 
 
 def adapter_state(model: PeftModel, adapter_name: str = "default") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

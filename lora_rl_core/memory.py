@@ -27,7 +27,10 @@ settings to change where even checkpointed activations do not fit. The estimates
     with gradient checkpointing per decoder layer: 2 h bytes per token and layer, plus one layer's set
     logits of the completion positions: 20 V bytes per token (bf16 head output, float32 copy, log-softmax,
         entropy, their gradient), V = vocabulary size
-    the activations times ACTIVATION_CALIBRATION (1.15, measured on an H100 at 7B)
+    the activations times ACTIVATION_CALIBRATION (1.15, measured on an H100 at 7B with float32 LoRA compute,
+        where PEFT keeps a float32 copy of every adapted layer's input for the backward pass; in bfloat16,
+        `trainer.lora_compute_dtype`'s `auto` on CUDA, the LoRA branch keeps the bf16 input the base layer
+        keeps anyway, so the estimate stays an upper bound there, not re-measured)
     KV cache: 2 (K and V) x layers x kv heads x head dim x 2 bytes per token
 
 The plan's figures are logged and written to the run's `run.json` (`runtime.memory_plan`), so a run that
@@ -58,8 +61,8 @@ ENGINE_OVERHEAD_BYTES = int(2.5 * GIB)
 """SGLang outside its static pool, besides prefill activations: its CUDA context, decode CUDA graphs, sampling."""
 ACTIVATION_CALIBRATION = 1.15
 """Measured over estimated activations: the trainer of a Qwen2.5-7B run on an H100 (micro-batch 8 x 304 tokens,
-no checkpointing) reserved 41.6 GiB at its peak against 38.7 GiB estimated (allocator rounding, cuBLAS
-workspaces, autograd temporaries the count leaves out); benchmarks/results/gpu_scale/7b-1gpu.json."""
+no checkpointing, float32 LoRA compute) reserved 41.6 GiB at its peak against 38.7 GiB estimated (allocator
+rounding, cuBLAS workspaces, autograd temporaries the count leaves out); benchmarks/results/gpu_scale/7b-1gpu.json."""
 MIN_MICRO_BATCH = 4
 """The smallest micro-batch the plan halves to before it turns on gradient checkpointing instead."""
 SGLANG_CHUNKED_PREFILL = 8192

@@ -46,11 +46,20 @@ def format_step(m: dict[str, Any]) -> str:
 
 
 def format_runtime(runtime: dict[str, Any]) -> str:
-    """One line for the run log: device, model dtype and why, CPU threads (`lora_rl_core.run.runtime_info`)."""
+    """One line for the run log: device, model dtype and why, the LoRA compute dtype and why (not in a `run.json`
+    of an older version), CPU threads (`lora_rl_core.run.runtime_info`)."""
     return (
         f"model dtype {runtime['dtype']} on {runtime['device']}: {runtime['dtype_reason']}; "
-        f"{runtime['cpu_threads']} CPU threads"
+        + lora_compute_part(runtime)
+        + f"{runtime['cpu_threads']} CPU threads"
     )
+
+
+def lora_compute_part(runtime: dict[str, Any]) -> str:
+    """`LoRA compute bfloat16 (<why>); ` from a run's runtime facts; empty where they do not say (older runs)."""
+    if "lora_compute_dtype" not in runtime:
+        return ""
+    return f"LoRA compute {runtime['lora_compute_dtype']} ({runtime['lora_compute_dtype_reason']}); "
 
 
 def _term(key: str, value: Any) -> bool:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_rl_core.config import RunConfig
+from lora_rl_core.progress import lora_compute_part
 
 _TABLE_COLUMNS = (
     "step",
@@ -128,7 +129,8 @@ def _runtime_line(runtime: dict[str, Any] | None) -> str:
         return ""
     return (
         f"- compute: {runtime['device']}, {runtime['dtype']} ({runtime['dtype_reason']}); "
-        f"{runtime['cpu_threads']} CPU threads\n"
+        + lora_compute_part(runtime)
+        + f"{runtime['cpu_threads']} CPU threads\n"
     )
 
 

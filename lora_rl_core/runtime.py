@@ -10,6 +10,10 @@ dtype `auto` (the default):
   38 ms in bf16 and 8 ms in fp32, and a GRPO step of the default config 987 s in bf16 against ~50 s in
   fp32. An explicit `bfloat16` on such a CPU still works and warns once.
 
+LoRA compute dtype (`trainer.lora_compute_dtype`, `choose_lora_compute_dtype`): `auto` is bfloat16 where the
+trainer is on CUDA and its base weights are bfloat16, else float32; bfloat16 needs bfloat16 base weights (an
+autocast to bfloat16 over float32 base weights would cast every base matmul too).
+
 Threads: torch's intra-op pool gets one thread per core this process may run on (`os.sched_getaffinity`,
 so a container or `taskset` limit is honoured; torch's own default counts the machine's cores).
 `LORA_RL_NUM_THREADS`, else `OMP_NUM_THREADS`, overrides it. The trainer and the embedded engine run on
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lora_rl_core.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -39,7 +45,7 @@ _warned: set[str] = set()
 
 @dataclass(frozen=True)
 class DtypeChoice:
-    """The dtype a model is loaded in, and why.
+    """A dtype the run computes in (the base model's, or the LoRA branches'), and why.
 
     Attributes:
         name: `bfloat16`, `float32` or `float16`.
@@ -110,6 +116,26 @@ def choose_dtype(requested: str, device: torch.device | str) -> DtypeChoice:
             cpu,
         )
     return DtypeChoice(requested, requested, f"set in the config ({cpu})")
+
+
+def choose_lora_compute_dtype(requested: str, device: torch.device | str, base_dtype: str) -> DtypeChoice:
+    """Resolve `trainer.lora_compute_dtype` (`auto`, `float32`, `bfloat16`) for a trainer on `device` whose
+    base weights are `base_dtype` (`choose_dtype(...).name`).
+
+    Raises:
+        ConfigError: `bfloat16` over base weights of another dtype (names both settings).
+    """
+    device = torch.device(device)
+    if requested == "auto":
+        if device.type == "cuda" and base_dtype == "bfloat16":
+            return DtypeChoice("bfloat16", requested, "auto: bfloat16 base weights on cuda")
+        return DtypeChoice("float32", requested, f"auto: {base_dtype} base weights on {device.type}")
+    if requested == "bfloat16" and base_dtype != "bfloat16":
+        raise ConfigError(
+            f"trainer.lora_compute_dtype=bfloat16 needs bfloat16 base weights, but model.dtype resolves to "
+            f"{base_dtype} on {device.type}: set model.dtype=bfloat16, or trainer.lora_compute_dtype=auto or float32"
+        )
+    return DtypeChoice(requested, requested, f"set in the config ({device.type})")
 
 
 def cpu_threads() -> int:

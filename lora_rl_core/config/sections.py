@@ -198,6 +198,16 @@ class TrainerConfig(Section):
     plan (`lora_rl_core.memory`) says a micro-batch's activations would not fit the GPU beside what else it
     holds even at a quarter of `micro_batch_size` (the plan first halves the micro-batch, down to 4: cheaper
     than recomputing every layer); off on a CPU."""
+    lora_compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype the LoRA branches compute in; the LoRA weights, their gradients and the AdamW state stay float32
+    (master weights) either way, and logprobs and the loss are computed in float32 from the logits.
+    `bfloat16`: the trainer's forward passes (policy, reference, old logprobs) run under `torch.autocast` and
+    PEFT's cast of each LoRA input up to the adapter's float32 is off, so LoRA runs in the base model's
+    bfloat16 (no float32 copy of every adapted layer's input); with `world_size` >= 1 FSDP2's mixed precision
+    is on (bfloat16 parameters, float32 gradient reduction), off with `float32`. Needs bfloat16 base weights
+    (`model.dtype`); on a CPU it uses CPU autocast (slow without native bfloat16). `auto` (the default):
+    bfloat16 on CUDA with bfloat16 base weights, float32 otherwise, so a CPU run computes as before
+    (`lora_rl_core.runtime.choose_lora_compute_dtype`; transformers `bf16`, verl `fsdp_config.mixed_precision`)."""
     world_size: int = Field(0, ge=0)
     """0: train in this process; N >= 1: N persistent FSDP2 worker processes (gloo on CPU, NCCL on GPUs)."""
     device: Literal["cpu", "cuda"] = "cpu"

@@ -35,7 +35,7 @@ from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_f
 from lora_rl_core.rewards import RewardSet
 from lora_rl_core.run.rundir import RunDir
 from lora_rl_core.run.writer import StoreWriter
-from lora_rl_core.runtime import configure_threads, cpu_threads
+from lora_rl_core.runtime import choose_dtype, choose_lora_compute_dtype, configure_threads, cpu_threads
 from lora_rl_core.store import AdapterRef, AdapterStore, validate_run_id
 from lora_rl_core.trainer import PolicyTrainer, Trainer
 from lora_rl_core.trainer.workers import TrainerWorkers
@@ -87,14 +87,28 @@ def check_answers(cfg: RunConfig, problems: list[Problem]) -> None:
         )
 
 
+def trainer_device(cfg: RunConfig) -> torch.device:
+    """The trainer's device: `model.device` in this process, `trainer.device` for FSDP2 ranks (rank 0's)."""
+    return resolve_device(cfg.trainer.device if cfg.trainer.world_size else cfg.model.device)
+
+
 def runtime_info(cfg: RunConfig) -> dict[str, Any]:
     """What the run computes on, for the run log, `run.json` and the report: `{"device", "dtype",
-    "dtype_reason", "cpu_threads"}` (the dtype `model.dtype` resolved to on the model's device)."""
+    "dtype_reason", "lora_compute_dtype", "lora_compute_dtype_reason", "cpu_threads"}` (the dtype `model.dtype`
+    resolved to on the model's device; the one `trainer.lora_compute_dtype` resolved to on the trainer's).
+
+    Raises:
+        ConfigError: `trainer.lora_compute_dtype: bfloat16` over base weights that are not bfloat16.
+    """
     choice = model_dtype(cfg.model)
+    device = trainer_device(cfg)
+    lora = choose_lora_compute_dtype(cfg.trainer.lora_compute_dtype, device, choose_dtype(cfg.model.dtype, device).name)
     return {
         "device": str(resolve_device(cfg.model.device)),
         "dtype": choice.name,
         "dtype_reason": choice.reason,
+        "lora_compute_dtype": lora.name,
+        "lora_compute_dtype_reason": lora.reason,
         "cpu_threads": cpu_threads(),
     }
 
@@ -102,13 +116,15 @@ def runtime_info(cfg: RunConfig) -> dict[str, Any]:
 def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer:
     """The in-process trainer (`trainer.world_size: 0`, its own copy of the base model with a fresh LoRA), or
     `trainer.world_size` persistent FSDP2 ranks: spawned processes (`trainer.backend: local`) or Ray actors
-    (`ray`)."""
-    if cfg.trainer.world_size >= 1 and cfg.trainer.backend == "ray":
+    (`ray`), with FSDP2's bfloat16 mixed precision unless `trainer.lora_compute_dtype` is `float32`."""
+    t = cfg.trainer
+    mixed = t.lora_compute_dtype != "float32"
+    if t.world_size >= 1 and t.backend == "ray":
         from lora_rl_core.trainer.ray_actors import RayTrainer  # lazy: Ray only when asked for
 
-        return RayTrainer(cfg, world_size=cfg.trainer.world_size, device=cfg.trainer.device)
-    if cfg.trainer.world_size >= 1:
-        return TrainerWorkers(cfg, world_size=cfg.trainer.world_size, device=cfg.trainer.device)
+        return RayTrainer(cfg, world_size=t.world_size, device=t.device, mixed_precision=mixed)
+    if t.world_size >= 1:
+        return TrainerWorkers(cfg, world_size=t.world_size, device=t.device, mixed_precision=mixed)
     model, _ = load_model(cfg.model)
     return PolicyTrainer.from_config(apply_lora(model, cfg.lora), cfg, pad_id=tokenizer.pad_token_id)
 
@@ -121,7 +137,7 @@ def plan_run_memory(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, problems
         ConfigError: the run cannot fit the GPU (naming the settings to change).
         EngineError: the launched SGLang's installation cannot be probed.
     """
-    device = resolve_device(cfg.trainer.device if cfg.trainer.world_size else cfg.model.device)
+    device = trainer_device(cfg)
     if device.type != "cuda":
         return plan_memory(cfg, None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False)
     colocated = sglang_shares_trainer_gpu(cfg, device)
@@ -187,7 +203,7 @@ def _transport_for_placement(cfg: RunConfig) -> RunConfig:
     (the version's folder; CUDA IPC handles do not open in a server that cannot see the trainer's GPU, and
     inline data costs seconds for a 7B adapter: 3.2 s per sync measured on two H100s)."""
     e = cfg.engine
-    device = resolve_device(cfg.trainer.device if cfg.trainer.world_size else cfg.model.device)
+    device = trainer_device(cfg)
     launched_here = e.type == "sglang" and e.launch.enabled and not e.ray_replicas
     if e.tensor_transport != "auto" or not launched_here or device.type != "cuda":
         return cfg
@@ -259,7 +275,8 @@ class RunComponents:
             was started for it (an SGLang server, Ray actors), from the engine registry.
         train_problems / test_problems / sampler: the data.
         rewards: the reward terms (`RewardSet`: it owns the math verifier's worker processes).
-        runtime: device, dtype and why, CPU threads, the memory plan (`runtime_info`).
+        runtime: device, dtype and why, the LoRA compute dtype and why, CPU threads, the memory plan
+            (`runtime_info`).
         writer: writes train records, checkpoints and adapter versions to the store, in step order, on a
             background thread (`trainer.background_publish`) or at once.
         memory: the GPU memory plan (`lora_rl_core.memory`; None on a CPU).
@@ -343,7 +360,9 @@ class RunComponents:
 
 def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     """Build the components of run `run_id`: set CPU threads, write the config snapshot `run.json`, load data,
-    rewards, tokenizer, the engine and the trainer, and seed Python's and torch's RNGs with `run.seed`.
+    rewards, tokenizer, the engine and the trainer, and seed Python's and torch's RNGs with `run.seed`. The
+    trainer gets the `auto` settings resolved: the LoRA compute dtype (`runtime_info`), gradient checkpointing
+    and the micro-batch (the memory plan).
 
     The engine comes from the engine registry (`lora_rl_core.engines.registry.build_engine`) with what it
     starts: with `engine.launch.enabled` an SGLang server (log: `<workdir>/sglang.log`), with
@@ -373,6 +392,7 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
                 update={
                     "gradient_checkpointing": memory.gradient_checkpointing,
                     "micro_batch_size": memory.micro_batch_size,
+                    "lora_compute_dtype": runtime["lora_compute_dtype"],
                 }
             )
         }

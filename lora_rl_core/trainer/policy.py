@@ -9,6 +9,14 @@ mismatch metric. AdamW on LoRA parameters only, global-norm gradient clipping,
 linear warmup. Micro-batches accumulate gradients with weights chosen so the
 loss equals the full-batch aggregate (token-mean: tokens / total tokens).
 
+Mixed precision (`trainer.lora_compute_dtype`): the LoRA weights, their
+gradients and the AdamW state are float32 (master weights). In `bfloat16`
+the model's forward passes (policy, reference, old logprobs) run under
+`torch.autocast` and PEFT's input cast to float32 is off
+(`lora.set_input_dtype_casting`), so the LoRA matmuls run in bfloat16 on the
+base model's activations; the logits are turned to float32 before the
+log-softmax, and the loss and the backward call are outside autocast.
+
 Sharded training (FSDP2, `lora_rl_core.distributed`): when a process group is
 up, build the trainer after `shard_model`; every rank then calls `train_step`
 with the SAME whole batch and trains on its share. Within each minibatch the
@@ -30,6 +38,7 @@ Left out here: value model / GAE.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -47,8 +56,9 @@ from lora_rl_core.algorithm import (
 )
 from lora_rl_core.config import AlgorithmConfig, RolloutMode, RunConfig, TrainerConfig
 from lora_rl_core.errors import LoraRLError
-from lora_rl_core.lora import peft_config_dict
+from lora_rl_core.lora import peft_config_dict, set_input_dtype_casting
 from lora_rl_core.records import TrainBatch
+from lora_rl_core.runtime import choose_lora_compute_dtype
 from lora_rl_core.trainer.batching import PackedBatch, dummy_batch, frame, pack, rank_micro_batches, split_even
 
 _LOSS_KEYS = frozenset({"loss", "pg_loss"})
@@ -67,6 +77,9 @@ class PolicyTrainer:
         temperature: rollout sampling temperature; logits are divided by it so trainer
             logprobs match the sampling distribution.
         rollout_mode: `sync` or `async`; resolves `algorithm.off_policy_correction: auto`.
+
+    Raises:
+        ConfigError: `trainer.lora_compute_dtype: bfloat16` over base weights that are not bfloat16.
     """
 
     def __init__(
@@ -94,6 +107,9 @@ class PolicyTrainer:
         )
         warmup = max(1, trainer.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.compute_dtype = lora_compute_dtype(model, trainer.lora_compute_dtype)
+        if self.compute_dtype != torch.float32:
+            set_input_dtype_casting(model, enabled=False)  # autocast casts the float32 LoRA weights instead
         if trainer.gradient_checkpointing is True:  # `auto`: resolved by the memory plan (build_run), else off
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
@@ -219,10 +235,17 @@ class PolicyTrainer:
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
         """Tempered float32 logits `[b, F, V]` of the frame's positions (no logits for the prompt before it)."""
         keep = packed.input_ids.shape[1] - packed.frame_start  # positions frame_start .. L-1
-        out = self.model(
-            input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False, logits_to_keep=keep
-        )
+        with self._autocast():
+            out = self.model(
+                input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False, logits_to_keep=keep
+            )
         return out.logits[:, :-1].float() / self.temperature
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """`torch.autocast` to the LoRA compute dtype (module docstring); nothing when it is float32."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     @torch.no_grad()
     def _ref_logprobs(self, packed: PackedBatch) -> torch.Tensor:
@@ -354,6 +377,18 @@ class PolicyTrainer:
                     value.clone() if value.dim() == 0 else distributed.shard_like(self.params[i], value)
                 )
         return {"state": state, "param_groups": [{**groups[0], "params": list(range(len(self.params)))}]}
+
+
+def lora_compute_dtype(model: torch.nn.Module, requested: str) -> torch.dtype:
+    """`trainer.lora_compute_dtype` for `model`: as `build_run` resolved it, or `auto` resolved here from the
+    model's device and the dtype of its frozen (base) weights (`runtime.choose_lora_compute_dtype`).
+
+    Raises:
+        ConfigError: `bfloat16` over base weights that are not bfloat16.
+    """
+    frozen = (p for p in model.parameters() if not p.requires_grad and p.is_floating_point())
+    base = next(frozen, next(model.parameters()))
+    return choose_lora_compute_dtype(requested, base.device, str(base.dtype).removeprefix("torch.")).torch_dtype
 
 
 def _on_rank0(value: Any, what: str) -> Any:

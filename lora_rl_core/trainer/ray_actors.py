@@ -75,7 +75,8 @@ class RayTrainer(RankCommands):
         cfg: the run config.
         world_size: ranks (actors), >= 1.
         device: `cpu` (gloo, one CPU per actor) or `cuda` (nccl, `trainer.ray_gpus_per_rank` GPUs per actor).
-        mixed_precision: bf16 compute / fp32 reduction where CUDA supports bf16 (ignored on CPU).
+        mixed_precision: bf16 compute / fp32 reduction where CUDA supports bf16 (ignored on CPU); `build_trainer`
+            passes False for `trainer.lora_compute_dtype: float32`.
         timeout_s: deadline of each call and of each collective inside the ranks, seconds.
         start_timeout_s: deadline of the start (placement, model load, sharding), seconds.
 

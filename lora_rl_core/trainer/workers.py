@@ -147,7 +147,8 @@ class TrainerWorkers(RankCommands):
         cfg: the run config (model, lora, algorithm, trainer, rollout.temperature, run.seed are used).
         world_size: number of processes (one GPU each on CUDA).
         device: `cpu` (gloo) or `cuda` (nccl; rank r uses `cuda:r` of the visible devices).
-        mixed_precision: bf16 compute / fp32 reduction where CUDA supports bf16 (ignored on CPU).
+        mixed_precision: bf16 compute / fp32 reduction where CUDA supports bf16 (ignored on CPU); `build_trainer`
+            passes False for `trainer.lora_compute_dtype: float32`.
         timeout_s: limit for each call, and for each collective inside the workers.
         start_timeout_s: limit for start-up (model load and sharding).
 

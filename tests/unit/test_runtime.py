@@ -1,4 +1,5 @@
-"""dtype `auto` and CPU thread rules (`lora_rl_core.runtime`), and where the choice is reported."""
+"""dtype `auto` (the model's and the LoRA compute's) and CPU thread rules (`lora_rl_core.runtime`), and where
+the choice is reported."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import pytest
 import torch
 
 from lora_rl_core import runtime
-from lora_rl_core.config import ModelConfig, RunConfig
+from lora_rl_core.config import ModelConfig, RunConfig, load_config
+from lora_rl_core.errors import ConfigError
 from lora_rl_core.models import model_dtype
+from lora_rl_core.progress import format_runtime
 from lora_rl_core.report import run_summary, summary_markdown
+from lora_rl_core.run.components import runtime_info
 
 
 @pytest.fixture
@@ -105,3 +109,50 @@ def test_report_names_the_dtype_and_why() -> None:
     assert summary["runtime"] == rt
     text = summary_markdown("r", RunConfig(), summary)
     assert "- compute: cpu, float32 (auto: float32, no native bf16); 2 CPU threads" in text
+
+
+def test_lora_compute_auto_is_bfloat16_only_on_cuda_over_bfloat16_weights() -> None:
+    choose = runtime.choose_lora_compute_dtype
+    assert choose("auto", "cuda:0", "bfloat16").name == "bfloat16"
+    assert [choose("auto", d, b).name for d, b in [("cuda", "float32"), ("cpu", "bfloat16"), ("cpu", "float32")]] == [
+        "float32"
+    ] * 3
+    assert "cpu" in choose("auto", "cpu", "float32").reason
+
+
+def test_lora_compute_explicit_values_and_bf16_over_another_base_dtype() -> None:
+    choose = runtime.choose_lora_compute_dtype
+    assert choose("bfloat16", "cpu", "bfloat16").torch_dtype == torch.bfloat16  # CPU autocast
+    assert choose("float32", "cuda", "bfloat16").name == "float32"
+    with pytest.raises(ConfigError, match=r"trainer\.lora_compute_dtype=bfloat16 .* model\.dtype resolves to float16"):
+        choose("bfloat16", "cuda", "float16")
+
+
+def test_lora_compute_dtype_is_a_checked_trainer_field(native_bf16) -> None:
+    native_bf16(False)
+    assert load_config(None, ["trainer.lora_compute_dtype=bfloat16"]).trainer.lora_compute_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"trainer\.lora_compute_dtype"):
+        load_config(None, ["trainer.lora_compute_dtype=float16"])
+    cfg = load_config(None, ["model.device=cpu"])
+    info = runtime_info(cfg)
+    assert (info["lora_compute_dtype"], info["lora_compute_dtype_reason"]) == (
+        "float32",
+        "auto: float32 base weights on cpu",
+    )
+    with pytest.raises(ConfigError, match=r"trainer\.lora_compute_dtype=bfloat16"):
+        runtime_info(load_config(None, ["model.device=cpu", "trainer.lora_compute_dtype=bfloat16"]))
+
+
+def test_run_log_and_report_name_the_lora_compute_dtype() -> None:
+    rt = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "dtype_reason": "auto: bfloat16 on cuda",
+        "lora_compute_dtype": "bfloat16",
+        "lora_compute_dtype_reason": "auto: why",
+        "cpu_threads": 16,
+    }
+    line = "bfloat16 on cuda: auto: bfloat16 on cuda; LoRA compute bfloat16 (auto: why); 16 CPU threads"
+    assert format_runtime(rt).endswith(line)
+    text = summary_markdown("r", RunConfig(), run_summary("r", [], None, None, "r-v000000", 1.0, "file://x", rt))
+    assert "- compute: cuda, bfloat16 (auto: bfloat16 on cuda); LoRA compute bfloat16 (auto: why); 16 CPU" in text
