@@ -370,7 +370,7 @@ def test_abort_request_reaches_submitted_requests():
     engine = ScriptedEngine()
     with (
         live_server(create_app(engine, served_model_name=SERVED)) as url,
-        HTTPEngine(SGLANG, url, timeout_s=30) as client,
+        HTTPEngine(SGLANG, url, timeout_s=30, abort="forward") as client,
     ):
         future = client.submit(GenerationRequest([5, 6, 7], None, GREEDY_P, request_id="r1"))
         assert engine.submitted.wait(10)

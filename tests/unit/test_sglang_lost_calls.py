@@ -36,7 +36,7 @@ class Server:
         self.lose, self.during = lose, during or {}
         self.calls: list[tuple[str, Any]] = []
         self.generates: list[list[str]] = []  # the rids of each /generate
-        self.engine = HTTPEngine(SGLANG, "http://fake", timeout_s=30)
+        self.engine = HTTPEngine(SGLANG, "http://fake", timeout_s=30, abort="forward")
         self.engine._http = httpx.Client(base_url="http://fake", transport=httpx.MockTransport(self.handle))
 
     def handle(self, request: httpx.Request) -> httpx.Response:

@@ -207,6 +207,8 @@ class HTTPEngine(ControlCalls):
             EngineError: the server refused the batch (unknown adapter, bad params); its message is kept.
             EngineUnavailable: no answer within `timeout_s` (default `self.timeout_s`), or unreachable.
         """
+        if self._closed:
+            raise EngineError(f"{self!r} is closed")
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         batches = chunks(requests, self._max_batch)
         if len(batches) == 1:
