@@ -37,6 +37,9 @@ def launch_small_sglang(
 
     launch: dict[str, Any] = {"enabled": True, "port": port, "python": python, "mem_fraction_static": mem_fraction}
     launch["cuda_graph_max_bs"] = None  # eager: no capture time
+    # the backends every protocol run on the GPU host used (docs/SGLANG.md, "GPU host"): the carry's SGLang has
+    # no FA3 kernels and no FlashInfer JIT; a start with `auto` on SmolLM2 shapes died in its warm-up there
+    launch.update(attention_backend="triton", sampling_backend="pytorch", lora_backend="triton")
     launch["extra_args"] = list(extra_args)
     if pythonpath:
         launch["env"] = {"PYTHONPATH": pythonpath}

@@ -103,7 +103,8 @@ class _RememberingRoutes(AdapterRoutes):
                 await asyncio.sleep(0.02)
             if self.refs[body.lora_name] != 0:
                 self.hung_unloads.append((body.lora_name, self.refs[body.lora_name]))
-                message = f"fake: the unload of {body.lora_name} waits forever (reference count {self.refs[body.lora_name]})"
+                count = self.refs[body.lora_name]
+                message = f"fake: the unload of {body.lora_name} waits forever (reference count {count})"
                 return await self._update_failed(HTTPError(500, message))
             return await super().unload_lora_adapter(body)
 
@@ -171,7 +172,7 @@ class SGLangFakeServer(EngineServer):
         self.health_check_timeout_s = health_check_timeout_s
         self.refs: Counter[str] = Counter()
         """Adapter name -> SGLang's reference count (`LoRARegistry._counters`), as 0.5.17 keeps it."""
-        self.adapters = _RememberingRoutes(
+        self.adapters = self.remembering = _RememberingRoutes(
             engine,
             store=self.store,
             control_timeout_s=self.control_timeout_s,
@@ -184,7 +185,7 @@ class SGLangFakeServer(EngineServer):
     @property
     def hung_unloads(self) -> list[tuple[str, int]]:
         """The unloads that would have waited forever on SGLang: (adapter, its reference count then)."""
-        return self.adapters.hung_unloads
+        return self.remembering.hung_unloads
 
     async def complete_named(
         self, prompts: list[list[int]], sampling: list[SamplingIn], names: list[str | None], rids: list[str]
@@ -209,7 +210,7 @@ class SGLangFakeServer(EngineServer):
         """SGLang loads an unloaded adapter again from its remembered path before the 400 check."""
         listed = await run_blocking(self.control_timeout_s, self.engine.list_adapters)
         for name in sorted(names - set(listed)):
-            path = self.adapters.ref_cache.get(name)
+            path = self.remembering.ref_cache.get(name)
             if path == TENSOR_ROOT:
                 message = f"Failed to implicitly load LoRA adapter {name}: cannot read {TENSOR_ROOT!r}"
                 raise HTTPError(400, message)

@@ -495,10 +495,14 @@ def _thread(shared: Shared, name: str, fn: Callable[..., None], *args: Any) -> t
 
 
 def _settled_in_flight(target: _Target, wait_s: float = 10.0) -> int:
-    """Requests still holding an adapter after everything ended (polled up to `wait_s`)."""
+    """Requests still holding an adapter after everything ended (polled up to `wait_s`); 1 when the engine
+    cannot say (an engine that stopped answering is a breach, not a crash of the run)."""
     deadline = time.monotonic() + wait_s
     while True:
-        held = target.in_flight()
+        try:
+            held = target.in_flight()
+        except LoraRLError:
+            return 1
         if held == 0 or time.monotonic() > deadline:
             return held
         time.sleep(0.1)

@@ -213,3 +213,18 @@ def test_our_server_in_front_reports_the_requests_it_holds(fake, backend):
                 backend.resume()
             assert all(c.result(timeout=WAIT_S).status_code == 200 for c in calls)
             assert client.list_adapters()[A]["in_flight"] == 0
+
+
+def test_a_resume_never_waits_behind_the_generation_calls_a_pause_holds(fake, backend):
+    """120 requests held by a paused server occupy 120 connections; the resume goes out on its own connections
+    (httpx's default pool has 100: on the H100 the resume of a soak waited for one until its timeout)."""
+    _, url = fake
+    with HTTPEngine(SGLANG, url, timeout_s=60, control_timeout_s=10) as client:
+        client.pause("in_place")
+        futures = [client.submit(GenerationRequest([5, 6], A, PARAMS, request_id=f"h{i}")) for i in range(120)]
+        wait_until(lambda: backend.health()["queue_depth"] == 120, "120 requests to be queued")
+        start = time.monotonic()
+        client.resume()
+        assert time.monotonic() - start < 5
+        assert all(f.result(timeout=WAIT_S).finish_reason in ("stop", "length") for f in futures)
+        client.unload_adapter(A, timeout_s=WAIT_S)

@@ -128,6 +128,11 @@ class HTTPEngine(ControlCalls):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(control_timeout_s, connect=min(10.0, control_timeout_s))
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        # `/generate` calls get their own connections, as many as can be in flight: a control call (a resume
+        # above all) must never wait for a connection behind generation calls that wait for it (seen on the
+        # H100: 128 requests of a paused SGLang held httpx's default 100 connections, the resume timed out)
+        limits = httpx.Limits(max_connections=SUBMIT_CONCURRENCY + max_concurrency, max_keepalive_connections=64)
+        self._generation_http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, limits=limits)
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self._max_batch = max_batch_requests
@@ -158,6 +163,7 @@ class HTTPEngine(ControlCalls):
         for pool in (self._pool, self._submits, self._upstream):
             pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        self._generation_http.close()
 
     def members(self) -> list[HTTPEngine]:
         """`[self]`: a single engine (`InferenceEngine.members`)."""
@@ -180,13 +186,15 @@ class HTTPEngine(ControlCalls):
         timeout_s: float | None = None,
         accept: tuple[int, ...] = (),
     ) -> httpx.Response:
-        """One HTTP call; statuses in `accept` are answers, not errors.
+        """One HTTP call (`/generate` on the generation connections, the rest on the control ones); statuses
+        in `accept` are answers, not errors.
         Raises EngineUnavailable (transport, timeout) or EngineError (closed client, error status)."""
         if self._closed:
             raise EngineError(f"{self!r} is closed")
         timeout = timeout_s if timeout_s is not None else self.control_timeout_s
         try:
-            response = self._http.request(method, path, json=json_body, timeout=timeout)
+            http = self._generation_http if path == "/generate" else self._http
+            response = http.request(method, path, json=json_body, timeout=timeout)
         except httpx.TimeoutException:
             raise EngineUnavailable(f"{method} {self.url}{path}: no answer within {timeout:g} s") from None
         except httpx.TransportError as exc:
