@@ -11,6 +11,7 @@ held queued by an `in_place` pause of the look-alike's engine, so aborts land wh
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -182,9 +183,7 @@ def test_the_front_door_turns_the_hazardous_sequences_into_safe_ones(fake, backe
             try:
                 queued = [raw_generate(front, rid) for rid in ("q0", "q1", "q2")]
                 wait_until(lambda: backend.health()["queue_depth"] == 3, "three requests to be queued")
-                assert httpx.post(f"{front}/abort_request", json={"rid": "q0"}, timeout=WAIT_S).json() == {
-                    "aborted": 1
-                }
+                assert httpx.post(f"{front}/abort_request", json={"rid": "q0"}, timeout=WAIT_S).json() == {"aborted": 1}
                 httpx.post(f"{front}/pause_generation", json={"mode": "abort"}, timeout=WAIT_S)
                 reasons = [q.result(timeout=5).json()["meta_info"]["finish_reason"] for q in queued]
                 assert [r["type"] for r in reasons] == ["abort"] * 3
@@ -228,3 +227,42 @@ def test_a_resume_never_waits_behind_the_generation_calls_a_pause_holds(fake, ba
         assert time.monotonic() - start < 5
         assert all(f.result(timeout=WAIT_S).finish_reason in ("stop", "length") for f in futures)
         client.unload_adapter(A, timeout_s=WAIT_S)
+
+
+def test_lora_rl_serve_stands_in_front_of_sglang(fake, tiny_model_dir, tmp_path):
+    """`lora-rl serve engine.type=sglang engine.urls=[URL]`: the command serves the SGLang at URL through our
+    client, so a client's n=2 call and its abort reach SGLang as safe requests and the unload goes through."""
+    import socket
+    import sys
+    from pathlib import Path
+
+    from tests.support import processes
+
+    server, url = fake
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    front = f"http://127.0.0.1:{port}"
+    args = [f"model.name_or_path={tiny_model_dir}", "model.dtype=float32", "engine.type=sglang"]
+    args += [f"engine.urls=[{url}]", f"store.uri=file://{tmp_path}/store", "--port", str(port)]
+    lora_rl = str(Path(sys.executable).with_name("lora-rl"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with (tmp_path / "out.txt").open("w") as out:
+        proc = processes.popen([lora_rl, "serve", *args], stdout=out, stderr=out, env=env)
+    try:
+        wait_until(lambda: _answers(f"{front}/v1/models"), "lora-rl serve to answer")
+        models = httpx.get(f"{front}/v1/models", timeout=WAIT_S).json()["data"]
+        assert A in [m["id"] for m in models]  # SGLang's adapter, listed through our server
+        n2 = raw_generate(front, "cli", n=2).result(timeout=WAIT_S)
+        assert n2.status_code == 200 and [o["meta_info"]["weight_version"] for o in n2.json()] == [1, 1]
+        assert unload(front).json()["success"] is True
+    finally:
+        processes.stop(proc)
+    assert server.refs[A] == 0 and server.hung_unloads == [], (tmp_path / "out.txt").read_text()[-3000:]
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
