@@ -91,6 +91,38 @@ def test_sglang_target_against_the_fake(engine, make_adapter, tok, retire):
     assert kept == (report.retired if retire == "keep" else 0)  # `keep` never calls the server's unload
 
 
+def test_our_server_in_front_of_the_fake_keeps_residency_bounded_and_no_unload_hangs(engine, make_adapter, tok):
+    """The soak at CI size (`benchmarks/sglang_soak.py`): our engine server in front of the look-alike SGLang
+    (which keeps 0.5.17's reference counts), clients sending SGLang's `n` with aborts and pauses, the bounded
+    swapper keeping 3 versions: no invariant breaks, no unload would hang on SGLang, no count is left, and
+    SGLang never lists more than 3 versions (checked after every swap by the swapper's own listing, and here)."""
+    from lora_rl_core.engines.remote import SGLANG, HTTPEngine
+    from lora_rl_core.engines.serve.app import EngineServer
+    from lora_rl_testing.servers import serve_app_in_thread
+    from lora_rl_testing.sglang_fake import SGLangFakeServer
+
+    fake = SGLangFakeServer(engine, served_model_name="tiny", unload_wait_s=5.0)
+    seen: list[int] = []
+    with (
+        serve_app_in_thread(fake.app()) as url,
+        HTTPEngine(SGLANG, url, timeout_s=30, tensor_transport="inline") as client,
+        serve_app_in_thread(EngineServer(client, served_model_name="tiny").app()) as front,
+    ):
+        listed = client.list_adapters
+
+        def counted() -> dict:  # every listing the front door makes, i.e. what SGLang holds at that moment
+            out = listed()
+            seen.append(len(out))
+            return out
+
+        client.list_adapters = counted  # type: ignore[method-assign]
+        options = {**CI_SIZE, "samples": "n", "keep": 3, "bounded": True}
+        report = run_hotswap_stress(front, make_adapter, **options, vocab_size=len(tok))
+    assert_invariants(report)
+    assert fake.hung_unloads == [] and {k: v for k, v in fake.refs.items() if v} == {}
+    assert seen and max(seen) <= 3
+
+
 class Lying:
     """Wraps an engine and tampers with `generate`'s answers (or stalls) to test the checker."""
 

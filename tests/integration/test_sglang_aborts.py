@@ -20,8 +20,6 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
 from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
@@ -39,13 +37,6 @@ WAIT_S = 20.0
 def prefect_harness():
     """No Prefect server is needed here: overrides the package's session-wide harness for this module."""
     yield
-
-
-@pytest.fixture
-def backend(tiny_model_dir) -> Iterator[EmbeddedEngine]:
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with EmbeddedEngine(model, AutoTokenizer.from_pretrained(tiny_model_dir), max_batch_size=8) as engine:
-        yield engine
 
 
 @pytest.fixture

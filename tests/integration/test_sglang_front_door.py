@@ -18,10 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
+from lora_rl_core.engines import GenerationRequest, SamplingParams
 from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
 from lora_rl_core.engines.serve.app import EngineServer
 from lora_rl_testing.adapters import random_lora_factory
@@ -42,19 +41,12 @@ def prefect_harness():
 
 
 @pytest.fixture
-def backend(tiny_model_dir) -> Iterator[EmbeddedEngine]:
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with EmbeddedEngine(model, AutoTokenizer.from_pretrained(tiny_model_dir), max_batch_size=8) as engine:
-        tensors, config = random_lora_factory(model)(1)
-        engine.load_adapter(A, tensors=tensors, config=config)
-        yield engine
-
-
-@pytest.fixture
-def fake(backend) -> Iterator[tuple[SGLangFakeServer, str]]:
+def fake(backend, tiny_model_dir) -> Iterator[tuple[SGLangFakeServer, str]]:
     server = SGLangFakeServer(
         backend, served_model_name="tiny", request_timeout_s=30.0, control_timeout_s=30.0, unload_wait_s=1.0
     )
+    tensors, config = random_lora_factory(AutoModelForCausalLM.from_pretrained(tiny_model_dir))(1)
+    backend.load_adapter(A, tensors=tensors, config=config)
     server.adapters.loaded[A] = {"path": "__tensor__", "sha256": None}
     with serve_app_in_thread(server.app()) as url:
         yield server, url

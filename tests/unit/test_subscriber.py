@@ -147,9 +147,7 @@ def test_never_retires_while_paused(engine, store, adapters):
     assert loaded(engine) == [name(2), name(3)]
 
 
-def test_subscriber_keeps_at_most_keep_versions_and_lets_a_retiring_versions_requests_finish(
-    engine, store, adapters
-):
+def test_subscriber_keeps_at_most_keep_versions_and_lets_a_retiring_versions_requests_finish(engine, store, adapters):
     subscriber = AdapterSubscriber(store, RUN, engine, keep=2)
     for version in (1, 2):
         publish(store, adapters, version)

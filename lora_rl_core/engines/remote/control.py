@@ -4,6 +4,7 @@ state and Prometheus metrics; for SGLang the client answers from its own calls a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -37,17 +38,7 @@ class ControlCalls:
     _lost: LostCalls
     _loads: Any
     _kept: set[str]
-
-    def _call(
-        self,
-        method: str,
-        path: str,
-        *,
-        json_body: Any = None,
-        timeout_s: float | None = None,
-        accept: tuple[int, ...] = (),
-    ) -> httpx.Response:
-        raise NotImplementedError  # HTTPEngine's
+    _call: Callable[..., httpx.Response]  # HTTPEngine._call
 
     def pause(self, mode: str = "in_place") -> None:
         """`/pause_generation` with `mode` in abort | retract | in_place; with `abort`, this client's requests
