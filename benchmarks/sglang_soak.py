@@ -10,8 +10,8 @@ What runs (docs/HOTSWAP.md, "Bounded residency on SGLang"):
   (`HTTPEngine`, dialect SGLANG, `abort="detach"`, `retire="unload"`), on 127.0.0.1.
 * The clients misbehave as real ones do, against the front door: `lora_rl_testing.stress.run_hotswap_stress`
   with `samples="n"` (each group is one `/generate` with SGLang's `n`), aborts by rid and pauses in all three
-  modes. Its swapper loads a fresh random version (tensors) at least `--swaps` times and for at least
-  `--duration` seconds; before each load it retires versions beyond `keep - 1`, draining the ones in use
+  modes. Its swapper loads a fresh random version (tensors) for `--duration` seconds (the run passes only
+  with at least `--swaps` of them); before each load it retires versions beyond `keep - 1`, draining the ones in use
   (`bounded=True`, what `lora-rl subscribe` does), so SGLang should never hold more than `keep` versions.
 * A sampler asks SGLang itself (`/v1/models`, not the front door) every `--sample-every` seconds how many
   adapters it holds: `max_resident_versions`.
@@ -218,8 +218,8 @@ def _histogram(values: list[int]) -> dict[str, int]:
 def main() -> int:
     """Parse arguments, soak, print the table, write the JSON; 1 when it did not pass."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--swaps", type=int, default=1000, help="at least this many versions loaded")
-    parser.add_argument("--duration", type=float, default=482.0, help="at least this many seconds of traffic")
+    parser.add_argument("--swaps", type=int, default=1000, help="versions loaded: at least this many to pass")
+    parser.add_argument("--duration", type=float, default=482.0, help="seconds of swaps under traffic")
     parser.add_argument("--grace", type=float, default=60.0, help="seconds past --duration before threads are hangs")
     parser.add_argument("--keep", type=int, default=4, help="versions resident at most (the subscriber's keep)")
     parser.add_argument("--clients", type=int, default=32)

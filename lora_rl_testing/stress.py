@@ -243,7 +243,8 @@ def _swapper(target: _Target, shared: Shared, make_adapter: AdapterFactory) -> N
     rng = random.Random(s.seed)
     until = time.monotonic() + s.duration_s
     for version in itertools.count(1):
-        if time.monotonic() > shared.deadline or (version > s.swaps and time.monotonic() >= until):
+        done = time.monotonic() >= until if s.duration_s else version > s.swaps
+        if done or time.monotonic() > shared.deadline:
             break
         name = f"{s.run_id}-v{version:06d}"
         tensors, config = make_adapter(version)

@@ -48,7 +48,9 @@ class StressSettings:
     """Retire before each load, draining versions in use, so at most `keep` versions are ever loaded (what
     `lora-rl subscribe` does: `sync_version(..., bounded=True)`); else retire after the load (the training flow)."""
     duration_s: float = 0.0
-    """Keep swapping past `swaps` until this many seconds have passed (a soak); 0: stop after `swaps`."""
+    """> 0: swap for this many seconds, however many swaps that makes (a soak; `swaps` is no cap then, the
+    caller checks it as a minimum); 0: stop after `swaps`. Keep `deadline_s` some seconds longer, for the
+    requests in flight when swapping stops."""
 
 
 @dataclass

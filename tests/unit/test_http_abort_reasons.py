@@ -36,7 +36,7 @@ def _client(dialect: Dialect, message: str, during: Callable[[HTTPEngine], None]
         meta = {"finish_reason": finish, "output_token_logprobs": [], "weight_version": "1"}
         return httpx.Response(200, json=[{"text": "", "meta_info": {**meta, "id": rid}} for rid in rids])
 
-    engine._http = httpx.Client(base_url="http://fake", transport=httpx.MockTransport(handle))
+    engine._http = engine._generation_http = httpx.Client(base_url="http://fake", transport=httpx.MockTransport(handle))
     return engine
 
 

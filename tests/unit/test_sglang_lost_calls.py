@@ -21,7 +21,7 @@ import pytest
 from lora_rl_core.engines.base import GenerationRequest, SamplingParams
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_core.engines.remote.tracking import MAX_UNEXPLAINED_LOSSES
-from lora_rl_core.errors import EngineError
+from lora_rl_core.errors import EngineError, EngineUnavailable
 from lora_rl_core.subscriber import is_paused, retire_stale
 
 ADAPTER = "run-v000001"
@@ -37,7 +37,8 @@ class Server:
         self.calls: list[tuple[str, Any]] = []
         self.generates: list[list[str]] = []  # the rids of each /generate
         self.engine = HTTPEngine(SGLANG, "http://fake", timeout_s=30, abort="forward")
-        self.engine._http = httpx.Client(base_url="http://fake", transport=httpx.MockTransport(self.handle))
+        mock = httpx.Client(base_url="http://fake", transport=httpx.MockTransport(self.handle))
+        self.engine._http = self.engine._generation_http = mock
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
@@ -175,3 +176,23 @@ def test_retire_stale_skips_a_paused_sglang_engine_without_asking_health():
     paths = [path for path, _ in server.calls]
     assert "/health" not in paths and "/model_info" not in paths
     assert paths.count("/unload_lora_adapter") == 1
+
+
+def test_a_get_on_a_connection_the_server_closed_is_sent_once_more_and_a_post_is_not():
+    """uvicorn closes an idle kept-alive connection after 5 s; a GET that races it is safe to repeat."""
+    resets: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if len(resets) < 1 or request.method == "POST":
+            resets.append(request.method)
+            raise httpx.ReadError("Connection reset by peer", request=request)
+        cards = [{"id": "base", "root": "base", "parent": None}, {"id": ADAPTER, "root": "/x", "parent": "base"}]
+        return httpx.Response(200, json={"data": cards})
+
+    engine = HTTPEngine(SGLANG, "http://fake", timeout_s=30)
+    engine._http = httpx.Client(base_url="http://fake", transport=httpx.MockTransport(handle))
+    assert list(engine.list_adapters()) == [ADAPTER] and resets == ["GET"]
+    with pytest.raises(EngineUnavailable, match="cannot reach the engine"):
+        engine.resume()
+    assert resets == ["GET", "POST"]
+    engine.close()

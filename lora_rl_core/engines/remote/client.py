@@ -192,9 +192,16 @@ class HTTPEngine(ControlCalls):
         if self._closed:
             raise EngineError(f"{self!r} is closed")
         timeout = timeout_s if timeout_s is not None else self.control_timeout_s
+        http = self._generation_http if path == "/generate" else self._http
         try:
-            http = self._generation_http if path == "/generate" else self._http
-            response = http.request(method, path, json=json_body, timeout=timeout)
+            try:
+                response = http.request(method, path, json=json_body, timeout=timeout)
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                if method != "GET":
+                    raise
+                # a kept-alive connection the server closed as it was reused (uvicorn closes idle ones after
+                # 5 s): a GET is safe to send once more (seen once in 23k calls of the look-alike soak)
+                response = http.request(method, path, json=json_body, timeout=timeout)
         except httpx.TimeoutException:
             raise EngineUnavailable(f"{method} {self.url}{path}: no answer within {timeout:g} s") from None
         except httpx.TransportError as exc:
