@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -187,26 +188,34 @@ def serve(
     clients talk to it, never to SGLang, so unloads never hang (docs/HOTSWAP.md).
     """
     from lora_rl_core.config import load_config
+    from lora_rl_core.engines.registry import build_serving_engine
     from lora_rl_core.engines.serve.app import check_bind
     from lora_rl_core.engines.serve.app import serve as serve_engine
-    from lora_rl_core.models import resolve_device
+    from lora_rl_core.engines.spec import EngineInputs
+    from lora_rl_core.models import load_tokenizer, resolve_device
     from lora_rl_core.runtime import choose_dtype, configure_threads
 
     cfg = load_config(config, overrides or [])
     api_key = api_key or os.environ.get(cfg.engine.api_key_env)
     check_bind(host, api_key)
-    cfg.store.build()  # a bad store URI: one line before the model loads
+    store = cfg.store.build()  # a bad store URI: one line before the model loads
     reaper.watch()  # nothing started from here on outlives this process, even on SIGKILL
     configure_threads()  # before loading the model
     model = cfg.model.name_or_path
     console.print(f"serving {model} on http://{host}:{port} (control endpoints {'need a key' if api_key else 'open'})")
-    choice = choose_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
-    console.print(f"model dtype {choice.name}: {choice.reason}", markup=False)
+    if cfg.engine.type == "sglang":
+        console.print(f"in front of SGLang at {cfg.engine.urls or 'a server launched here'}", markup=False)
+    else:
+        choice = choose_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
+        console.print(f"model dtype {choice.name}: {choice.reason}", markup=False)
+    tokenizer = load_tokenizer(cfg.model)
+    inputs = EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer, log_dir=Path.cwd())
     serve_engine(
-        cfg.engine,
-        cfg.model,
-        cfg.store,
-        lora_cfg=cfg.lora,
+        build_serving_engine(inputs),
+        model_path=model,
+        tokenizer=tokenizer,
+        store=store,
+        request_timeout_s=cfg.engine.timeout_s,
         host=host,
         port=port,
         api_key=api_key,

@@ -75,3 +75,20 @@ def build_engine(inputs: EngineInputs) -> BuiltEngine:
     if kind.replicate is None:
         raise ConfigError(f"engine.ray_replicas: engine.type {inputs.engine.type} has no Ray replicas")
     return kind.replicate(inputs)
+
+
+def build_serving_engine(inputs: EngineInputs) -> BuiltEngine:
+    """The engine `lora-rl serve` serves: with `engine.type: sglang`, our SGLang client of the server at
+    `engine.urls` (or of one launched here), so that `lora-rl serve` is SGLang's front door; otherwise the
+    embedded engine with every limit of the `engine` section, whatever `engine.type` says (`server`: a
+    training config pointing its rollouts at `engine.urls` serves that engine with the same limits).
+
+    Raises:
+        ConfigError: `engine.ray_replicas` with SGLang (the front door serves one server).
+        ModelError / EngineError: as `build_engine`.
+    """
+    if inputs.engine.type == "sglang":
+        if inputs.engine.ray_replicas:
+            raise ConfigError("lora-rl serve in front of SGLang serves one server: set engine.ray_replicas: 0")
+        return build_engine(inputs)
+    return ENGINE_KINDS["embedded"].build(inputs)

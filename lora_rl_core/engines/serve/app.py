@@ -58,7 +58,6 @@ import ipaddress
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -92,10 +91,10 @@ from lora_rl_core.engines.serve.api import (
 from lora_rl_core.engines.serve.metrics import server_registry
 from lora_rl_core.engines.serve.names import AdapterNames, is_reference, latest_aliases
 from lora_rl_core.engines.serve.openai_api import OpenAIRoutes
-from lora_rl_core.errors import ConfigError, LoraRLError
+from lora_rl_core.errors import LoraRLError
 
 if TYPE_CHECKING:
-    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig, StoreConfig
+    from lora_rl_core.engines.spec import BuiltEngine
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # as SGLANG_HEALTH_CHECK_TIMEOUT
 RESOLVE_ATTEMPTS = 3  # resolutions of one call that raced a sync retiring the version resolved (`complete_named`)
@@ -410,68 +409,52 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def serve(
-    engine_cfg: EngineConfig,
-    model_cfg: ModelConfig,
-    store_cfg: StoreConfig,
+    built: BuiltEngine,
     *,
+    model_path: str,
+    tokenizer: Any,
+    store: Any,
+    request_timeout_s: float,
     host: str,
     port: int,
     api_key: str | None,
     served_model_name: str | None,
-    lora_cfg: LoRAConfig | None = None,
 ) -> None:
-    """Serve an engine with uvicorn until interrupted: the embedded one, or in front of SGLang.
+    """Serve `built.engine` with uvicorn until interrupted, then close it (and what it owns: a launched SGLang).
 
-    With `engine.type: sglang` this server is the front door of the SGLang server at `engine.urls` (or of one
-    it launches, `engine.launch.enabled`, stopped with it): our SGLang client (`HTTPEngine`) forwards every
-    request one sample per request (a client's `n > 1` is split here), never sends SGLang an abort
-    (`engine.sglang_abort: detach`) and unloads a version only once none of its requests is in flight, so a
-    subscriber (`lora-rl subscribe --engine-kind server` pointed here) keeps SGLang at most `keep` versions
-    resident however its clients behave (docs/HOTSWAP.md, "Bounded residency on SGLang"). Otherwise the
-    embedded engine is built by `build_embedded_engine` (batch and adapter pool limits, eviction, rank cap,
-    generation deadline), whatever `engine.type` says (`server`: a training config that points its rollouts
-    at `engine.urls` serves that engine with the same limits). The store of `store_cfg` serves loads by
-    `RUN@VERSION` and `store://` names; `engine.timeout_s` is also the deadline of one `/generate` call.
+    The engine comes from `engines.registry.build_serving_engine`: the embedded one, or our SGLang client, so
+    that this server is SGLang's front door: clients' `n > 1` calls become single-sample requests here, no
+    abort reaches SGLang (`engine.sglang_abort: detach`) and a version is unloaded only once none of its
+    requests is in flight, so a subscriber pointed here keeps SGLang at most `keep` versions resident however
+    its clients behave (docs/HOTSWAP.md, "Bounded residency on SGLang").
 
     Args:
-        engine_cfg, model_cfg, store_cfg, lora_cfg: the run config's `engine`, `model`, `store` and `lora`
-            sections (`lora` for a launched SGLang's LoRA pool).
+        built: the engine and what it owns.
+        model_path: the model folder (`/model_info`; the default served name is its last part).
+        tokenizer: the model's tokenizer (text prompts, chat templates).
+        store: the `AdapterStore` for loads by `RUN@VERSION` and `store://` names (None: none).
+        request_timeout_s: the deadline of one `/generate` call (`engine.timeout_s`).
         host, port: bind address; beyond loopback needs `api_key` (`check_bind`).
         api_key: Bearer key of the control endpoints.
         served_model_name: the base model's id in `/v1/models`; None = the model folder's name.
 
     Raises:
-        LoraRLError: unsafe bind, unloadable model, bad store URI.
+        LoraRLError: unsafe bind.
     """
     import uvicorn
 
-    from lora_rl_core.engines.embedded.build import build_embedded_engine
-    from lora_rl_core.engines.registry import build_engine
-    from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
-    from lora_rl_core.models import load_tokenizer
-
-    check_bind(host, api_key)
-    store = store_cfg.build()
-    tokenizer = load_tokenizer(model_cfg)
-    if engine_cfg.type == "sglang":
-        if engine_cfg.ray_replicas:
-            raise ConfigError("lora-rl serve in front of SGLang serves one server: set engine.ray_replicas: 0")
-        inputs = EngineInputs(engine_cfg, model_cfg, lora_cfg, store_cfg, tokenizer=tokenizer, log_dir=Path.cwd())
-        built = build_engine(inputs)
-    else:
-        built = BuiltEngine(build_embedded_engine(engine_cfg, model_cfg, store, tokenizer=tokenizer))
-    engine = built.engine
-    model = model_cfg.name_or_path
-    app = create_app(
-        engine,
-        served_model_name=served_model_name or os.path.basename(os.path.normpath(model)),
-        api_key=api_key,
-        tokenizer=tokenizer,
-        model_path=model,
-        store=store,
-        request_timeout_s=engine_cfg.timeout_s,
-    )
-    try:  # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal (see cli.shutdown)
+    try:
+        check_bind(host, api_key)
+        app = create_app(
+            built.engine,
+            served_model_name=served_model_name or os.path.basename(os.path.normpath(model_path)),
+            api_key=api_key,
+            tokenizer=tokenizer,
+            model_path=model_path,
+            store=store,
+            request_timeout_s=request_timeout_s,
+        )
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal (see cli.shutdown)
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=5)
     finally:
         built.close()  # the embedded engine's worker thread (queued requests end aborted), or a launched SGLang
