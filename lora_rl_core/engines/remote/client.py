@@ -74,6 +74,8 @@ log = logging.getLogger(__name__)
 
 SUBMIT_CONCURRENCY = 512
 """`submit` calls in flight at once (a server in front of this client submits each request on its own)."""
+KEEPALIVE_S = 2.0
+"""Seconds an idle connection is kept for reuse: under the 5 s after which uvicorn closes it on the server."""
 DETACHED_GRACE_S = 3600.0
 """With `abort="detach"`: how long past a call's deadline this client still waits for SGLang to answer the
 requests it ended early (closing the connection sooner would make SGLang abort them: sglang#34205)."""
@@ -127,11 +129,15 @@ class HTTPEngine(ControlCalls):
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(control_timeout_s, connect=min(10.0, control_timeout_s))
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        # idle connections are dropped here before uvicorn (SGLang's and ours) drops them at 5 s, so that none is
+        # reused as the server closes it (a reset or EBADF on 2 of ~23k calls of a look-alike soak at httpx's 5 s)
+        control = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, limits=control)
         # `/generate` calls get their own connections, as many as can be in flight: a control call (a resume
         # above all) must never wait for a connection behind generation calls that wait for it (seen on the
         # H100: 128 requests of a paused SGLang held httpx's default 100 connections, the resume timed out)
-        limits = httpx.Limits(max_connections=SUBMIT_CONCURRENCY + max_concurrency, max_keepalive_connections=64)
+        most = SUBMIT_CONCURRENCY + max_concurrency
+        limits = httpx.Limits(max_connections=most, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
         self._generation_http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, limits=limits)
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
