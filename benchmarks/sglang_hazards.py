@@ -16,8 +16,9 @@ requests naming the adapter; the server runs at most `--max-running` requests at
 * `pause-abort`: `--requests` long requests, a pause in `abort` mode, a resume;
 * `disconnect`: `--requests` long requests whose client closes the connection after `--disconnect-after` s.
 
-Servers (launched in parallel on one GPU, eager, small memory fraction): one runs the first four sequences in
-that order (an unload that hangs there would block the ones after it: they are reported `blocked`), one each
+Servers (on one GPU, `--launch-parallel` starting at a time, eager, small memory fraction): one runs the
+first four sequences in that order (an unload that hangs there would block the ones after it: they are
+reported `blocked`), one each
 for `n4`, `abort-queued`, `pause-abort` and `disconnect`, and one has our engine server in front (`EngineServer`
 over `HTTPEngine` dialect SGLANG, `abort="detach"`, `retire="unload"`: what `lora-rl serve` runs in front of
 SGLang) and gets every sequence through it, adapters loaded and unloaded through it too. `--fake` runs the
@@ -179,7 +180,7 @@ def run_on(url: str, names: list[str], via: str, folder: Path, args: argparse.Na
 
 @contextlib.contextmanager
 def servers(args: argparse.Namespace, count: int) -> Iterator[list[str]]:
-    """`count` SGLang servers launched in parallel (or look-alikes with `--fake`); yields their URLs."""
+    """`count` SGLang servers, `--launch-parallel` at a time (or look-alikes with `--fake`); yields their URLs."""
     if args.fake:
         with contextlib.ExitStack() as stack:
             yield [stack.enter_context(_fake_server()) for _ in range(count)]
@@ -198,7 +199,8 @@ def servers(args: argparse.Namespace, count: int) -> Iterator[list[str]]:
             launched.append(server)
 
     try:
-        with ThreadPoolExecutor(count) as pool:
+        # a few at a time: six cold starts at once (Triton compiling in each) left the GPU host unanswering
+        with ThreadPoolExecutor(max(1, min(count, args.launch_parallel))) as pool:
             for future in [pool.submit(start, i) for i in range(count)]:
                 future.result()
         yield [s.url for s in sorted(launched, key=lambda s: s.url)]
@@ -265,6 +267,7 @@ def main() -> int:
     parser.add_argument("--sglang-python", default=None)
     parser.add_argument("--sglang-pythonpath", default=None)
     parser.add_argument("--port", type=int, default=30010, help="first server's port (the others follow)")
+    parser.add_argument("--launch-parallel", type=int, default=2, help="SGLang servers starting at once")
     parser.add_argument("--mem-fraction", type=float, default=0.06, help="each server's --mem-fraction-static")
     parser.add_argument("--max-running", type=int, default=2, help="each server's --max-running-requests")
     parser.add_argument("--requests", type=int, default=6)
