@@ -50,6 +50,7 @@ Left out: several engines, store-path loads (`benchmarks/sync_latency.py` times 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import random
@@ -247,12 +248,12 @@ def _swapper(target: _Target, shared: Shared, make_adapter: AdapterFactory) -> N
         if done or time.monotonic() > shared.deadline:
             break
         name = f"{s.run_id}-v{version:06d}"
-        tensors, config = make_adapter(version)
-        if s.bounded and not _make_room(target, shared):
+        tensors, config = shared.phase("adapter", functools.partial(make_adapter, version))
+        if s.bounded and not shared.phase("room", functools.partial(_make_room, target, shared)):
             break
         shared.log.mark("load_start", name)
         try:
-            shared.timed(f"load {name}", s.control_timeout_s, lambda: target.load(name, tensors, config))  # noqa: B023
+            shared.phase("load", functools.partial(_load, target, shared, name, tensors, config))
         except LoraRLError as exc:
             shared.count(swap_failures=1)
             shared.fail(f"load {name}", exc)
@@ -263,6 +264,10 @@ def _swapper(target: _Target, shared: Shared, make_adapter: AdapterFactory) -> N
         if not s.bounded:
             _retire(target, shared, name)
         time.sleep(rng.uniform(0, 2 * s.swap_interval_s))
+
+
+def _load(target: _Target, shared: Shared, name: str, tensors: dict, config: dict) -> None:
+    shared.timed(f"load {name}", shared.settings.control_timeout_s, lambda: target.load(name, tensors, config))
 
 
 def _make_room(target: _Target, shared: Shared) -> bool:

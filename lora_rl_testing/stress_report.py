@@ -77,6 +77,7 @@ class StressReport:
     latency_p50_s: float = 0.0
     latency_p99_s: float = 0.0
     latency_max_s: float = 0.0
+    swap_phase_p50_s: dict[str, float] = field(default_factory=dict)  # adapter, room, load: where a swap's time goes
     lost: int = 0
     missing_reason: int = 0
     unexpected_rejections: int = 0
@@ -225,6 +226,16 @@ class Shared:
     counts: Counter[str] = field(default_factory=Counter)
     retire_started: dict[str, int] = field(default_factory=dict)  # name -> sequence of the retire call's start
     deadline: float = 0.0
+    phase_s: dict[str, list[float]] = field(default_factory=dict)  # swap phase -> seconds of each swap
+
+    def phase(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Call `fn` and record its seconds under swap phase `name`."""
+        start = time.monotonic()
+        try:
+            return fn()
+        finally:
+            with self.lock:
+                self.phase_s.setdefault(name, []).append(time.monotonic() - start)
 
     def count(self, **increments: int) -> None:
         """Add to the run's counters (thread-safe)."""
@@ -294,6 +305,7 @@ def _check_groups(report: StressReport, shared: Shared) -> None:
         report.latency_max_s = max(latencies)
         report.latency_p50_s = statistics.median(latencies)
         report.latency_p99_s = sorted(latencies)[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    report.swap_phase_p50_s = {k: round(statistics.median(v), 4) for k, v in shared.phase_s.items() if v}
 
 
 def _check_refused(report: StressReport, g: Group, retire_started: dict[str, int]) -> None:

@@ -269,10 +269,12 @@ def test_bad_adapters_are_rejected_and_active_keeps_serving(client, tok, adapter
 def test_pause_continue_and_bad_mode(client):
     assert client.post("/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
     assert client.get("/health").json()["paused"] is True
+    assert client.get("/paused").json() == {"paused": True}
     r = client.post("/pause_generation", json={"mode": "sideways"})
     assert r.status_code == 400 and "mode" in r.json()["error"]["message"]
     assert client.post("/continue_generation", json={}).status_code == 200
     assert client.get("/health").json()["paused"] is False
+    assert client.get("/paused").json() == {"paused": False}
 
 
 def test_health_generate_and_model_info(client):

@@ -56,6 +56,7 @@ import httpx
 from lora_rl_core.adapters import adapter_version
 from lora_rl_core.config import ENGINE_DEFAULTS, IpcLayout, SGLangAbort, SGLangRetire, TensorDtype, TensorTransport
 from lora_rl_core.engines.base import ABORT_REASONS, Completion, GenerationRequest, aborted_completion
+from lora_rl_core.engines.remote.coalesce import FreshCall
 from lora_rl_core.engines.remote.control import ControlCalls
 from lora_rl_core.engines.remote.dialect import Dialect
 from lora_rl_core.engines.remote.tracking import InFlightRequests, LostCalls, RetiredAdapters
@@ -147,6 +148,8 @@ class HTTPEngine(ControlCalls):
         self.detach = abort == "detach" and dialect.guards_retired  # a real SGLang server
         self._upstream = ThreadPoolExecutor(max_workers=SUBMIT_CONCURRENCY, thread_name_prefix="engine-upstream")
         self._requests = InFlightRequests()
+        # one GET /v1/models for the callers that arrive while none is in flight (our server lists per request)
+        self._models = FreshCall(lambda: json_or_empty(self._call("GET", "/v1/models")))
         self._retired = RetiredAdapters()
         self.tensors = tensor_loader(
             dialect.tensor_upload, transport=tensor_transport, layout=tensor_layout, dtype=tensor_dtype
@@ -472,7 +475,7 @@ class HTTPEngine(ControlCalls):
         self._draining.discard(name)
 
     def _listed_raw(self) -> dict[str, dict[str, Any]]:
-        return adapters_from_models(json_or_empty(self._call("GET", "/v1/models")))
+        return adapters_from_models(self._models())
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
         """Adapters from `/v1/models` (cards with a `parent`): name -> {path, version, in_flight, and any of

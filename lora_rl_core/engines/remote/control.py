@@ -62,22 +62,22 @@ class ControlCalls:
         return self._call("POST", "/flush_cache", accept=(400,)).status_code < 400
 
     def is_paused(self) -> bool:
-        """Whether generation is paused. Our server reports it in `/health` (other clients may pause it). For
+        """Whether generation is paused. Our server reports it in `/paused` (other clients may pause it). For
         SGLang, whether this client paused it (`pause` without `resume` since), with no HTTP call: SGLang
         reports no paused state, and its `/health` runs a 1-token generation (at least 1 s on 0.5.17, which
         every adapter sync paid while `retire_stale` asked `health()`).
 
         Raises:
             EngineUnavailable: our server did not answer within 20 s, or is unreachable.
-            EngineError: our server's answer says nothing about pausing (its engine's health failed); closed.
+            EngineError: our server's answer says nothing about pausing (its engine cannot say); closed.
         """
         if self._closed:
             raise EngineError(f"{self!r} is closed")
         if not self.dialect.reports_state:
             return self._paused
-        facts = json_or_empty(self._call("GET", "/health", timeout_s=20.0, accept=(503,)))
+        facts = json_or_empty(self._call("GET", "/paused", timeout_s=20.0, accept=(503,)))
         if not isinstance(facts.get("paused"), bool):
-            raise EngineError(f"{self.url}/health does not say whether generation is paused: {facts}")
+            raise EngineError(f"{self.url}/paused does not say whether generation is paused: {facts}")
         return facts["paused"]
 
     def health(self) -> dict[str, Any]:

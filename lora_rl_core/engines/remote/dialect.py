@@ -32,7 +32,7 @@ class Dialect:
             other clients end with the reason too.
         seeds_per_call: one `sampling_seed` seeds the whole call (ours); SGLang seeds each request, so request
             `i` gets `seed + i` and a group's samples differ.
-        reports_state: `/health` says whether generation is paused and `/metrics` is the server's Prometheus
+        reports_state: `/paused` says whether generation is paused and `/metrics` is the server's Prometheus
             text (ours); for SGLang the client answers both from what it did itself.
         tensor_upload: how adapter tensors are sent (`transport.tensor_loader`): `safetensors` bytes (ours) or
             SGLang's torch-multiprocessing payloads (`sglang`: CUDA IPC, inline, or the published folder).

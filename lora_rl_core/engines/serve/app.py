@@ -165,6 +165,7 @@ class EngineServer:
             ("/v1/chat/completions", self.openai.chat_completions, ["POST"], []),
             ("/health", self.health, ["GET"], []),
             ("/health_generate", self.health_generate, ["GET"], []),
+            ("/paused", self.paused, ["GET"], []),
             ("/model_info", self.model_info, ["GET"], []),
             ("/get_model_info", self.model_info, ["GET"], []),
             ("/metrics", self.metrics, ["GET"], []),
@@ -353,6 +354,16 @@ class EngineServer:
         except (LoraRLError, HTTPError) as exc:
             return JSONResponse({"ok": False, "error": str(exc)}, status_code=503)
         return JSONResponse(facts, status_code=200 if facts.get("ok", True) else 503)
+
+    async def paused(self) -> JSONResponse:
+        """`GET /paused`: `{"paused": bool}` from `engine.is_paused()`, which runs nothing on the engine (in front
+        of SGLang, `/health` runs a 1-token generation: a second per adapter retire under load); 503 when the
+        engine cannot say."""
+        try:
+            paused = await run_blocking(HEALTH_CHECK_TIMEOUT_S, self.engine.is_paused)
+        except (LoraRLError, HTTPError) as exc:
+            return JSONResponse({"paused": None, "error": str(exc)}, status_code=503)
+        return JSONResponse({"paused": paused})
 
     async def health_generate(self) -> Response:
         """`GET /health_generate`: one greedy base-model token; 503 when that fails or times out."""
