@@ -6,11 +6,18 @@ LoRA on q_proj/v_proj; plus what the benchmarks read from a running server (its 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+from _common import ROOT
 
 
 def launch_small_sglang(
@@ -51,6 +58,48 @@ def launch_small_sglang(
         }
     )
     return launch_sglang(cfg.engine, cfg.model, cfg.lora, log_path)
+
+
+@contextlib.contextmanager
+def front_door(
+    sglang_url: str, model_dir: Path, log_path: Path, *, port: int, overrides: Sequence[str] = (),
+    start_timeout_s: float = 120.0,
+) -> Iterator[str]:  # fmt: skip
+    """`lora-rl serve engine.type=sglang engine.urls=[sglang_url]` in a process of its own (as users run it, and
+    with its own interpreter lock: the benchmark's client threads do not slow its control calls), on
+    127.0.0.1:`port`; yields its URL once `/v1/models` answers, and stops its process group on exit
+    (SIGTERM, then SIGKILL after 15 s). `overrides` are more config overrides (`engine.timeout_s=60`).
+
+    Raises:
+        RuntimeError: it exited or did not answer within `start_timeout_s` (the log's tail is in the message).
+    """
+    store = log_path.parent / "front-door-store"
+    args = [sys.executable, "-m", "cli.main", "serve", f"model.name_or_path={model_dir}", "engine.type=sglang"]
+    args += [f"engine.urls=[{sglang_url}]", f"store.uri=file://{store}", "--port", str(port), *overrides]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": path},
+            start_new_session=True,  # its own process group: stopping it stops whatever it started
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while listed_adapters(url, timeout_s=2.0) is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+                raise RuntimeError(f"lora-rl serve (front door) did not start (exit {proc.poll()}):\n{tail}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def listed_adapters(url: str, timeout_s: float = 10.0) -> list[str] | None:

@@ -6,8 +6,11 @@ What runs (docs/HOTSWAP.md, "Bounded residency on SGLang"):
 * SGLang is launched once (`_sglang.launch_small_sglang`: eager, small memory fraction, LoRA on q/v) and runs
   throughout; `--fake` uses the SGLang look-alike in a thread instead (`lora_rl_testing.sglang_fake`: CPU, it
   keeps SGLang 0.5.17's adapter reference counts and records each unload that would wait forever).
-* The front door: our engine server (`EngineServer`, what `lora-rl serve` runs) over our SGLang client
-  (`HTTPEngine`, dialect SGLANG, `abort="detach"`, `retire="unload"`), on 127.0.0.1.
+* The front door: `lora-rl serve engine.type=sglang engine.urls=[URL]` in its own process (`--front-door
+  process`, the default with SGLang: our engine server over our SGLang client, `HTTPEngine` dialect SGLANG,
+  `abort="detach"`, `retire="unload"`), on 127.0.0.1. `--front-door thread` (the default with `--fake`) runs
+  the same server in a thread of the benchmark instead: there the benchmark's 32 client threads and the
+  server share one interpreter lock, which on the H200 held each swap's control calls to ~0.85 s.
 * The clients misbehave as real ones do, against the front door: `lora_rl_testing.stress.run_hotswap_stress`
   with `samples="n"` (each group is one `/generate` with SGLang's `n`), aborts by rid and pauses in all three
   modes. Its swapper loads a fresh random version (tensors) for `--duration` seconds (the run passes only
@@ -20,7 +23,8 @@ What runs (docs/HOTSWAP.md, "Bounded residency on SGLang"):
 Keys of the JSON: `swaps`, `clients`, `n`, `duration_s`, `hangs` (threads alive at the deadline + calls past
 their deadline + final unloads that did not answer in time), `lost`, `mixed` (groups whose samples came from
 different versions), `resident_limit`, `max_resident_versions`, `p50_ms`, `p99_ms` (group latency), `gpu`,
-`ok`, the stress report (`stress`), the client's counters (`client`), the resident samples, the server's
+`ok`, the stress report (`stress`, with `swap_phase_p50_s`: where a swap's time goes), the client's counters
+(`client`: the in-thread client's, or the front door's `/metrics`), the resident samples, the server's
 facts and its command.
 
 Usage (GPU host; docs/SGLANG.md, "GPU host")::
@@ -44,9 +48,10 @@ from typing import Any
 
 import _common
 from _common import RESULTS, machine_info, print_table, write_json
-from _sglang import group_rss_mb, launch_small_sglang, listed_adapters
+from _sglang import front_door, group_rss_mb, launch_small_sglang, listed_adapters
 
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
+from lora_rl_core.engines.remote.wire import parse_metrics
 from lora_rl_core.engines.serve.app import EngineServer
 from lora_rl_testing.adapters import random_lora_factory
 from lora_rl_testing.servers import serve_app_in_thread
@@ -132,15 +137,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     with sglang_server(args) as (url, facts, model):
         vocab = model.config.vocab_size if args.fake else AutoConfig.from_pretrained(args.model_dir).vocab_size
         make_adapter = random_lora_factory(model, rank=args.rank)
-        transport = "inline" if args.fake else args.tensor_transport
-        timeouts = {"timeout_s": args.request_timeout, "control_timeout_s": 60.0}
-        with (
-            HTTPEngine(SGLANG, url, **timeouts, tensor_transport=transport, abort="detach", retire="unload") as client,
-            serve_app_in_thread(
-                EngineServer(client, served_model_name="soak", request_timeout_s=args.request_timeout).app()
-            ) as front,
-            ResidentSampler(url, args.sample_every) as sampler,
-        ):
+        with contextlib.ExitStack() as stack:
+            front, client = stack.enter_context(_front_door(args, url))
+            sampler = stack.enter_context(ResidentSampler(url, args.sample_every))
             report = run_hotswap_stress(
                 front, make_adapter, swaps=args.swaps, clients=args.clients, n=args.n,
                 deadline_s=args.duration + args.grace, abort_prob=args.abort_prob, pause_prob=args.pause_prob,
@@ -148,10 +147,43 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                 duration_s=args.duration, request_timeout_s=args.request_timeout, control_timeout_s=60.0,
             )  # fmt: skip
             final = unload_all(front, args.final_unload_timeout)
-            client_counts = client.metrics()
+            client_counts = client.metrics() if client is not None else _served_metrics(front)
         facts["adapters_listed_at_end"] = listed_adapters(url)
     client_counts.pop("adapters", None)  # per-adapter counts: a thousand names
+    facts["front_door"] = args.front_door
     return record(args, report, sampler, final, client_counts, facts)
+
+
+@contextlib.contextmanager
+def _front_door(args: argparse.Namespace, url: str) -> Iterator[tuple[str, HTTPEngine | None]]:
+    """Our engine server in front of SGLang at `url`: `lora-rl serve` in its own process (`--front-door
+    process`), or `EngineServer` over an `HTTPEngine` in a thread of this one (`thread`: the look-alike's
+    default, and the client's counters are read directly). Yields (its URL, the in-thread client or None)."""
+    transport = "inline" if args.fake else args.tensor_transport
+    if args.front_door == "process":
+        overrides = [f"engine.timeout_s={args.request_timeout}", f"engine.tensor_transport={transport}"]
+        log = Path(tempfile.mkdtemp(prefix="soak-front-door-")) / "front-door.log"
+        with front_door(url, args.model_dir, log, port=args.front_port, overrides=overrides) as front:
+            yield front, None
+        return
+    timeouts = {"timeout_s": args.request_timeout, "control_timeout_s": 60.0}
+    with (
+        HTTPEngine(SGLANG, url, **timeouts, tensor_transport=transport, abort="detach", retire="unload") as client,
+        serve_app_in_thread(
+            EngineServer(client, served_model_name="soak", request_timeout_s=args.request_timeout).app()
+        ) as front,
+    ):
+        yield front, client
+
+
+def _served_metrics(front: str) -> dict[str, Any]:
+    """The front door's `/metrics`, read back (`parse_metrics`); an error string when it does not answer."""
+    import httpx
+
+    try:
+        return parse_metrics(httpx.get(f"{front}/metrics", timeout=30.0).text)
+    except httpx.HTTPError as exc:
+        return {"error": str(exc)}
 
 
 def unload_all(front: str, timeout_s: float) -> dict[str, Any]:
@@ -237,8 +269,16 @@ def main() -> int:
     parser.add_argument("--sglang-pythonpath", default=None, help="SGLang's PYTHONPATH")
     parser.add_argument("--sglang-port", type=int, default=30001)
     parser.add_argument("--tensor-transport", default="auto", help="ipc | inline | auto (the front door's loads)")
+    parser.add_argument(
+        "--front-door", choices=("process", "thread"), default=None,
+        help="lora-rl serve in its own process, or our server in a thread here (default: process; thread with --fake)",
+    )  # fmt: skip
+    parser.add_argument("--front-port", type=int, default=30002, help="the front door's port (process)")
     parser.add_argument("--out", type=Path, default=RESULTS / "sglang-real" / "soak.json")
     args = parser.parse_args()
+    args.front_door = args.front_door or ("thread" if args.fake else "process")
+    if args.front_door == "process" and args.model_dir is None:
+        parser.error("--front-door process needs --model-dir (the front door reads its tokenizer)")
     _common.resolve_device("cpu")
     result = soak(args)
     keys = ("swaps", "clients", "n", "duration_s", "hangs", "lost", "mixed", "resident_limit")
