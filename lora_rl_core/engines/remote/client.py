@@ -265,8 +265,7 @@ class HTTPEngine(ControlCalls):
         if not self.detach:
             return self._run_chunk(requests, deadline)
         call = self._upstream.submit(self._run_chunk, requests, deadline + DETACHED_GRACE_S)
-        call.add_done_callback(lambda _: self._requests.notify())
-        ended = self._requests.wait_ended([r.request_id for r in requests], call.done, deadline)
+        ended = self._requests.wait_ended([r.request_id for r in requests], call, deadline)
         if ended is None:
             return call.result()
         call.add_done_callback(self._log_failure)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
+from typing import Any
 
 from lora_rl_core.engines.base import Completion, GenerationRequest
 from lora_rl_core.errors import EngineError
@@ -35,7 +37,8 @@ class InFlightRequests:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # notified when a request ends or gets a reason
+        self._changed = threading.Condition(self._lock)  # notified when a request ends (`wait_drained`)
+        self._wakers: dict[str, threading.Event] = {}  # request id -> the event its `wait_ended` waits on
         self._ids: set[str] = set()
         self._held: Counter[str] = Counter()  # adapter -> requests in flight naming it
         self._reasons: dict[str, str] = {}  # request id -> first reason given to `abort`
@@ -83,35 +86,43 @@ class InFlightRequests:
             ended = {rid for rid in ids if rid not in self._reasons}
             for rid in ended:
                 self._reasons[rid] = reason
-            if ended:
-                self._changed.notify_all()
+                if (wake := self._wakers.get(rid)) is not None:
+                    wake.set()
         return ended
 
-    def notify(self) -> None:
-        """Wake the waiters of `wait_ended` (a call they wait for has answered)."""
+    def wait_ended(self, request_ids: Collection[str], call: Future[Any], deadline: float) -> dict[str, str] | None:
+        """Wait until `call` (the call of `request_ids`) has answered (None is returned) or every one of them has
+        a kept reason (all ended here: their reasons are returned, request id -> reason). At `deadline`
+        (monotonic s) those without a reason get `timeout`. Woken only by this call's answer and by reasons kept
+        for its own requests: hundreds of calls wait at once in front of SGLang, and waking all of them at every
+        change kept our server's interpreter busy (the soak, docs/HOTSWAP.md)."""
+        wake = threading.Event()
+        call.add_done_callback(lambda _: wake.set())
         with self._lock:
-            self._changed.notify_all()
-
-    def wait_ended(
-        self, request_ids: Collection[str], done: Callable[[], bool], deadline: float
-    ) -> dict[str, str] | None:
-        """Wait until `done()` (the call of `request_ids` answered: None is returned) or every one of them has a
-        kept reason (all ended here: their reasons are returned, request id -> reason). At `deadline`
-        (monotonic s) those without a reason get `timeout`. `done` is checked at every change (`notify`)."""
-        with self._lock:
-            while not done():
-                if all(i in self._reasons for i in request_ids):
-                    return {i: self._reasons[i] for i in request_ids}
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    for i in request_ids:
-                        if i in self._ids:
-                            self._reasons.setdefault(i, "timeout")
+            for i in request_ids:
+                self._wakers[i] = wake
+        try:
+            while True:
+                wake.clear()  # before the checks: a change after them sets it again, so none is missed
+                with self._lock:
+                    if call.done():
+                        return None
                     if all(i in self._reasons for i in request_ids):
                         return {i: self._reasons[i] for i in request_ids}
-                    return None  # the call ended meanwhile: its answer is there
-                self._changed.wait(min(left, 1.0))
-            return None
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        for i in request_ids:
+                            if i in self._ids:
+                                self._reasons.setdefault(i, "timeout")
+                        if all(i in self._reasons for i in request_ids):
+                            return {i: self._reasons[i] for i in request_ids}
+                        return None  # the call ended meanwhile: its answer is there
+                wake.wait(min(left, 1.0))
+        finally:
+            with self._lock:
+                for i in request_ids:
+                    if self._wakers.get(i) is wake:
+                        del self._wakers[i]
 
     def wait_drained(self, adapter: str, deadline: float) -> int:
         """Wait until no request in flight names `adapter`, at most until `deadline` (monotonic s); returns
