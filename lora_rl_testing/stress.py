@@ -41,15 +41,15 @@ the version the server admitted the sample with; or `samples="group"`, `n` reque
 `ServerEngine.generate` (the rollout path), whose completions derive the version from the adapter name, so
 the version check is weaker there.
 
-A real SGLang server (an `SGLangEngine`) is a third kind of target (`_SGLang`; what it can and cannot check
-is in its docstring): `benchmarks/hotswap_stress.py --targets sglang-group,sglang-n` on the GPU host.
+A real SGLang server (an `SGLangEngine`) is a third kind of target (`stress_targets.SGLangTarget`; what it
+can and cannot check is in its docstring): `benchmarks/hotswap_stress.py --targets sglang-group,sglang-n` on the GPU
+host.
 
 Left out: several engines, store-path loads (`benchmarks/sync_latency.py` times those).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 import itertools
@@ -61,185 +61,19 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
-
 from lora_rl_core.adapters import adapter_version
 from lora_rl_core.engines.base import PAUSE_MODES, GenerationRequest, SamplingParams
-from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
-from lora_rl_core.errors import EngineError, LoraRLError
-from lora_rl_core.subscriber import retire_stale
+from lora_rl_core.errors import LoraRLError
 from lora_rl_testing.adapters import AdapterFactory
 from lora_rl_testing.stress_report import Group, Sample, Shared, StressReport, StressSettings, build_report
+from lora_rl_testing.stress_targets import LostCall, Target, make_target
 
 __all__ = ["StressReport", "StressSettings", "run_hotswap_stress"]
-
-# ----------------------------------------------------------------------------- targets
-
-
-class _Target:
-    """The engine calls the stress run makes; `_InProcess`, `_Http` and `_SGLang` fill in how."""
-
-    samples = "group"
-    exact_abort_counts = True
-    """Whether `abort` returns how many requests the engine really aborted (checked against the samples)."""
-
-    def __init__(self, engine: Any, settings: StressSettings) -> None:
-        self.engine = engine
-        self.settings = settings
-        self.label = type(engine).__name__
-        """What the report names as the target: the engine's class here, the server's URL over HTTP."""
-
-    def send(self, group: Group, prompt: list[int], params: SamplingParams) -> list[Sample]:
-        """`n` requests sharing the prompt through `engine.generate` (raises EngineError when refused)."""
-        requests = [
-            GenerationRequest(prompt, group.name, params, request_id=f"{group.rid}-{j}") for j in range(group.n)
-        ]
-        done = self.engine.generate(requests, timeout_s=self.settings.request_timeout_s)
-        return [Sample(c.request_id, c.finish_reason, c.adapter, c.adapter_version, c.abort_reason) for c in done]
-
-    def abort_ids(self, group: Group, which: int | None) -> list[str]:
-        """Request ids to abort: sample `which` of the group, or all of them (None)."""
-        return [f"{group.rid}-{j}" for j in range(group.n) if which is None or j == which]
-
-    def load(self, name: str, tensors: dict, config: dict) -> None:
-        """Load one version from tensors (the tensor path)."""
-        self.engine.load_adapter(name, tensors=tensors, config=config, timeout_s=self.settings.control_timeout_s)
-
-    def retire(self, active: str, *, keep: int | None = None, drain: bool = False) -> list[str]:
-        """Unload stale versions with `subscriber.retire_stale` (which skips a paused engine), beyond the
-        `keep` newest (default: the settings')."""
-        s = self.settings
-        keep = s.keep if keep is None else keep
-        return retire_stale(self.engine, s.run_id, keep=keep, protect={active}, drain=drain)
-
-    def loaded(self, run_id: str) -> int:
-        """How many versions of `run_id` the engine lists now."""
-        return sum(1 for name in self.engine.list_adapters() if name.startswith(f"{run_id}-v"))
-
-    def in_flight(self) -> int:
-        """Requests holding an adapter now (sum over adapters)."""
-        return sum(int(info.get("in_flight") or 0) for info in self.engine.list_adapters().values())
-
-    def revived(self) -> int:
-        """Retired versions the engine was seen serving again (only a real SGLang server revives them)."""
-        return 0
-
-    def close(self) -> None:
-        """Release what the target opened."""
-
-
-class _InProcess(_Target):
-    """An `EmbeddedEngine` in this process."""
-
-
-class _Http(_Target):
-    """Our engine server over HTTP through `ServerEngine`; `samples="n"` sends SGLang's `n` itself."""
-
-    def __init__(self, engine: HTTPEngine, settings: StressSettings) -> None:
-        super().__init__(engine, settings)
-        self.label = engine.url
-        self.samples = settings.samples or "n"
-        limits = httpx.Limits(max_connections=settings.clients + 8)
-        self._http = httpx.Client(base_url=engine.url, timeout=settings.request_timeout_s, limits=limits)
-
-    def send(self, group: Group, prompt: list[int], params: SamplingParams) -> list[Sample]:
-        """One `/generate` with `sampling_params.n` (or the group path); versions from `weight_version`."""
-        if self.samples == "group":
-            return super().send(group, prompt, params)
-        return self._generate_n(group, prompt, params, rid=group.rid)
-
-    def _generate_n(self, group: Group, prompt: list[int], params: SamplingParams, *, rid: str | None) -> list[Sample]:
-        """One raw `/generate` of the group's `n` samples (`rid` None: the server names them)."""
-        sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "n": group.n}
-        body = {"input_ids": prompt, "sampling_params": sampling, "lora_path": group.name}
-        response = self._http.post("/generate", json=body if rid is None else {**body, "rid": rid})
-        if response.status_code == 499:
-            raise LostCall(f"HTTP 499: {response.text[:300]}")
-        if response.status_code >= 400:
-            raise EngineError(f"HTTP {response.status_code}: {response.text[:300]}")
-        outs = response.json()
-        return [_http_sample(o) for o in (outs if isinstance(outs, list) else [outs])]
-
-    def abort_ids(self, group: Group, which: int | None) -> list[str]:
-        """With SGLang's n the server maps the group's rid to all its samples; single samples are `rid-j`."""
-        if self.samples == "n" and which is None:
-            return [group.rid]
-        return super().abort_ids(group, which)
-
-    def close(self) -> None:
-        """Close the HTTP connections opened for `samples="n"`."""
-        self._http.close()
-
-
-class _SGLang(_Http):
-    """A real SGLang server through `SGLangEngine` (docs/SGLANG.md). SGLang reports neither the adapter nor
-    its version per sample (`weight_version` is the base weights'), so a sample's version is the one its
-    request named, and abort counts are this client's estimates (an abort may reach the server after the
-    request finished): the version and abort-count checks cannot fail here. What can: lost samples, errors,
-    hangs (an unload after n>1 traffic, sglang#36894), unloads while paused, and a retired version coming
-    back (`revived_adapters`). `samples="group"` (the default here): `n` requests through `generate`, the
-    rollout path (an HTTP 499 is `SGLangEngine`'s to resolve); `samples="n"`: one raw `/generate` with
-    `sampling_params.n` and no rid (SGLang's n>1 rid mapping is not ours to guess), so those groups get no
-    aborts by id, and a call SGLang fails with HTTP 499 during an `abort` pause is a group aborted `paused`
-    (`LostCall`)."""
-
-    exact_abort_counts = False
-
-    def __init__(self, engine: HTTPEngine, settings: StressSettings) -> None:
-        super().__init__(engine, settings)
-        self.samples = settings.samples or "group"
-
-    def send(self, group: Group, prompt: list[int], params: SamplingParams) -> list[Sample]:
-        if self.samples == "group":
-            return _Target.send(self, group, prompt, params)
-        samples = self._generate_n(group, prompt, params, rid=None)
-        return [dataclasses.replace(x, adapter=group.name, version=adapter_version(group.name)) for x in samples]
-
-    def abort_ids(self, group: Group, which: int | None) -> list[str]:
-        return [] if self.samples == "n" else _Target.abort_ids(self, group, which)
-
-    def in_flight(self) -> int:
-        """This client's requests in flight (SGLang reports none)."""
-        return int(self.engine.metrics()["in_flight"])
-
-    def revived(self) -> int:
-        return int(self.engine.metrics()["revived_adapters"])
-
-
-class LostCall(EngineError):
-    """A raw `/generate` that SGLang failed as a whole with HTTP 499 (`Request RID was aborted`): 0.5.17 does so
-    to a call in flight when generation is paused in `abort` mode (docs/SGLANG.md). The group's samples count
-    as aborted with reason `paused` when such a pause overlapped the call (`_send`), else as an error."""
-
-
-def _http_sample(out: dict[str, Any]) -> Sample:
-    meta = out.get("meta_info") or {}
-    finish = meta.get("finish_reason") or {}
-    kind = finish.get("type") if isinstance(finish, dict) else finish
-    reason = finish.get("message") if isinstance(finish, dict) and kind == "abort" else None
-    return Sample(str(meta.get("id")), str(kind), meta.get("lora_path"), meta.get("weight_version"), reason)
-
-
-def _target(engine: Any, settings: StressSettings) -> tuple[_Target, bool]:
-    """The target for an engine or URL; True when this function opened the client (and must close it)."""
-    owned = isinstance(engine, str)
-    if owned:
-        engine = HTTPEngine(
-            SERVER, engine, timeout_s=settings.request_timeout_s, control_timeout_s=settings.control_timeout_s
-        )
-    if isinstance(engine, HTTPEngine) and engine.dialect is SGLANG:  # a real SGLang server
-        return _SGLang(engine, settings), owned
-    if isinstance(engine, HTTPEngine):
-        return _Http(engine, settings), owned
-    if settings.samples == "n":
-        raise EngineError("samples='n' (SGLang's n) needs an HTTP target; in-process groups are n requests")
-    return _InProcess(engine, settings), False
-
 
 # ----------------------------------------------------------------------------- threads
 
 
-def _swapper(target: _Target, shared: Shared, make_adapter: AdapterFactory) -> None:
+def _swapper(target: Target, shared: Shared, make_adapter: AdapterFactory) -> None:
     s = shared.settings
     rng = random.Random(s.seed)
     until = time.monotonic() + s.duration_s
@@ -266,11 +100,11 @@ def _swapper(target: _Target, shared: Shared, make_adapter: AdapterFactory) -> N
         time.sleep(rng.uniform(0, 2 * s.swap_interval_s))
 
 
-def _load(target: _Target, shared: Shared, name: str, tensors: dict, config: dict) -> None:
+def _load(target: Target, shared: Shared, name: str, tensors: dict, config: dict) -> None:
     shared.timed(f"load {name}", shared.settings.control_timeout_s, lambda: target.load(name, tensors, config))
 
 
-def _make_room(target: _Target, shared: Shared) -> bool:
+def _make_room(target: Target, shared: Shared) -> bool:
     """Bounded swaps: retire (draining) until at most `keep - 1` versions are loaded, so the next load makes
     `keep`; retried while a pause holds retirement off. False when the run's deadline came first."""
     s = shared.settings
@@ -283,7 +117,7 @@ def _make_room(target: _Target, shared: Shared) -> bool:
     return False
 
 
-def _retire(target: _Target, shared: Shared, active: str, *, keep: int | None = None, drain: bool = False) -> None:
+def _retire(target: Target, shared: Shared, active: str, *, keep: int | None = None, drain: bool = False) -> None:
     """Retire under the control lock, so no pause transition happens while an unload is being decided."""
     limit = shared.settings.control_timeout_s * (shared.settings.keep + 1)
     with shared.control:
@@ -299,7 +133,7 @@ def _retire(target: _Target, shared: Shared, active: str, *, keep: int | None = 
     shared.count(retired=len(retired))
 
 
-def _client(index: int, target: _Target, shared: Shared, aborts: _Aborter) -> None:
+def _client(index: int, target: Target, shared: Shared, aborts: _Aborter) -> None:
     s = shared.settings
     rng = random.Random(s.seed * 1000 + index)
     while not shared.stop.is_set() and time.monotonic() < shared.deadline:
@@ -316,7 +150,7 @@ def _client(index: int, target: _Target, shared: Shared, aborts: _Aborter) -> No
         _send(target, shared, group, prompt, params)
 
 
-def _send(target: _Target, shared: Shared, group: Group, prompt: list[int], params: SamplingParams) -> None:
+def _send(target: Target, shared: Shared, group: Group, prompt: list[int], params: SamplingParams) -> None:
     limit = shared.settings.request_timeout_s
     group.submit_seq = shared.log.tick()
     start = time.monotonic()
@@ -346,7 +180,7 @@ class _Aborter:
     """Aborts request ids at scheduled times: one thread keeps a heap of due times and hands each due abort
     to a small pool, so slow abort calls (HTTP) don't make later aborts late."""
 
-    def __init__(self, target: _Target, shared: Shared, workers: int = 4) -> None:
+    def __init__(self, target: Target, shared: Shared, workers: int = 4) -> None:
         self.target, self.shared = target, shared
         self._heap: list[tuple[float, int, list[str]]] = []
         self._cond = threading.Condition()
@@ -383,7 +217,7 @@ class _Aborter:
             self.shared.count(abort_calls=1, aborts_acknowledged=int(hits), abort_failures=failed)
 
 
-def _pauser(target: _Target, shared: Shared) -> None:
+def _pauser(target: Target, shared: Shared) -> None:
     s = shared.settings
     rng = random.Random(s.seed + 7)
     while not shared.stop.is_set() and time.monotonic() < shared.deadline:
@@ -451,7 +285,7 @@ def run_hotswap_stress(
         swaps=swaps, clients=clients, n=n, deadline_s=deadline_s, abort_prob=abort_prob, pause_prob=pause_prob,
         seed=seed, **options,
     )  # fmt: skip
-    target, owned = _target(engine, settings)
+    target, owned = make_target(engine, settings)
     try:
         return _run(target, settings, make_adapter)
     finally:
@@ -460,7 +294,7 @@ def run_hotswap_stress(
             target.engine.close()
 
 
-def _run(target: _Target, settings: StressSettings, make_adapter: AdapterFactory) -> StressReport:
+def _run(target: Target, settings: StressSettings, make_adapter: AdapterFactory) -> StressReport:
     shared = Shared(settings)
     start = time.monotonic()
     shared.deadline = start + settings.deadline_s
@@ -500,7 +334,7 @@ def _thread(shared: Shared, name: str, fn: Callable[..., None], *args: Any) -> t
     return thread
 
 
-def _settled_in_flight(target: _Target, wait_s: float = 10.0) -> int:
+def _settled_in_flight(target: Target, wait_s: float = 10.0) -> int:
     """Requests still holding an adapter after everything ended (polled up to `wait_s`); 1 when the engine
     cannot say (an engine that stopped answering is a breach, not a crash of the run)."""
     deadline = time.monotonic() + wait_s
@@ -514,7 +348,7 @@ def _settled_in_flight(target: _Target, wait_s: float = 10.0) -> int:
         time.sleep(0.1)
 
 
-def _probe(target: _Target, shared: Shared) -> bool:
+def _probe(target: Target, shared: Shared) -> bool:
     """One greedy 1-token request on the active version completes with that version."""
     if shared.active is None:
         return False
