@@ -28,7 +28,7 @@ not of SGLang).
 Usage (GPU host)::
 
     PYTHONPATH=/tmp/ours:. python3 benchmarks/sglang_hazards.py --model-dir /tmp/models/smollm2-random \
-        --sglang-pythonpath /tmp/sglsite --out benchmarks/results/sglang-real/hazards_h100.json
+        --sglang-pythonpath /tmp/sglsite --out benchmarks/results/sglang-real/hazards_h200.json
     PYTHONPATH=. python benchmarks/sglang_hazards.py --fake     # CPU check of the script
 """
 

@@ -30,7 +30,8 @@ facts and its command.
 Usage (GPU host; docs/SGLANG.md, "GPU host")::
 
     PYTHONPATH=/tmp/ours:. python3 benchmarks/sglang_soak.py --model-dir /tmp/models/smollm2-random \
-        --sglang-pythonpath /tmp/sglsite --duration 490 --swaps 1000 --out benchmarks/results/sglang-real/soak_h100.json
+        --sglang-pythonpath /tmp/sglsite --duration 482 --swaps 1000 --grace 15 \
+        --out benchmarks/results/sglang-real/soak_h200.json
     PYTHONPATH=. python benchmarks/sglang_soak.py --fake --duration 20 --swaps 20   # CPU smoke run
 """
 
