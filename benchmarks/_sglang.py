@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,39 +64,25 @@ def front_door(
 ) -> Iterator[str]:  # fmt: skip
     """`lora-rl serve engine.type=sglang engine.urls=[sglang_url]` in a process of its own (as users run it, and
     with its own interpreter lock: the benchmark's client threads do not slow its control calls), on
-    127.0.0.1:`port`; yields its URL once `/v1/models` answers, and stops its process group on exit
-    (SIGTERM, then SIGKILL after 15 s). `overrides` are more config overrides (`engine.timeout_s=60`).
+    127.0.0.1:`port`, started and stopped as `launch_sglang`'s servers are (`SGLangServer`: own process group,
+    healthy within `start_timeout_s`, SIGTERM then SIGKILL); yields its URL. `overrides` are more config
+    overrides (`engine.timeout_s=60`).
 
     Raises:
-        RuntimeError: it exited or did not answer within `start_timeout_s` (the log's tail is in the message).
+        EngineError: it exited or was not healthy in time (the log's tail is in the message).
     """
+    from lora_rl_core.engines.launch.process import SGLangServer
+
     store = log_path.parent / "front-door-store"
     args = [sys.executable, "-m", "cli.main", "serve", f"model.name_or_path={model_dir}", "engine.type=sglang"]
     args += [f"engine.urls=[{sglang_url}]", f"store.uri=file://{store}", "--port", str(port), *overrides]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": path},
-            start_new_session=True,  # its own process group: stopping it stops whatever it started
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while listed_adapters(url, timeout_s=2.0) is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-                raise RuntimeError(f"lora-rl serve (front door) did not start (exit {proc.poll()}):\n{tail}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    server = SGLangServer(
+        args, url=f"http://127.0.0.1:{port}", log_path=log_path, env={"PYTHONPATH": path},
+        startup_timeout_s=start_timeout_s, label="lora-rl serve (front door)",
+    )  # fmt: skip
+    with server:
+        yield server.url
 
 
 def listed_adapters(url: str, timeout_s: float = 10.0) -> list[str] | None:

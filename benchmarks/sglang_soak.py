@@ -24,7 +24,7 @@ Keys of the JSON: `swaps`, `clients`, `n`, `duration_s`, `hangs` (threads alive 
 their deadline + final unloads that did not answer in time), `lost`, `mixed` (groups whose samples came from
 different versions), `resident_limit`, `max_resident_versions`, `p50_ms`, `p99_ms` (group latency), `gpu`,
 `ok`, the stress report (`stress`, with `swap_phase_p50_s`: where a swap's time goes), the client's counters
-(`client`: the in-thread client's, or the front door's `/metrics`), the resident samples, the server's
+(`client`: the in-thread client's; empty with `--front-door process`), the resident samples, the server's
 facts and its command.
 
 Usage (GPU host; docs/SGLANG.md, "GPU host")::
@@ -52,7 +52,6 @@ from _common import RESULTS, machine_info, print_table, write_json
 from _sglang import front_door, group_rss_mb, launch_small_sglang, listed_adapters
 
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
-from lora_rl_core.engines.remote.wire import parse_metrics
 from lora_rl_core.engines.serve.app import EngineServer
 from lora_rl_testing.adapters import random_lora_factory
 from lora_rl_testing.servers import serve_app_in_thread
@@ -148,7 +147,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                 duration_s=args.duration, request_timeout_s=args.request_timeout, control_timeout_s=60.0,
             )  # fmt: skip
             final = unload_all(front, args.final_unload_timeout)
-            client_counts = client.metrics() if client is not None else _served_metrics(front)
+            client_counts = client.metrics() if client is not None else {}  # the process's are its own
         facts["adapters_listed_at_end"] = listed_adapters(url)
     client_counts.pop("adapters", None)  # per-adapter counts: a thousand names
     facts["front_door"] = args.front_door
@@ -175,16 +174,6 @@ def _front_door(args: argparse.Namespace, url: str) -> Iterator[tuple[str, HTTPE
         ) as front,
     ):
         yield front, client
-
-
-def _served_metrics(front: str) -> dict[str, Any]:
-    """The front door's `/metrics`, read back (`parse_metrics`); an error string when it does not answer."""
-    import httpx
-
-    try:
-        return parse_metrics(httpx.get(f"{front}/metrics", timeout=30.0).text)
-    except httpx.HTTPError as exc:
-        return {"error": str(exc)}
 
 
 def unload_all(front: str, timeout_s: float) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class SGLangServer:
         env: extra environment variables of the server.
         startup_timeout_s: how long `start` waits for `GET /health` to answer 200, seconds.
         memory_saver: `argv` has `--enable-memory-saver` (the KV cache can be released and resumed).
+        label: what errors call it (another server of SGLang's HTTP API, e.g. `lora-rl serve`, runs here too).
     """
 
     def __init__(
@@ -53,8 +54,10 @@ class SGLangServer:
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 900.0,
         memory_saver: bool = False,
+        label: str = "SGLang server",
     ) -> None:
         self.argv = list(argv)
+        self.label = label
         self.url = url.rstrip("/")
         self.log_path = Path(log_path)
         self.env = dict(env or {})
@@ -82,7 +85,7 @@ class SGLangServer:
                 (it is stopped then); the message ends with the last lines of the log.
         """
         if self._proc is not None:
-            raise EngineError(f"SGLang server at {self.url} was already started (pid {self.pid})")
+            raise EngineError(f"{self.label} at {self.url} was already started (pid {self.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
@@ -106,7 +109,7 @@ class SGLangServer:
             while time.monotonic() - start < self.startup_timeout_s:
                 if self._proc is not None and self._proc.poll() is not None:
                     raise EngineError(
-                        f"SGLang server exited with code {self._proc.returncode} during start-up "
+                        f"{self.label} exited with code {self._proc.returncode} during start-up "
                         f"({time.monotonic() - start:.0f} s); last lines of {self.log_path}:\n{self.log_tail()}"
                     )
                 try:
@@ -116,7 +119,7 @@ class SGLangServer:
                     pass  # not listening yet
                 time.sleep(_POLL_S)
         raise EngineError(
-            f"SGLang server at {self.url} was not healthy after {self.startup_timeout_s:.0f} s "
+            f"{self.label} at {self.url} was not healthy after {self.startup_timeout_s:.0f} s "
             f"(engine.launch.startup_timeout_s); last lines of {self.log_path}:\n{self.log_tail()}"
         )
 
