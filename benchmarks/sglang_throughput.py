@@ -119,6 +119,9 @@ def sglang_results(args: argparse.Namespace, folders: dict[str, str], counts: li
     launch["cuda_graph_max_bs"] = None if args.eager else args.batch
     if args.sglang_pythonpath:
         launch["env"] = {"PYTHONPATH": args.sglang_pythonpath}
+    for item in args.launch:  # e.g. lora_backend=csgmv
+        key, _, value = item.partition("=")
+        launch[key] = value
     cfg = config_from_dict(
         {
             "model": {"name_or_path": str(args.model_dir), "dtype": args.dtype},
@@ -191,6 +194,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="model dtype on both engines")
     parser.add_argument("--device", default="auto", help="the embedded engine's device")
     parser.add_argument("--eager", action="store_true", help="no decode CUDA graphs on the server")
+    parser.add_argument("--launch", action="append", default=[], help="engine.launch KEY=VALUE (lora_backend=csgmv)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--compare-embedded", action="store_true", help="also run our embedded engine")

@@ -59,7 +59,8 @@ class SGLangLaunchConfig(Section):
     sampling_backend: str = "auto"
     """`--sampling-backend`. `auto`: SGLang's own choice (`flashinfer`) where usable, else `pytorch`."""
     lora_backend: str = "auto"
-    """`--lora-backend`. `auto`: SGLang's own default (`csgmv`, chunked SGMV in Triton)."""
+    """`--lora-backend`. `auto`: `triton` (SGLang's default, `csgmv`, decodes a rollout batch of 128 about 1.4x
+    slower on an H100: benchmarks/results/gpu_scale/h100/rollout-*.json)."""
     grammar_backend: str = "none"
     """`--grammar-backend`; `none`: rollouts use no constrained decoding."""
     extra_args: list[str] = []

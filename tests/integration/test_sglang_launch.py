@@ -47,7 +47,8 @@ def test_launch_waits_for_health_renders_the_flags_and_stops_the_group(tmp_path,
         assert "--mem-fraction-static" not in argv and "--enable-memory-saver" not in argv
         assert argv[argv.index("--cuda-graph-max-bs-decode") + 1] == "160" and "--enable-lora" in argv
         assert argv[argv.index("--attention-backend") + 1] == "triton"
-        assert argv[argv.index("--sampling-backend") + 1] == "pytorch" and "--lora-backend" not in argv
+        assert argv[argv.index("--sampling-backend") + 1] == "pytorch"
+        assert argv[argv.index("--lora-backend") + 1] == "triton"
         log = (tmp_path / "sglang.log").read_text()
         assert "[lora-rl] command: " in log and "neither FA3 nor a usable FlashInfer" in log
         with HTTPEngine(SGLANG, server.url, timeout_s=60) as engine:

@@ -126,8 +126,9 @@ def test_launch_flags_follow_the_resolved_launch_section():
     assert flags[flags.index("--mem-fraction-static") + 1] == "0.420"
     assert flags[flags.index("--cuda-graph-max-bs-decode") + 1] == "256"  # SGLang's own default is larger
     assert flags[flags.index("--cuda-graph-backend-prefill") + 1] == "disabled"
-    # SGLang's own backends where it has the kernels: no flag
-    assert not {"--attention-backend", "--sampling-backend", "--lora-backend", "--enable-memory-saver"} & set(flags)
+    # SGLang's own backends where it has the kernels: no flag; LoRA kernels: Triton's (faster decode)
+    assert not {"--attention-backend", "--sampling-backend", "--enable-memory-saver"} & set(flags)
+    assert flags[flags.index("--lora-backend") + 1] == "triton"
     eager = launch_flags(
         resolve_launch(
             SGLangLaunchConfig(cuda_graph_max_bs=None, mem_fraction_static=None, extra_args=["--x", "1"]), h100
@@ -148,7 +149,7 @@ def test_auto_launch_settings_follow_the_installation_and_the_batch():
     flags = launch_flags(resolved)
     assert flags[flags.index("--attention-backend") + 1] == "triton"
     assert flags[flags.index("--sampling-backend") + 1] == "pytorch"
-    assert "--lora-backend" not in flags  # SGLang's csgmv
+    assert flags[flags.index("--lora-backend") + 1] == "triton"
     assert flags[flags.index("--cuda-graph-max-bs-decode") + 1] == "512"  # the batch is larger than 256
     assert "--enable-memory-saver" in flags
     assert "FA3" in resolved.reasons["attention_backend"]
@@ -158,10 +159,11 @@ def test_auto_launch_settings_follow_the_installation_and_the_batch():
     assert flags[flags.index("--attention-backend") + 1] == "flashinfer" and "--sampling-backend" not in flags
     # explicit settings are kept as given
     fixed = SGLangLaunchConfig(
-        attention_backend="fa3", cuda_graph_max_bs=64, mem_fraction_static=0.5, memory_saver=False
+        attention_backend="fa3", lora_backend="csgmv", cuda_graph_max_bs=64, mem_fraction_static=0.5, memory_saver=False
     )
     flags = launch_flags(resolve_launch(fixed, carry, rollout_batch=512, mem_fraction=0.3, memory_saver=True))
     assert flags[flags.index("--attention-backend") + 1] == "fa3"
+    assert flags[flags.index("--lora-backend") + 1] == "csgmv"
     assert flags[flags.index("--cuda-graph-max-bs-decode") + 1] == "64"
     assert flags[flags.index("--mem-fraction-static") + 1] == "0.500" and "--enable-memory-saver" not in flags
 

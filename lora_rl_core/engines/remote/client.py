@@ -332,11 +332,12 @@ class HTTPEngine(ControlCalls):
         payload = {
             "input_ids": [list(r.prompt_ids) for r in requests],
             "sampling_params": self.dialect.sampling_payload(requests[0].sampling, len(requests)),
-            "lora_path": [r.adapter for r in requests],
             "rid": [rids[r.request_id] for r in requests],
             "return_logprob": True,
             "stream": False,
         }
+        if any(r.adapter is not None for r in requests):  # a server started without LoRA refuses any lora_path
+            payload["lora_path"] = [r.adapter for r in requests]
         try:
             response = self._call("POST", "/generate", json_body=payload, timeout_s=max(left, 0.001), accept=(499,))
         except EngineUnavailable:
