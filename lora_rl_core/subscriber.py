@@ -108,6 +108,7 @@ def sync_version(
     *,
     tensors: dict | None = None,
     config: dict | None = None,
+    checksum: Callable[[], str | None] | None = None,
     store: AdapterStore | None = None,
     keep: int,
     protect: Collection[str] = (),
@@ -119,6 +120,8 @@ def sync_version(
         engines: one engine, a list, or a `MultiEngine`.
         ref: the published version.
         tensors, config: the tensor path (PEFT state dict + config); None = the store path.
+        checksum: where `ref.sha256` is None (a version still being serialised), gives the sha256 an engine's
+            reported checksum must equal; called only for an engine that reports one.
         store: on the store path, the version is sha256-verified here before engines read it.
         keep: versions of the run kept loaded (`max_staleness + 1`), >= 1.
         protect: adapter names never retired by this sync (e.g. versions that queued rollouts hold), besides
@@ -142,7 +145,7 @@ def sync_version(
             result.retired = retire_stale(engines, ref.run_id, keep=keep - 1, protect=protect, drain=True)
             _check_room(engines, ref, keep)
         for engine in engines:
-            _load_verified(engine, ref, tensors, config)
+            _load_verified(engine, ref, tensors, config, checksum)
     except LoraRLError as exc:
         result.error = " ".join(str(exc).split())
         result.retryable = _unreachable(exc)
@@ -171,7 +174,9 @@ def _check_room(engines: list[Any], ref: AdapterRef, keep: int) -> None:
             )
 
 
-def _load_verified(engine: Any, ref: AdapterRef, tensors: dict | None, config: dict | None) -> None:
+def _load_verified(
+    engine: Any, ref: AdapterRef, tensors: dict | None, config: dict | None, checksum: Callable[[], str | None] | None
+) -> None:
     """Load `ref.name` unless listed already, then check the listing (and the sha256 where reported)."""
     if ref.name not in engine.list_adapters():
         if tensors is not None:  # the published folder is the fallback of an engine that cannot take tensors
@@ -182,10 +187,11 @@ def _load_verified(engine: Any, ref: AdapterRef, tensors: dict | None, config: d
     if info is None:
         raise EngineError(f"{engine!r} does not list {ref.name} after loading it")
     reported = info.get("sha256")
-    if reported and reported != ref.sha256:
+    expected = ref.sha256 or (checksum() if reported and checksum else None)
+    if reported and expected and reported != expected:
         raise EngineError(
-            f"{engine!r} holds {ref.name} with sha256 {reported}, but the store's adapter_model.safetensors has "
-            f"{ref.sha256}: the engine loaded other weights"
+            f"{engine!r} holds {ref.name} with sha256 {reported}, but the version's adapter_model.safetensors has "
+            f"{expected}: the engine loaded other weights"
         )
 
 

@@ -15,7 +15,7 @@ REMOTE_ENGINE_KINDS: tuple[str, ...] = get_args(RemoteEngineKind)
 EvictionPolicy = Literal["lru", "fifo"]
 EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
 """Which resident adapter is evicted when the pool is full (SGLang `--lora-eviction-policy`)."""
-TensorTransport = Literal["auto", "ipc", "inline", "disk"]
+TensorTransport = Literal["auto", "ipc", "inline", "file", "disk"]
 TENSOR_TRANSPORTS: tuple[str, ...] = get_args(TensorTransport)
 SGLangRetire = Literal["unload", "keep"]
 SGLANG_RETIRE_POLICIES: tuple[str, ...] = get_args(SGLangRetire)

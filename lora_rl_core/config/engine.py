@@ -123,9 +123,11 @@ class EngineConfig(Section):
     tensor_transport: TensorTransport = "auto"
     """`sglang` with `sync: tensor`: how the tensors reach SGLang's `/load_lora_adapter_from_tensors`. `ipc`:
     CUDA IPC handles (the server on this host, CUDA here); `inline`: the data in the request (any host);
-    `disk`: the published version's folder (`/load_lora_adapter`); `auto`: `ipc` for a server on a loopback
-    address when CUDA is available, else `disk`, and `disk` for a server this run launches on another GPU than
-    the trainer's (`build_run`). A refused tensor load falls back to the folder (docs/SGLANG.md, "Tensor
+    `file`: a PEFT folder written for the load into this host's temporary directory and removed once the server
+    has read it (a server on this host; no wait for the store); `disk`: the published version's folder
+    (`/load_lora_adapter`, once written to the store); `auto`: `ipc` for a server on a loopback address when
+    CUDA is available, else `disk`, and `file` for a server this run launches on another GPU than the
+    trainer's (`build_run`). A refused tensor load falls back to the published folder (docs/SGLANG.md, "Tensor
     path")."""
     tensor_layout: IpcLayout = "host"
     """`tensor_transport` `ipc`: how the adapter's CUDA tensors are shared (`engines.remote.ipc`). `per-tensor`: one

@@ -170,17 +170,25 @@ class PublishedVersion:
     """The last published version as the trainer made it, for the tensor sync path, and its write to the store.
 
     Attributes:
-        ref: the version.
+        ref: the ref `versions.publish` returned (`sha256` None while the version is not serialised yet).
         tensors / config: its PEFT-keyed CPU tensors (a copy: later train steps do not change them) and its
             PEFT config.
-        stored: done once the version is in the store (`StoreWriter.submit`); `result()` raises
-            `BackgroundWriteError` if writing it failed.
+        prepared: the complete ref (sha256 included) once the background write has serialised the version.
+        stored: the complete ref once the version is in the store (`StoreWriter.submit`). Both raise
+            `BackgroundWriteError` from `result()` if the write failed.
     """
 
     ref: AdapterRef
     tensors: dict[str, torch.Tensor]
     config: dict[str, Any]
-    stored: Future[None]
+    prepared: Future[AdapterRef]
+    stored: Future[AdapterRef]
+
+    def checksum(self) -> str | None:
+        """The sha256 of the version's safetensors bytes; waits until they are serialised (not written)."""
+        if self.stored.done():  # also raises a failed write (the prepared future may never be set then)
+            return self.stored.result().sha256
+        return self.prepared.result().sha256
 
 
 @dataclass(frozen=True)
@@ -199,9 +207,10 @@ class Restored:
 
 
 def _transport_for_placement(cfg: RunConfig) -> RunConfig:
-    """`engine.tensor_transport: auto` where this run launches SGLang on another GPU than the trainer's: `disk`
-    (the version's folder; CUDA IPC handles do not open in a server that cannot see the trainer's GPU, and
-    inline data costs seconds for a 7B adapter: 3.2 s per sync measured on two H100s)."""
+    """`engine.tensor_transport: auto` where this run launches SGLang on another GPU than the trainer's: `file`
+    (a local PEFT folder written for the load: CUDA IPC handles do not open in a server that cannot see the
+    trainer's GPU, inline data costs seconds for a 7B adapter: 3.2 s per sync measured on two H100s, and the
+    published folder waits for the store write, queued behind the step's checkpoint)."""
     e = cfg.engine
     device = trainer_device(cfg)
     launched_here = e.type == "sglang" and e.launch.enabled and not e.ray_replicas
@@ -209,7 +218,7 @@ def _transport_for_placement(cfg: RunConfig) -> RunConfig:
         return cfg
     if sglang_shares_trainer_gpu(cfg, device):
         return cfg
-    return cfg.model_copy(update={"engine": e.model_copy(update={"tensor_transport": "disk"})})
+    return cfg.model_copy(update={"engine": e.model_copy(update={"tensor_transport": "file"})})
 
 
 @dataclass

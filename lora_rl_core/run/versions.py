@@ -6,16 +6,19 @@ produced it. The hot-swap protocol itself (load under a new name, verify, switch
 holds) is `lora_rl_core.subscriber.sync_version`; docs/HOTSWAP.md describes it.
 
 Publishing is split in two (docs/DESIGN.md, "Publish and checkpoint in the background"): `publish` takes the
-trainer's adapter now, checks and serialises it (so its `AdapterRef`, sha256 included, is known at once) and
-hands the store write to the run's `StoreWriter`; `sync` gives the engines the in-memory tensors without
-waiting for that write, unless the engines read the version from the store (`engine.sync: store`, or an
-SGLang tensor transport that loads the published folder): then it waits for the write first. `flush` waits
-for every write and raises a failed one.
+trainer's adapter now and checks it (finite, matching its config), then hands its serialisation (safetensors
+bytes, sha256) and its store write to the run's `StoreWriter`, and returns the version's ref without a
+checksum yet; `sync` gives the engines the in-memory tensors without waiting for either, unless the engines
+read the version from the store (`engine.sync: store`, or an SGLang tensor transport that loads the published
+folder): then it waits for the write first. An engine that reports the checksum of what it loaded (our
+server) is checked against the serialised bytes once they exist. `flush` waits for every write and raises a
+failed one.
 """
 
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Future
 from typing import Any
 
 from lora_rl_core.adapters import adapter_name
@@ -40,15 +43,16 @@ def policy_adapter(run: RunComponents) -> str:
 
 
 def publish(run: RunComponents, step: int, metrics: dict[str, Any] | None = None) -> AdapterRef:
-    """Publish the trainer's current LoRA weights as version `step`: taken, checked and serialised now, written
-    to the store by the run's writer (in the background with `trainer.background_publish`; the version becomes
-    visible once complete, its manifest last). Numeric `metrics` go into the manifest.
+    """Publish the trainer's current LoRA weights as version `step`: taken and checked now, serialised and
+    written to the store by the run's writer (in the background with `trainer.background_publish`; the version
+    becomes visible once complete, its manifest last). Numeric `metrics` go into the manifest.
 
     On a resumed run, a version the store held when the run opened is returned as stored (versions are
     immutable); a retry of the same step finds the identical version.
 
     Returns:
-        The version's ref, known before its write finishes.
+        The version's ref: with `background_publish`, returned before the version is serialised, so its
+        `sha256` is None (the manifest has it once written); without, complete.
 
     Raises:
         BackgroundWriteError: an earlier background write failed.
@@ -65,24 +69,44 @@ def publish(run: RunComponents, step: int, metrics: dict[str, Any] | None = None
             f"checkpoint of step {run.restored.step}, past it: it cannot be published again"
         )
     tensors, config = run.trainer.adapter_state()
-    prepared = run.store.prepare(
+    run.store.check(tensors, config)  # before any engine gets them; serialising (~0.5 s at 7B) waits
+    ref = run.store.unwritten_ref(run.run_id, step)
+    scalars = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)}
+    prepared: Future[AdapterRef] = Future()
+    write = functools.partial(_prepare_and_write, run, step, tensors, config, scalars, prepared)
+    stored = run.writer.submit(f"adapter version {ref.name}", write)
+    stored.add_done_callback(lambda done: _settle(prepared, done))
+    run.policy.pending = PublishedVersion(ref, tensors, config, prepared, stored)
+    return stored.result() if stored.done() else ref  # complete at once without background_publish
+
+
+def _prepare_and_write(
+    run: RunComponents,
+    step: int,
+    tensors: dict[str, Any],
+    config: dict[str, Any],
+    metrics: dict[str, float],
+    prepared: Future[AdapterRef],
+) -> AdapterRef:
+    """Serialise version `step` (`prepared` gets its complete ref), then write it: the writer's job."""
+    version: PreparedVersion = run.store.prepare(
         run.run_id,
         step,
         tensors=tensors,
         adapter_config=config,
         step=step,
         base_model=run.cfg.model.name_or_path,
-        metrics={k: float(v) for k, v in (metrics or {}).items() if isinstance(v, int | float)},
+        metrics=metrics,
     )
-    stored = run.writer.submit(f"adapter version {prepared.ref.name}", functools.partial(_write, run, prepared))
-    run.policy.pending = PublishedVersion(prepared.ref, tensors, config, stored)
-    return prepared.ref
-
-
-def _write(run: RunComponents, prepared: PreparedVersion) -> None:
-    step = prepared.manifest.version
+    prepared.set_result(version.ref)
     # fault injection fires with the data files written and the manifest not yet: the worst moment
-    run.store.write(prepared, before_manifest=lambda: maybe_fail("publish_adapter", step, run.run_dir))
+    return run.store.write(version, before_manifest=lambda: maybe_fail("publish_adapter", step, run.run_dir))
+
+
+def _settle(prepared: Future[AdapterRef], stored: Future[AdapterRef]) -> None:
+    """A write that failed (or never ran) before serialising fails `prepared` too, so nobody waits on it."""
+    if not prepared.done() and stored.exception() is not None:
+        prepared.set_exception(stored.exception())
 
 
 def sync(run: RunComponents, ref: AdapterRef) -> SyncStats:
@@ -100,15 +124,15 @@ def sync(run: RunComponents, ref: AdapterRef) -> SyncStats:
     """
     if run.policy.version is not None and ref.version < run.policy.version:
         return SyncStats(adapter=policy_adapter(run), skipped_older=True)
-    pending = run.policy.pending if run.policy.pending and run.policy.pending.ref == ref else None
+    pending = run.policy.pending if run.policy.pending and run.policy.pending.ref.name == ref.name else None
     tensor_path = pending is not None and run.cfg.engine.sync == "tensor"
     if pending is not None and (not tensor_path or sync_reads_folder(run.cfg.engine)):
-        pending.stored.result()
-    result = _sync_version(run, ref, pending if tensor_path else None)
+        ref = pending.stored.result()  # complete, sha256 included
+    result = _sync_version(run, ref, pending, tensors=tensor_path)
     if not result.ok and pending is not None and tensor_path and not pending.stored.done():
         # an engine that refuses tensors falls back to the published folder (SGLang): once it is stored
-        pending.stored.result()
-        result = _sync_version(run, ref, pending)
+        ref = pending.stored.result()
+        result = _sync_version(run, ref, pending, tensors=True)
     run.policy.pending = None
     if not result.ok:
         if run.policy.version is None:
@@ -118,8 +142,11 @@ def sync(run: RunComponents, ref: AdapterRef) -> SyncStats:
     return SyncStats(adapter=ref.name, retired=result.retired, sync_seconds=result.seconds, sync_path=result.path)
 
 
-def _sync_version(run: RunComponents, ref: AdapterRef, pending: PublishedVersion | None) -> SyncResult:
-    """`sync_version` of `ref`, from `pending`'s tensors, or from the store when None."""
+def _sync_version(
+    run: RunComponents, ref: AdapterRef, pending: PublishedVersion | None, *, tensors: bool
+) -> SyncResult:
+    """`sync_version` of `ref`: from `pending`'s tensors (`tensors`), or from the store. An engine that reports
+    a checksum is checked against `pending`'s serialised bytes (waiting for them) where `ref` has none yet."""
     # Rollouts hold only the version current when they start; a version held now stays protected, and one
     # taken during this sync is the serving one, always inside the `keep` window (max_staleness + 1 >= 2 in
     # async mode), so the protocol never retires a version that queued rollouts still use.
@@ -127,8 +154,9 @@ def _sync_version(run: RunComponents, ref: AdapterRef, pending: PublishedVersion
     return sync_version(
         run.engine,
         ref,
-        tensors=pending.tensors if pending else None,
-        config=pending.config if pending else None,
+        tensors=pending.tensors if pending and tensors else None,
+        config=pending.config if pending and tensors else None,
+        checksum=pending.checksum if pending else None,
         store=run.store,
         keep=run.cfg.algorithm.max_staleness + 1,
         protect=held,

@@ -26,10 +26,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
+from typing import Any, TypeVar
 
 from lora_rl_core.errors import BackgroundWriteError, LoraRLError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_PENDING = 2
 """Writes queued or running at most: one step's checkpoint (with its train record) and its adapter version."""
@@ -50,20 +52,21 @@ class StoreWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer") if background else None
         self._slots = threading.BoundedSemaphore(max_pending)
         self._lock = threading.Lock()
-        self._futures: list[Future[None]] = []
+        self._futures: list[Future[Any]] = []
         self._failure: BackgroundWriteError | None = None
         self._reported = False  # the failure was raised to a caller
         self._closed = False
 
-    def submit(self, label: str, write: Callable[[], None]) -> Future[None]:
+    def submit(self, label: str, write: Callable[[], T]) -> Future[T]:
         """Hand `write` over; it runs after every write submitted before it.
 
         Args:
             label: what it writes, for errors (e.g. `adapter version run-v000003`).
-            write: writes a snapshot to the store; raises on failure.
+            write: writes a snapshot to the store (and may first serialise it); raises on failure.
 
         Returns:
-            A future that is done when the write is; its `result()` raises `BackgroundWriteError` if it failed.
+            A future that is done when the write is, with what `write` returned; its `result()` raises
+            `BackgroundWriteError` if it failed.
 
         Raises:
             BackgroundWriteError: an earlier write failed (before anything is queued).
@@ -74,9 +77,8 @@ class StoreWriter:
         if self._closed:
             raise LoraRLError(f"the store writer is closed: {label} cannot be written")
         if self._pool is None:
-            write()
-            done: Future[None] = Future()
-            done.set_result(None)
+            done: Future[T] = Future()
+            done.set_result(write())
             return done
         self._slots.acquire()  # back-pressure: wait until fewer than max_pending writes are outstanding
         try:
@@ -90,13 +92,13 @@ class StoreWriter:
             self._futures = [f for f in self._futures if not f.done()] + [future]
         return future
 
-    def _run(self, label: str, write: Callable[[], None]) -> None:
+    def _run(self, label: str, write: Callable[[], T]) -> T:
         with self._lock:
             earlier = self._failure
         if earlier is not None:
             raise BackgroundWriteError(f"{label} was not written: an earlier background write failed ({earlier})")
         try:
-            write()
+            return write()
         except Exception as exc:
             error = BackgroundWriteError(
                 f"writing {label} to the store in the background failed: {type(exc).__name__}: {exc}. What was "

@@ -182,6 +182,24 @@ class AdapterStore:
             metrics=metrics,
         )
 
+    def check(self, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        """The checks ``prepare`` runs on the tensors (finite, well-formed, matching the config), without
+        serialising them: a training run checks a version at once and serialises it in the background.
+
+        Raises:
+            StoreError: non-finite tensors, a malformed config or tensors that do not match it.
+        """
+        AdapterRules(allow_dora=True).check_tensors(tensors, adapter_config)
+
+    def unwritten_ref(self, run_id: str, version: int) -> AdapterRef:
+        """The ref a version will have, before it is serialised: its folder URI, ``sha256`` None (its write
+        computes it; ``ref`` gives the complete one once the version exists).
+
+        Raises:
+            StoreError: bad run id or version.
+        """
+        return self._reader.unwritten_ref(run_id, version)
+
     def write(self, prepared: PreparedVersion, *, before_manifest: Callable[[], None] | None = None) -> AdapterRef:
         """The store half of ``publish``: write a prepared version (data files, then the manifest, exclusively),
         from any thread. ``publish(...)`` is ``write(prepare(...))``.

@@ -27,13 +27,15 @@ class AdapterRef(BaseModel):
 
     This is what crosses task boundaries. ``uri`` is the version folder (for
     example ``file:///abs/runs/r1/adapters/v000003``); ``sha256`` is the hex
-    digest of its ``adapter_model.safetensors``.
+    digest of its ``adapter_model.safetensors``, or None in the ref a training
+    run's publish returns before the version is serialised (its write, in the
+    background, computes it; the manifest has it once the version exists).
     """
 
     run_id: str
     version: int
     uri: str
-    sha256: str
+    sha256: str | None = None
 
     @property
     def name(self) -> str:

@@ -21,6 +21,7 @@ from lora_rl_core.adapters.names import (
     adapter_name,
     check_file_name,
     parse_adapter_spec,
+    validate_run_id,
 )
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store.io import StoreIO
@@ -120,6 +121,11 @@ class VersionReader:
             StoreError: as ``manifest`` and ``ref_from``.
         """
         return self.ref_from(self.manifest(run_id, version))
+
+    def unwritten_ref(self, run_id: str, version: int) -> AdapterRef:
+        """``AdapterStore.unwritten_ref``: the version folder's URI, no checksum yet."""
+        vdir = self._layout.version_dir(validate_run_id(run_id), version)
+        return AdapterRef(run_id=run_id, version=version, uri=self._io.uri(vdir))
 
     def ref_from(self, manifest: AdapterManifest) -> AdapterRef:
         """The ref of the version ``manifest`` describes (its URI is the version folder).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import tempfile
 
 import httpx
 import pytest
@@ -72,6 +73,25 @@ def test_inline_tensors_generate_what_the_folder_generates(served):
     assert from_tensors == from_folder and from_tensors != base  # the adapter changes the output
     assert listed["t-v000001"]["path"] == "__tensor__" and listed["a-v000001"]["path"] == folder
     assert loads == {"disk": 1, "inline": 1}
+
+
+def test_file_transport_loads_a_folder_written_for_the_load_and_removes_it(served, tmp_path, monkeypatch):
+    """`file` (SGLang on another GPU of this host): no wait for the store, nothing left on disk."""
+    url, tensors, config, folder = served
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    with HTTPEngine(SGLANG, url, timeout_s=30, control_timeout_s=30, tensor_transport="file") as engine:
+        engine.load_adapter("a-v000001", path=folder)
+        engine.load_adapter("f-v000001", tensors=tensors, config=config)  # no published folder needed
+        same = _tokens(engine, "f-v000001") == _tokens(engine, "a-v000001")
+        loads = engine.metrics()["adapter_loads"]
+    assert same and loads == {"disk": 1, "file": 1}
+    assert list(scratch.iterdir()) == []  # removed once the server had read it
+    remote = HTTPEngine(SGLANG, "http://10.0.0.9:30000", timeout_s=5, tensor_transport="file")
+    with remote, pytest.raises(EngineError, match="not on this host.*'inline' or 'disk'"):
+        remote.load_adapter("f-v000002", tensors=tensors, config=config)
+    assert list(scratch.iterdir()) == []
 
 
 def test_auto_on_cpu_loads_the_published_folder_or_else_inline(served):

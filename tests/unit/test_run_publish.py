@@ -67,7 +67,73 @@ def test_publish_returns_before_the_upload_and_the_engine_serves_the_version_fro
     finally:
         gate.set()
     versions.flush(run)
-    assert run.store.versions("bg") == [0, 1] and run.store.ref("bg", 1) == ref  # the ref was exact at once
+    assert run.store.versions("bg") == [0, 1] and ref.sha256 is None  # returned before the version was serialised
+    assert run.store.ref("bg", 1).model_copy(update={"sha256": None}) == ref  # otherwise exact at once
+
+
+def gate_prepares(run) -> threading.Event:
+    """Hold the serialisation of every version from 1 on until the returned event is set."""
+    gate, prepare = threading.Event(), run.store.prepare
+
+    def gated(run_id, version, **kwargs):
+        if version >= 1:
+            assert gate.wait(30), "the test never opened the gate"
+        return prepare(run_id, version, **kwargs)
+
+    run.store.prepare = gated
+    return gate
+
+
+def test_serialising_a_version_is_off_the_critical_path_but_bad_tensors_fail_at_once(make_run):
+    run = make_run()
+    versions.sync(run, versions.publish(run, 0))
+    gate = gate_prepares(run)
+    try:
+        ref = versions.publish(run, 1)  # the serialisation (safetensors bytes, sha256) waits at the gate
+        assert ref.sha256 is None and not run.policy.pending.prepared.done()
+        assert versions.sync(run, ref).sync_path == "tensor" and run.policy.version == 1
+        with torch.no_grad():
+            run.trainer.params[0].fill_(float("nan"))
+        with pytest.raises(StoreError, match="NaN or inf values"):
+            versions.publish(run, 2)  # checked before an engine gets it, not in the background
+    finally:
+        gate.set()
+    versions.flush(run)
+    assert run.store.versions("bg") == [0, 1] and run.policy.pending is None
+
+
+def test_an_engine_reporting_a_checksum_is_checked_against_the_serialised_bytes(make_run, monkeypatch):
+    """Our server reports the sha256 of what it loaded: a ref without one waits for the serialisation."""
+    run = make_run()
+    versions.sync(run, versions.publish(run, 0))
+    listed = run.engine.list_adapters
+    reported = {"sha256": "0" * 64}
+    monkeypatch.setattr(run.engine, "list_adapters", lambda: {k: {**v, **reported} for k, v in listed().items()})
+    stats = versions.sync(run, versions.publish(run, 1))
+    assert stats.skipped == "bg-v000001" and "sha256 " + "0" * 64 in stats.error and run.policy.version == 0
+    ref = versions.publish(run, 2)
+    versions.flush(run)
+    reported["sha256"] = run.store.ref("bg", 2).sha256
+    assert ref.sha256 is None and versions.sync(run, ref).adapter == "bg-v000002" and run.policy.version == 2
+
+
+def test_a_failed_serialisation_fails_the_next_step_and_nobody_waits_on_its_checksum(make_run, monkeypatch):
+    run = make_run()
+    versions.sync(run, versions.publish(run, 0))
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full while serialising")
+
+    monkeypatch.setattr(run.store, "prepare", broken)
+    ref = versions.publish(run, 1)
+    pending = run.policy.pending
+    with pytest.raises(BackgroundWriteError, match="adapter version bg-v000001.*disk full"):
+        pending.stored.result(timeout=30)
+    with pytest.raises(BackgroundWriteError, match="disk full"):
+        pending.checksum()  # raises instead of waiting for bytes that never come
+    with pytest.raises(BackgroundWriteError, match="disk full"):
+        versions.publish(run, 2)
+    assert ref.sha256 is None and run.store.versions("bg") == [0]
 
 
 def test_a_store_sync_waits_for_the_upload_of_its_version(make_run):
@@ -206,3 +272,18 @@ def test_a_resumed_run_refuses_to_publish_a_missing_version_it_is_past(make_run)
 )
 def test_which_syncs_wait_for_the_upload(engine, reads):
     assert sync_reads_folder(EngineConfig(**engine)) is reads
+
+
+def test_sglang_launched_on_another_gpu_gets_the_file_transport(monkeypatch):
+    """`auto` for a launched SGLang that cannot see the trainer's GPU: a local folder per load (`file`), which
+    does not wait for the store write (the published folder, `disk`, waits behind the step's checkpoint)."""
+    from lora_rl_core.run import components
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launched = ["engine.type=sglang", "engine.launch.enabled=true"]
+    split = load_config(None, [*launched, 'engine.launch.env={"CUDA_VISIBLE_DEVICES": "0"}', "model.device=cuda:1"])
+    shared = load_config(None, [*launched, "model.device=cuda:0"])
+    monkeypatch.setattr(components, "trainer_device", lambda cfg: torch.device(cfg.model.device))
+    assert components._transport_for_placement(split).engine.tensor_transport == "file"
+    assert not sync_reads_folder(components._transport_for_placement(split).engine)
+    assert components._transport_for_placement(shared).engine.tensor_transport == "auto"  # ipc on the same GPU

@@ -36,10 +36,10 @@ def test_writes_run_in_order_on_one_background_thread(writer):
 
 def test_submit_returns_before_the_write_is_done_and_its_future_says_when(writer):
     gate = threading.Event()
-    future = writer.submit("slow write", gate.wait)
+    future = writer.submit("slow write", lambda: gate.wait() and "ref")
     assert not future.done()
     gate.set()
-    assert future.result(timeout=5) is None
+    assert future.result(timeout=5) == "ref"  # what the write returned (a version's complete ref)
 
 
 def test_a_third_write_waits_while_two_are_outstanding():

@@ -329,7 +329,7 @@ class HTTPEngine(ControlCalls):
         left = deadline - time.monotonic()
         if left <= 0 and first:
             raise EngineUnavailable(f"POST {self.url}/generate: deadline passed before the call was sent")
-        payload = {
+        payload: dict[str, Any] = {
             "input_ids": [list(r.prompt_ids) for r in requests],
             "sampling_params": self.dialect.sampling_payload(requests[0].sampling, len(requests)),
             "rid": [rids[r.request_id] for r in requests],
@@ -427,11 +427,12 @@ class HTTPEngine(ControlCalls):
         if used is not None:
             self._loads[used] += 1
 
-    def load_path(self, name: str, path: str, pinned: bool, timeout_s: float | None) -> None:
-        """`/load_lora_adapter` of the folder `path` (as the server can read it: `Dialect.server_path`)."""
+    def load_path(self, name: str, path: str, pinned: bool, timeout_s: float | None, kind: str = "disk") -> None:
+        """`/load_lora_adapter` of the folder `path` (as the server can read it: `Dialect.server_path`), counted
+        as a `kind` load (`disk`: a published folder; `file`: one written for this load)."""
         body = {"lora_name": name, "lora_path": self.dialect.server_path(path, self.url), "pinned": pinned}
         self.update("/load_lora_adapter", body, timeout_s)
-        self._loads["disk"] += 1
+        self._loads[kind] += 1
 
     def update(self, path: str, body: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
         """POST a LoRA update and check `LoRAUpdateOutput.success`.

@@ -3,8 +3,9 @@
 * `SafetensorsUpload` (our server): the tensors as one base64 safetensors file, serialised as the store writes
   them, so the server's sha256 of them equals the store's checksum for the same tensors.
 * `SGLangTensorLoad` (real SGLang): `/load_lora_adapter_from_tensors` with torch multiprocessing payloads
-  (`lora_rl_core.engines.remote.ipc`): CUDA IPC handles to a server on this host, the data inline, or the
-  published folder (`disk`), as `engine.tensor_transport` asks (`auto` picks). When SGLang refuses the tensors
+  (`lora_rl_core.engines.remote.ipc`): CUDA IPC handles to a server on this host, or the data inline; or
+  `/load_lora_adapter` of a PEFT folder written for the load on this host (`file`) or of the published folder
+  (`disk`), as `engine.tensor_transport` asks (`auto` picks). When SGLang refuses the tensors
   and a folder is given, the folder is loaded instead and the strategy keeps to folders from then on
   (`fallback` says why).
 
@@ -15,7 +16,11 @@ load from a folder) and returns the transport it used, or None when it loaded th
 from __future__ import annotations
 
 import base64
+import json
 import logging
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any, Protocol
 
 from lora_rl_core.adapters import safetensors_bytes
@@ -35,8 +40,8 @@ class AdapterSink(Protocol):
         """POST a LoRA update and check `LoRAUpdateOutput.success` (EngineError when refused)."""
         ...
 
-    def load_path(self, name: str, path: str, pinned: bool, timeout_s: float | None) -> None:
-        """Load the PEFT folder `path` under `name` (`/load_lora_adapter`)."""
+    def load_path(self, name: str, path: str, pinned: bool, timeout_s: float | None, kind: str = "disk") -> None:
+        """Load the PEFT folder `path` under `name` (`/load_lora_adapter`), counted as a `kind` load."""
         ...
 
 
@@ -96,7 +101,7 @@ class SGLangTensorLoad:
     """Real SGLang's tensor load (module docstring).
 
     Args:
-        transport: `engine.tensor_transport` (`auto`, `ipc`, `inline`, `disk`).
+        transport: `engine.tensor_transport` (`auto`, `ipc`, `inline`, `file`, `disk`).
         layout: how `ipc` shares the tensors (`engine.tensor_layout`).
         dtype: the dtype tensors are sent in, or `keep` (`engine.tensor_dtype`).
     """
@@ -140,6 +145,9 @@ class SGLangTensorLoad:
             sink.load_path(name, path, pinned, timeout_s)
             return None
         try:
+            if chosen == "file":
+                self._send_file(sink, name, tensors, config, pinned, timeout_s)
+                return None  # counted by `load_path`
             self._send(sink, name, tensors, config, pinned, timeout_s, chosen)
         except EngineUnavailable:
             raise
@@ -151,6 +159,36 @@ class SGLangTensorLoad:
             sink.load_path(name, path, pinned, timeout_s)
             return None
         return chosen
+
+    def _send_file(
+        self, sink: AdapterSink, name: str, tensors: dict, config: dict, pinned: bool, timeout_s: float | None
+    ) -> None:
+        """Write the tensors (in `dtype`) and config as a PEFT folder in this host's temporary directory, have
+        the server load it, and remove it: SGLang reads the files while it loads (into its CPU pool) and never
+        again (a request naming an unloaded version is refused by our client before SGLang could reload it).
+
+        Raises:
+            EngineError: the server is not on this host (it could not read the folder), or refused it.
+        """
+        import torch
+        from safetensors.torch import save_file
+
+        from lora_rl_core.engines.remote.ipc import is_loopback
+
+        if not is_loopback(sink.url):
+            raise EngineError(
+                f"engine.tensor_transport 'file' writes a local folder, which the server at {sink.url} (not on "
+                "this host) cannot read: use 'inline' or 'disk'"
+            )
+        dtype = None if self.dtype == "keep" else getattr(torch, self.dtype)
+        folder = Path(tempfile.mkdtemp(prefix=f"lora-rl-{name}-"))
+        try:
+            cast = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in tensors.items()}
+            save_file(cast, str(folder / "adapter_model.safetensors"))
+            (folder / "adapter_config.json").write_text(json.dumps(json_safe(config)))
+            sink.load_path(name, str(folder), pinned, timeout_s, kind="file")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _send(
         self, sink: AdapterSink, name: str, tensors: dict, config: dict, pinned: bool, timeout_s: float | None, how: str
