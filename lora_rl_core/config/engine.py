@@ -60,7 +60,7 @@ class SGLangLaunchConfig(Section):
     """`--sampling-backend`. `auto`: SGLang's own choice (`flashinfer`) where usable, else `pytorch`."""
     lora_backend: str = "auto"
     """`--lora-backend`. `auto`: `triton` (SGLang's default, `csgmv`, decodes a rollout batch of 128 about 1.4x
-    slower on an H100: benchmarks/results/gpu_scale/h100/rollout-*.json)."""
+    slower on an H100: benchmarks/results/gpu_scale/lora-backend/rollout-*.json)."""
     grammar_backend: str = "none"
     """`--grammar-backend`; `none`: rollouts use no constrained decoding."""
     extra_args: list[str] = []

@@ -6,7 +6,7 @@ the installed SGLang has (`probe.SGLangEnvironment`), the rollout batch and the 
     sampling_backend auto   SGLang's own (`flashinfer`) where usable, else `pytorch`
     lora_backend auto       `triton`: rollouts are decode-bound, and SGLang's Triton LoRA kernels decode the
                             rollout batch 1.38-1.41x faster than its default `csgmv` (H100, 128 sequences,
-                            Qwen2.5-1.5B/7B shapes: benchmarks/results/gpu_scale/h100/rollout-*.json)
+                            Qwen2.5-1.5B/7B shapes: benchmarks/results/gpu_scale/lora-backend/rollout-*.json)
     cuda_graph_max_bs auto  max(rollout batch, SGLang's default for the GPU's memory)
     mem_fraction_static     the memory plan's fraction (`lora_rl_core.memory`) where a trainer shares the GPU,
                             else SGLang's own
