@@ -41,17 +41,22 @@ def make_run(tmp_path, tiny_model_dir):
         run.close()
 
 
-def gate_writes(run, from_version: int = 1) -> threading.Event:
-    """Hold every version write from `from_version` on until the returned event is set."""
-    gate, write = threading.Event(), run.store.write
+def _gate(run, method: str, version_of) -> threading.Event:
+    """Hold every call of `run.store.<method>` for a version from 1 on until the returned event is set."""
+    gate, real = threading.Event(), getattr(run.store, method)
 
-    def gated(prepared, **kwargs):
-        if prepared.manifest.version >= from_version:
+    def gated(*args, **kwargs):
+        if version_of(*args) >= 1:
             assert gate.wait(30), "the test never opened the gate"
-        return write(prepared, **kwargs)
+        return real(*args, **kwargs)
 
-    run.store.write = gated
+    setattr(run.store, method, gated)
     return gate
+
+
+def gate_writes(run) -> threading.Event:
+    """Hold every version write (`AdapterStore.write`) from version 1 on until the returned event is set."""
+    return _gate(run, "write", lambda prepared: prepared.manifest.version)
 
 
 def test_publish_returns_before_the_upload_and_the_engine_serves_the_version_from_memory(make_run):
@@ -72,16 +77,8 @@ def test_publish_returns_before_the_upload_and_the_engine_serves_the_version_fro
 
 
 def gate_prepares(run) -> threading.Event:
-    """Hold the serialisation of every version from 1 on until the returned event is set."""
-    gate, prepare = threading.Event(), run.store.prepare
-
-    def gated(run_id, version, **kwargs):
-        if version >= 1:
-            assert gate.wait(30), "the test never opened the gate"
-        return prepare(run_id, version, **kwargs)
-
-    run.store.prepare = gated
-    return gate
+    """Hold the serialisation (`AdapterStore.prepare`) of every version from 1 on until the event is set."""
+    return _gate(run, "prepare", lambda run_id, version: version)
 
 
 def test_serialising_a_version_is_off_the_critical_path_but_bad_tensors_fail_at_once(make_run):
