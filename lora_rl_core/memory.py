@@ -62,7 +62,8 @@ ENGINE_OVERHEAD_BYTES = int(2.5 * GIB)
 ACTIVATION_CALIBRATION = 1.15
 """Measured over estimated activations: the trainer of a Qwen2.5-7B run on an H100 (micro-batch 8 x 304 tokens,
 no checkpointing, float32 LoRA compute) reserved 41.6 GiB at its peak against 38.7 GiB estimated (allocator
-rounding, cuBLAS workspaces, autograd temporaries the count leaves out); benchmarks/results/gpu_scale/earlier/7b-1gpu-fad8b3c.json."""
+rounding, cuBLAS workspaces, autograd temporaries the count leaves out);
+benchmarks/results/gpu_scale/earlier/7b-1gpu-fad8b3c.json."""
 MIN_MICRO_BATCH = 4
 """The smallest micro-batch the plan halves to before it turns on gradient checkpointing instead."""
 SGLANG_CHUNKED_PREFILL = 8192

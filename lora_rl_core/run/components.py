@@ -7,6 +7,7 @@ Prefect: the flow's tasks keep the components of open runs in `tasks.registry`.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 from collections import Counter
@@ -21,6 +22,7 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import DataConfig, RunConfig
 from lora_rl_core.data import Problem, PromptSampler, load_problems, prompt_instruction, render_prompt
@@ -185,10 +187,17 @@ class PublishedVersion:
     stored: Future[AdapterRef]
 
     def checksum(self) -> str | None:
-        """The sha256 of the version's safetensors bytes; waits until they are serialised (not written)."""
-        if self.stored.done():  # also raises a failed write (the prepared future may never be set then)
+        """The sha256 of the version's safetensors bytes: the background write's once it has serialised them,
+        else computed here (serialising is deterministic) rather than waiting behind the step's checkpoint.
+
+        Raises:
+            BackgroundWriteError: the version's write failed.
+        """
+        if self.prepared.done():  # a write that failed before serialising failed `prepared` too
+            return self.prepared.result().sha256
+        if self.stored.done():
             return self.stored.result().sha256
-        return self.prepared.result().sha256
+        return hashlib.sha256(safetensors_bytes(self.tensors)).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,8 @@ class LoopResult:
 
     Attributes:
         history: one metrics dict per step (`step`, `steps`, every phase's stats, `step_seconds`).
-        final: the last published version (version 0 when `steps` is 0).
+        final: the last published version (version 0 when `steps` is 0), as `publish` returned it: its `sha256`
+            may be None (`AdapterStore.ref` gives the complete ref; the version is in the store).
     """
 
     history: list[dict[str, Any]]

@@ -11,8 +11,8 @@ bytes, sha256) and its store write to the run's `StoreWriter`, and returns the v
 checksum yet; `sync` gives the engines the in-memory tensors without waiting for either, unless the engines
 read the version from the store (`engine.sync: store`, or an SGLang tensor transport that loads the published
 folder): then it waits for the write first. An engine that reports the checksum of what it loaded (our
-server) is checked against the serialised bytes once they exist. `flush` waits for every write and raises a
-failed one.
+server) is checked against the version's serialised bytes (`PublishedVersion.checksum`: the writer's once it
+has serialised them, else hashed there). `flush` waits for every write and raises a failed one.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def publish(run: RunComponents, step: int, metrics: dict[str, Any] | None = None
     stored = run.writer.submit(f"adapter version {ref.name}", write)
     stored.add_done_callback(lambda done: _settle(prepared, done))
     run.policy.pending = PublishedVersion(ref, tensors, config, prepared, stored)
-    return stored.result() if stored.done() else ref  # complete at once without background_publish
+    return ref if run.writer.background else stored.result()  # written inline: complete
 
 
 def _prepare_and_write(

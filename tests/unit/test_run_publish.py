@@ -10,11 +10,13 @@ steps its checkpoint holds instead of training them again.
 from __future__ import annotations
 
 import copy
+import hashlib
 import threading
 
 import pytest
 import torch
 
+from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.config import EngineConfig, load_config
 from lora_rl_core.engines.registry import sync_reads_folder
 from lora_rl_core.errors import BackgroundWriteError, StoreError
@@ -99,8 +101,9 @@ def test_serialising_a_version_is_off_the_critical_path_but_bad_tensors_fail_at_
     assert run.store.versions("bg") == [0, 1] and run.policy.pending is None
 
 
-def test_an_engine_reporting_a_checksum_is_checked_against_the_serialised_bytes(make_run, monkeypatch):
-    """Our server reports the sha256 of what it loaded: a ref without one waits for the serialisation."""
+def test_an_engine_reporting_a_checksum_is_checked_against_the_versions_bytes(make_run, monkeypatch):
+    """Our server reports the sha256 of what it loaded: checked against the version's bytes, hashed in place
+    while the writer has not serialised them (no wait behind the step's checkpoint)."""
     run = make_run()
     versions.sync(run, versions.publish(run, 0))
     listed = run.engine.list_adapters
@@ -108,10 +111,18 @@ def test_an_engine_reporting_a_checksum_is_checked_against_the_serialised_bytes(
     monkeypatch.setattr(run.engine, "list_adapters", lambda: {k: {**v, **reported} for k, v in listed().items()})
     stats = versions.sync(run, versions.publish(run, 1))
     assert stats.skipped == "bg-v000001" and "sha256 " + "0" * 64 in stats.error and run.policy.version == 0
-    ref = versions.publish(run, 2)
     versions.flush(run)
-    reported["sha256"] = run.store.ref("bg", 2).sha256
-    assert ref.sha256 is None and versions.sync(run, ref).adapter == "bg-v000002" and run.policy.version == 2
+    reported["sha256"] = hashlib.sha256(safetensors_bytes(run.trainer.adapter_state()[0])).hexdigest()
+    gate = gate_prepares(run)
+    try:
+        ref = versions.publish(run, 2)
+        pending = run.policy.pending
+        assert versions.sync(run, ref).adapter == "bg-v000002" and run.policy.version == 2
+        assert ref.sha256 is None and not pending.prepared.done()  # checked without the writer's bytes
+    finally:
+        gate.set()
+    versions.flush(run)
+    assert run.store.ref("bg", 2).sha256 == reported["sha256"]  # what the engine was checked against
 
 
 def test_a_failed_serialisation_fails_the_next_step_and_nobody_waits_on_its_checksum(make_run, monkeypatch):
@@ -126,6 +137,7 @@ def test_a_failed_serialisation_fails_the_next_step_and_nobody_waits_on_its_chec
     pending = run.policy.pending
     with pytest.raises(BackgroundWriteError, match="adapter version bg-v000001.*disk full"):
         pending.stored.result(timeout=30)
+    assert isinstance(pending.prepared.exception(timeout=30), BackgroundWriteError)  # a waiter would wake
     with pytest.raises(BackgroundWriteError, match="disk full"):
         pending.checksum()  # raises instead of waiting for bytes that never come
     with pytest.raises(BackgroundWriteError, match="disk full"):
@@ -192,7 +204,9 @@ def test_a_failed_upload_fails_the_next_step_naming_the_version_and_keeps_what_w
 
 def test_without_background_publish_the_upload_happens_inside_publish(make_run, monkeypatch):
     run = make_run("fg", "trainer.background_publish=false")
-    versions.sync(run, versions.publish(run, 0))
+    ref = versions.publish(run, 0)
+    assert ref == run.store.ref("fg", 0) and ref.sha256 is not None  # complete: written inline
+    versions.sync(run, ref)
     assert run.store.versions("fg") == [0] and not run.writer.background
     monkeypatch.setenv("LORA_RL_FAULT", "publish_adapter:1")
     with pytest.raises(InjectedFault):
