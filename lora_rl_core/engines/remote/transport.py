@@ -188,6 +188,7 @@ class SGLangTensorLoad:
             (folder / "adapter_config.json").write_text(json.dumps(json_safe(config)))
             sink.load_path(name, str(folder), pinned, timeout_s, kind="file")
         finally:
+            # also after a timeout: a load still reading then fails on the server, and the sync retries it
             shutil.rmtree(folder, ignore_errors=True)
 
     def _send(
