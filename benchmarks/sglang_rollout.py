@@ -56,8 +56,13 @@ CASES = {
     "base-seeded": (False, True),
     "base-unseeded": (False, False),
 }
-LORA_FLAGS = {"--enable-lora": 0, "--max-lora-rank": 1, "--max-loras-per-batch": 1, "--max-loaded-loras": 1}
-LORA_FLAGS |= {"--lora-eviction-policy": 1}
+LORA_FLAGS = {  # the LoRA pool's flags (`command.sglang_launch_command`) -> how many values follow each
+    "--enable-lora": 0,
+    "--max-lora-rank": 1,
+    "--max-loras-per-batch": 1,
+    "--max-loaded-loras": 1,
+    "--lora-eviction-policy": 1,
+}
 
 
 def without_lora(argv: list[str]) -> list[str]:

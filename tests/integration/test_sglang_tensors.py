@@ -90,7 +90,7 @@ def test_file_transport_loads_a_folder_written_for_the_load_and_removes_it(serve
     assert list(scratch.iterdir()) == []  # removed once the server had read it
     remote = HTTPEngine(SGLANG, "http://10.0.0.9:30000", timeout_s=5, tensor_transport="file")
     with remote, pytest.raises(EngineError, match="not on this host.*'inline' or 'disk'"):
-        remote.load_adapter("f-v000002", tensors=tensors, config=config)
+        remote.load_adapter("f-v000002", tensors=tensors, config=config, path=folder)  # a setting: no fallback
     assert list(scratch.iterdir()) == []
 
 

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Protocol
 
-from lora_rl_core.adapters import safetensors_bytes
+from lora_rl_core.adapters import CONFIG_FILE, MODEL_FILE, safetensors_bytes
 from lora_rl_core.config import ENGINE_DEFAULTS, EngineConfig, IpcLayout, TensorDtype, TensorTransport
 from lora_rl_core.engines.remote.wire import json_safe
 from lora_rl_core.errors import EngineError, EngineUnavailable
@@ -130,12 +130,18 @@ class SGLangTensorLoad:
         SGLang refuses the tensors.
 
         Raises:
-            EngineError: transport `disk` without `path`, or SGLang's refusal with no `path` to fall back to.
+            EngineError: transport `disk` without `path`, `file` to a server not on this host, or SGLang's
+                refusal with no `path` to fall back to.
             EngineUnavailable: no answer (the server may still be loading it: a second load would be refused).
         """
-        from lora_rl_core.engines.remote.ipc import pick_transport  # lazy: torch only for tensor loads
+        from lora_rl_core.engines.remote.ipc import is_loopback, pick_transport  # lazy: torch only for tensor loads
 
         chosen = "disk" if self.fallback else pick_transport(self.transport, url=sink.url, has_path=path is not None)
+        if chosen == "file" and not is_loopback(sink.url):  # a setting to change, not a refusal to fall back from
+            raise EngineError(
+                f"engine.tensor_transport 'file' writes a local folder, which the server at {sink.url} (not on "
+                "this host) cannot read: use 'inline' or 'disk'"
+            )
         if chosen == "disk":
             if path is None:
                 raise EngineError(
@@ -160,32 +166,31 @@ class SGLangTensorLoad:
             return None
         return chosen
 
+    def _torch_dtype(self) -> Any:
+        """The `torch.dtype` tensors are sent in (`engine.tensor_dtype`), None for `keep`."""
+        import torch
+
+        return None if self.dtype == "keep" else getattr(torch, self.dtype)
+
     def _send_file(
         self, sink: AdapterSink, name: str, tensors: dict, config: dict, pinned: bool, timeout_s: float | None
     ) -> None:
         """Write the tensors (in `dtype`) and config as a PEFT folder in this host's temporary directory, have
-        the server load it, and remove it: SGLang reads the files while it loads (into its CPU pool) and never
-        again (a request naming an unloaded version is refused by our client before SGLang could reload it).
+        the server on this host load it, and remove it: SGLang reads the files while it loads (into its CPU pool)
+        and never again (a request naming an unloaded version is refused by our client before SGLang could
+        reload it).
 
         Raises:
-            EngineError: the server is not on this host (it could not read the folder), or refused it.
+            EngineError: the server refused the folder.
         """
-        import torch
         from safetensors.torch import save_file
 
-        from lora_rl_core.engines.remote.ipc import is_loopback
-
-        if not is_loopback(sink.url):
-            raise EngineError(
-                f"engine.tensor_transport 'file' writes a local folder, which the server at {sink.url} (not on "
-                "this host) cannot read: use 'inline' or 'disk'"
-            )
-        dtype = None if self.dtype == "keep" else getattr(torch, self.dtype)
+        dtype = self._torch_dtype()
         folder = Path(tempfile.mkdtemp(prefix=f"lora-rl-{name}-"))
         try:
             cast = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in tensors.items()}
-            save_file(cast, str(folder / "adapter_model.safetensors"))
-            (folder / "adapter_config.json").write_text(json.dumps(json_safe(config)))
+            save_file(cast, str(folder / MODEL_FILE))
+            (folder / CONFIG_FILE).write_text(json.dumps(json_safe(config)))
             sink.load_path(name, str(folder), pinned, timeout_s, kind="file")
         finally:
             # also after a timeout: a load still reading then fails on the server, and the sync retries it
@@ -196,11 +201,9 @@ class SGLangTensorLoad:
     ) -> None:
         """One `/load_lora_adapter_from_tensors` (tensor parallelism 1); the CUDA tensors an `ipc` payload refers
         to live until the server has answered (SGLang copies them to its CPU pool)."""
-        import torch
-
         from lora_rl_core.engines.remote.ipc import inline_payload, ipc_payload, release_ipc
 
-        dtype = None if self.dtype == "keep" else getattr(torch, self.dtype)
+        dtype = self._torch_dtype()
         shared: dict | None = None
         if how == "ipc":
             payload, shared = ipc_payload(tensors, layout=self.layout, dtype=dtype)
