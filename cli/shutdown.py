@@ -83,14 +83,13 @@ def received() -> int | None:
 
 
 def signal_of(exc: BaseException) -> int | None:
-    """The signal behind `exc`: `Interrupted`, Prefect's `TerminationSignal`, or any exception (even
-    `SystemExit`) that ends the command after a signal arrived; None when no signal was received."""
-    if isinstance(exc, Interrupted):
-        return exc.signum
-    signum = getattr(exc, "signal", None)  # prefect.exceptions.TerminationSignal, should one escape the flow
-    if isinstance(signum, int) and signum in SIGNALS:
-        return signum
-    return _state.signum
+    """The signal behind `exc`: `Interrupted` or Prefect's `TerminationSignal`, also as the exception that
+    `exc` was raised while handling (Prefect's task engine, when SIGTERM lands while it sets up a task run,
+    fails its crash handling with `ValueError: Task run is not set` and never re-sends the signal to our
+    handler), or any exception (even `SystemExit`) that ends the command after a signal arrived; None when
+    no signal was received."""
+    signum = _signal_in_chain(exc)
+    return signum if signum is not None else _state.signum
 
 
 def exit_interrupted(signum: int) -> NoReturn:
@@ -180,14 +179,23 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
 
-def _is_interrupt(exc: BaseException | None) -> bool:
-    """`exc`, or an exception it was raised while handling, is an interrupt."""
+def _signal_in_chain(exc: BaseException | None) -> int | None:
+    """The signal of `exc`, or of an exception it was raised while handling, when that is an interrupt
+    (`Interrupted`, or Prefect's `TerminationSignal` with its `signal`); None otherwise."""
     seen = 0
     while exc is not None and seen < 20:
-        if isinstance(exc, Interrupted) or type(exc).__name__ == "TerminationSignal":
-            return True
-        exc, seen = exc.__context__, seen + 1
-    return False
+        if isinstance(exc, Interrupted):
+            return exc.signum
+        signum = getattr(exc, "signal", None)
+        if type(exc).__name__ == "TerminationSignal" and isinstance(signum, int) and signum in SIGNALS:
+            return signum
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _is_interrupt(exc: BaseException | None) -> bool:
+    """`exc`, or an exception it was raised while handling, is an interrupt."""
+    return _signal_in_chain(exc) is not None
 
 
 class _InterruptFilter(logging.Filter):

@@ -174,3 +174,29 @@ def test_usage_error_in_a_real_process(case):
         timeout=120,
     )
     _assert_usage_error(proc.returncode, proc.stdout, proc.stderr, culprit)
+
+
+# --------------------------------------------------------------------------- a signal behind another exception
+def test_sigterm_that_prefect_fails_to_handle_still_exits_143(monkeypatch, capfd):
+    """SIGTERM while Prefect's task engine sets up a task run: its crash handling raises `ValueError: Task run
+    is not set` while handling the `TerminationSignal`, and Prefect never re-sends the signal to our handler
+    (seen in CI). The command still ends as an interrupt: the one line and 128 + SIGTERM, no traceback."""
+    from prefect.exceptions import TerminationSignal
+
+    import cli.main
+
+    def crashing_app(**_: object) -> None:
+        try:
+            raise TerminationSignal(signal.SIGTERM)
+        except TerminationSignal:
+            raise ValueError("Task run is not set")  # noqa: B904 (Prefect raises it just so)
+
+    monkeypatch.setattr(cli.main, "app", crashing_app)
+    monkeypatch.setattr(shutdown, "stop_prefect_servers", lambda: 0)  # none of this test's: others' stay up
+    monkeypatch.setattr(shutdown, "_state", shutdown._State())  # what this test's interrupt records goes with it
+    code, out, err = _run_main(["train"], {}, monkeypatch, capfd)
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines() == ["lora-rl: interrupted by SIGTERM"], err[-2000:]
+    assert shutdown.signal_of(ValueError("no signal behind it")) == signal.SIGTERM  # received: the state says so
+    shutdown._state.signum = None
+    assert shutdown.signal_of(ValueError("no signal behind it")) is None
