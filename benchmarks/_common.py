@@ -97,7 +97,7 @@ def machine_info(device: str) -> dict[str, Any]:
     """Device name, CPU count, load, platform, Python and package versions."""
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu"
     versions = {}
-    for package in ("torch", "transformers", "peft", "safetensors"):
+    for package in ("torch", "transformers", "peft", "safetensors", "liger-kernel"):
         try:
             versions[package] = package_version(package)
         except PackageNotFoundError:

@@ -40,6 +40,7 @@ from lora_rl_core.run.writer import StoreWriter
 from lora_rl_core.runtime import choose_dtype, choose_lora_compute_dtype, configure_threads, cpu_threads
 from lora_rl_core.store import AdapterRef, AdapterStore, validate_run_id
 from lora_rl_core.trainer import PolicyTrainer, Trainer
+from lora_rl_core.trainer.kernels import apply_kernels, choose_kernels
 from lora_rl_core.trainer.workers import TrainerWorkers
 
 
@@ -121,6 +122,11 @@ def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer
     (`ray`), with FSDP2's bfloat16 mixed precision unless `trainer.lora_compute_dtype` is `float32`."""
     t = cfg.trainer
     mixed = t.lora_compute_dtype != "float32"
+    if t.world_size >= 1 and t.liger_kernels is True:  # refused here, not inside a worker as a worker failure
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_folder(cfg.model), trust_remote_code=cfg.model.trust_remote_code)
+        choose_kernels(True, t.device, config.model_type)
     if t.world_size >= 1 and t.backend == "ray":
         from lora_rl_core.trainer.ray_actors import RayTrainer  # lazy: Ray only when asked for
 
@@ -128,6 +134,7 @@ def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer
     if t.world_size >= 1:
         return TrainerWorkers(cfg, world_size=t.world_size, device=t.device, mixed_precision=mixed)
     model, _ = load_model(cfg.model)
+    apply_kernels(model, t.liger_kernels, model.device)
     return PolicyTrainer.from_config(apply_lora(model, cfg.lora), cfg, pad_id=tokenizer.pad_token_id)
 
 

@@ -56,6 +56,7 @@ from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import cpu_threads
+from lora_rl_core.trainer.kernels import apply_kernels
 from lora_rl_core.trainer.policy import PolicyTrainer
 
 
@@ -70,6 +71,7 @@ def build_sharded_trainer(cfg: RunConfig, *, device: torch.device, mixed_precisi
     checkpointing (`trainer.gradient_checkpointing`) is applied per decoder layer by `shard_model`.
     """
     model, tokenizer = load_model(cfg.model.model_copy(update={"device": str(device)}))
+    apply_kernels(model, cfg.trainer.liger_kernels, device)
     torch.manual_seed(cfg.run.seed)  # the same LoRA init on every rank and in a single process
     peft_model = apply_lora(model, cfg.lora)
     distributed.shard_model(

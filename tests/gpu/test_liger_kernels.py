@@ -1,0 +1,84 @@
+"""Liger's fused kernels (`trainer.liger_kernels`) change the trainer's speed, not its numbers.
+
+A small random Qwen2 in bfloat16 on the GPU, the same LoRA init twice: one copy patched with Liger's RMSNorm,
+SwiGLU and rotary kernels (`lora_rl_core.trainer.kernels.apply_kernels`), one not. The completion logprobs
+agree to bfloat16 precision, and one PPO step moves the LoRA weights the same way. Needs CUDA and
+`liger-kernel` (the `gpu` extra)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_rl_core.config import AlgorithmConfig, LoRAConfig, TrainerConfig
+from lora_rl_core.lora import apply_lora
+from lora_rl_core.records import TrainBatch
+from lora_rl_core.trainer import PolicyTrainer
+from lora_rl_core.trainer.kernels import apply_kernels, liger_model_types
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and "qwen2" in liger_model_types()), reason="needs a GPU and liger-kernel"
+    ),
+]
+VOCAB = 512
+
+
+def qwen2_trainer(liger: bool) -> PolicyTrainer:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert apply_kernels(base, liger, "cuda").liger is liger
+    torch.manual_seed(1)
+    model = apply_lora(base, LoRAConfig(rank=8))
+    for name, p in model.named_parameters():  # B = 0 at init would make the first step's A gradients 0
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    trainer = TrainerConfig(lr=1e-3, micro_batch_size=4, lora_compute_dtype="bfloat16")
+    return PolicyTrainer(model, pad_id=0, algorithm=AlgorithmConfig(), trainer=trainer, temperature=1.0)
+
+
+def batch() -> TrainBatch:
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (7, 12, 5, 9, 30, 3, 16, 11)]
+    completions = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (20, 4, 33, 9, 12, 40, 1, 25)]
+    return TrainBatch(
+        prompt_ids=prompts,
+        completion_ids=completions,
+        advantages=[1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.1, -0.1],
+        inference_logprobs=[[0.0] * len(c) for c in completions],
+    )
+
+
+def completion_logprobs(trainer: PolicyTrainer, rows: TrainBatch) -> torch.Tensor:
+    plan = [[list(range(len(rows)))]]
+    with torch.no_grad():
+        return torch.cat(list(trainer._old_logprobs(rows, plan).values()))
+
+
+def test_liger_kernels_give_the_same_logprobs_and_update():
+    plain, fused = qwen2_trainer(False), qwen2_trainer(True)
+    assert any(type(m).__name__ == "LigerRMSNorm" or "Liger" in m._get_name() for m in fused.model.modules())
+    rows = batch()
+    lp_plain, lp_fused = completion_logprobs(plain, rows), completion_logprobs(fused, rows)
+    assert lp_plain.shape == lp_fused.shape
+    assert torch.allclose(lp_fused, lp_plain, atol=0.05), (lp_fused - lp_plain).abs().max()
+    m_plain, m_fused = plain.train_step(rows), fused.train_step(rows)
+    assert m_fused["loss"] == pytest.approx(m_plain["loss"], abs=0.02)
+    assert m_fused["grad_norm"] == pytest.approx(m_plain["grad_norm"], rel=0.05)
+    weights = {n: p for n, p in plain.model.named_parameters() if "lora_" in n}
+    for name, p in fused.model.named_parameters():
+        if "lora_" in name:
+            assert torch.allclose(p, weights[name], atol=2e-4), (name, (p - weights[name]).abs().max())
