@@ -198,13 +198,14 @@ class TrainerConfig(Section):
     plan (`lora_rl_core.memory`) says a micro-batch's activations would not fit the GPU beside what else it
     holds even at a quarter of `micro_batch_size` (the plan first halves the micro-batch, down to 4: cheaper
     than recomputing every layer); off on a CPU."""
-    liger_kernels: bool | Literal["auto"] = "auto"
+    liger_kernels: bool | Literal["auto"] = False
     """Fuse each decoder layer's RMSNorm, SwiGLU MLP and rotary embedding into one Triton kernel each (Liger
     Kernel, forward and backward) in the trainer's copy of the model: fewer kernel launches and activations;
-    the logits stay as they are (TRL `use_liger_kernel`, verl `model.use_liger`). `auto` (the default): on
-    for a trainer on CUDA where `liger-kernel` is installed (the `gpu` extra) and supports the model's family,
-    off otherwise (a CPU run computes as before); `true` where that does not hold is a config error
-    (`lora_rl_core.trainer.kernels`)."""
+    the logits stay as they are (TRL `use_liger_kernel`, verl `model.use_liger`). Off by default: its speed
+    on this trainer has not been measured yet (`benchmarks/gpu_scale.py --override trainer.liger_kernels=true`
+    measures it; `tests/gpu/test_liger_kernels.py` checks its numerics). `auto`: on for a trainer on CUDA
+    where `liger-kernel` is installed (the `gpu` extra) and supports the model's family, off otherwise;
+    `true` where that does not hold is a config error (`lora_rl_core.trainer.kernels`)."""
     lora_compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype the LoRA branches compute in; the LoRA weights, their gradients and the AdamW state stay float32
     (master weights) either way, and logprobs and the loss are computed in float32 from the logits.

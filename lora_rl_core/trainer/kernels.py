@@ -12,9 +12,9 @@ The patch is applied to the loaded model before LoRA wraps its linear layers (PE
 called by Liger's MLP forward as by the original). It also swaps the model family's rotary function in
 transformers' module for the whole process (Liger patches it module-wide), which computes the same values.
 
-`auto` (the default): on for a trainer on CUDA when `liger-kernel` is installed (the `gpu` extra) and has
-kernels for the model's family (`model_type`: llama, mistral, qwen2, qwen3, gemma, phi3, ...); off on a CPU,
-where Triton does not run, so a CPU run computes as before.
+Off by default (not yet measured on a GPU with this trainer). `auto`: on for a trainer on CUDA when
+`liger-kernel` is installed (the `gpu` extra) and has kernels for the model's family (`model_type`: llama,
+mistral, qwen2, qwen3, gemma, phi3, ...); off on a CPU, where Triton does not run. `true` insists.
 """
 
 from __future__ import annotations

@@ -54,13 +54,13 @@ def test_false_is_off_everywhere(liger_installed):
     assert not choose_kernels(False, "cuda", "qwen2").liger
 
 
-def test_the_cpu_default_leaves_the_model_unpatched(tiny_model_dir):
+def test_auto_on_a_cpu_leaves_the_model_unpatched(tiny_model_dir):
     from lora_rl_core.models import load_model
 
     cfg = RunConfig.model_validate({"model": {"name_or_path": str(tiny_model_dir)}})
     model, _ = load_model(cfg.model)
     before = {name: type(m).forward for name, m in model.named_modules()}
-    assert kernels.apply_kernels(model, cfg.trainer.liger_kernels, "cpu").liger is False
+    assert kernels.apply_kernels(model, "auto", "cpu").liger is False
     assert {name: type(m).forward for name, m in model.named_modules()} == before
     assert not any("forward" in vars(m) for m in model.modules())  # no forward bound on an instance
 
@@ -75,3 +75,8 @@ def test_true_on_cpu_workers_is_refused_before_any_worker_starts(tiny_model_dir,
     monkeypatch.setattr(components, "TrainerWorkers", lambda *a, **k: pytest.fail("a worker was started"))
     with pytest.raises(ConfigError, match="the trainer is on cpu"):
         components.build_trainer(cfg, tokenizer=None)  # type: ignore[arg-type]
+
+
+def test_off_by_default(liger_installed):
+    assert RunConfig().trainer.liger_kernels is False
+    assert not choose_kernels(RunConfig().trainer.liger_kernels, "cuda", "qwen2").liger
