@@ -28,7 +28,7 @@ from lora_rl_core.adapters import (
 from lora_rl_core.errors import StoreError
 from lora_rl_core.lora import linear_suffixes
 from lora_rl_core.store.sources import read_adapter_folder
-from tests.unit.test_store import SMALL_CONFIG, _tiny_base, small_lora
+from tests.support.store_adapters import SMALL_CONFIG, small_lora, tiny_base
 
 # ----------------------------------------------------------------- names
 
@@ -188,7 +188,7 @@ def test_check_finite():
 
 
 def test_rules_check_tensors_names_the_file_and_the_fix():
-    rules = AdapterRules.for_model(_tiny_base(), max_rank=1)
+    rules = AdapterRules.for_model(tiny_base(), max_rank=1)
     with pytest.raises(
         StoreError, match=r"^adapter_config.json: r = 2 exceeds the engine's maximum LoRA rank 1; start the engine"
     ):
@@ -198,13 +198,13 @@ def test_rules_check_tensors_names_the_file_and_the_fix():
 
 
 def test_adaptable_module_names_see_through_injected_lora():
-    base_names = adaptable_module_names(_tiny_base())
+    base_names = adaptable_module_names(tiny_base())
     assert "model.layers.0.self_attn.q_proj" in base_names and "lm_head" in base_names
     assert "model.embed_tokens" in base_names  # LoRA adapts embeddings too
-    assert "model.embed_tokens" not in adaptable_module_names(_tiny_base(), linear_only=True)
-    wrapped = get_peft_model(_tiny_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"]))
+    assert "model.embed_tokens" not in adaptable_module_names(tiny_base(), linear_only=True)
+    wrapped = get_peft_model(tiny_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"]))
     assert adaptable_module_names(wrapped) == base_names
-    assert "lm_head" not in linear_suffixes(_tiny_base())  # lora.py: the same list, output head left out
-    assert set(linear_suffixes(_tiny_base())) == {
-        n.rsplit(".", 1)[-1] for n in adaptable_module_names(_tiny_base(), linear_only=True) if n != "lm_head"
+    assert "lm_head" not in linear_suffixes(tiny_base())  # lora.py: the same list, output head left out
+    assert set(linear_suffixes(tiny_base())) == {
+        n.rsplit(".", 1)[-1] for n in adaptable_module_names(tiny_base(), linear_only=True) if n != "lm_head"
     }

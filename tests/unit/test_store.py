@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import uuid
 from pathlib import Path
 
@@ -12,32 +11,18 @@ import fsspec
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from lora_rl_core.adapters import AdapterRules
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store import AdapterRef, AdapterStore, RetentionPolicy, plan_retention
-
-BASE = "tiny-llama"
-
-
-def _tiny_base() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(config)
+from tests.support.store_adapters import BASE, check_race_outcome, race, small_lora, tiny_base
+from tests.support.store_adapters import publish_small as _pub
+from tests.support.store_adapters import version_files as _files
 
 
 @pytest.fixture(scope="module")
 def lora() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     """Two different LoRA state dicts (random A and B) and the raw PEFT config dict."""
-    model = get_peft_model(_tiny_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(tiny_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     gen = torch.Generator().manual_seed(1)
     sd = get_peft_model_state_dict(model)
     v1 = {k: torch.randn(t.shape, generator=gen) for k, t in sd.items()}
@@ -65,11 +50,6 @@ def _publish(store: AdapterStore, version: int, tensors: dict, config: dict, **k
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _files(tmp_path: Path, store: AdapterStore, version: int, run_id: str = "r1") -> Path:
-    """The local folder holding a version's files (its manifest's data_dir)."""
-    return tmp_path / f"runs/{run_id}/adapters/v{version:06d}" / store.manifest(run_id, version).data_dir
 
 
 def test_publish_two_versions_lists_and_latest(store, lora, tmp_path):
@@ -119,7 +99,7 @@ def test_pull_loads_with_peft_and_weights_match(store, lora, tmp_path, monkeypat
     _publish(store, 2, v2, config)
     dest = store.pull("r1", 2, tmp_path / "pulled" / "r1-v2")
     assert dest.is_absolute()
-    loaded = PeftModel.from_pretrained(_tiny_base(), dest)
+    loaded = PeftModel.from_pretrained(tiny_base(), dest)
     got = get_peft_model_state_dict(loaded)
     assert set(got) == set(v2)
     for key, tensor in v2.items():
@@ -204,7 +184,7 @@ def test_pull_into_non_empty_folder_is_refused_unless_same_version(store, lora, 
 
 
 def test_publish_folder_from_save_pretrained(store, tmp_path):
-    model = get_peft_model(_tiny_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    model = get_peft_model(tiny_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     model.save_pretrained(tmp_path / "saved")
     ref = store.publish_folder("r2", 0, tmp_path / "saved", step=0, base_model=BASE)
     assert ref.sha256 == _sha(tmp_path / "saved" / "adapter_model.safetensors")
@@ -256,33 +236,6 @@ def test_resolve_errors(store, lora):
 
 
 # ----------------------------------------------------------------- small adapters without PEFT
-
-SMALL_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]}
-SMALL_KEY = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.weight"
-
-
-def small_lora(seed: int = 0, rank: int = 2, hidden: int = 8) -> dict[str, torch.Tensor]:
-    """A LoRA state dict for 2 layers x (q_proj, v_proj), PEFT key names, shapes A (r, h) and B (h, r)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for layer in range(2):
-        for module in ("q_proj", "v_proj"):
-            out[SMALL_KEY.format(layer, module, "A")] = torch.randn(rank, hidden, generator=gen)
-            out[SMALL_KEY.format(layer, module, "B")] = torch.randn(hidden, rank, generator=gen)
-    return out
-
-
-def _pub(store: AdapterStore, version: int, seed: int | None = None, run_id: str = "r1", **kw) -> AdapterRef:
-    return store.publish(
-        run_id,
-        version,
-        tensors=kw.pop("tensors", None) or small_lora(version if seed is None else seed),
-        adapter_config=kw.pop("adapter_config", SMALL_CONFIG),
-        step=version,
-        base_model=BASE,
-        **kw,
-    )
-
 
 # ----------------------------------------------------------------- tags
 
@@ -380,220 +333,7 @@ def test_gc_removes_leftover_data_folders_of_complete_versions(store, tmp_path):
     store.verify("r1", 1)
 
 
-# ----------------------------------------------------------------- integrity
-
-
-def test_truncated_file_is_reported_with_its_path_and_previous_version_still_loads(store, tmp_path):
-    _pub(store, 1)
-    _pub(store, 2)
-    stored = _files(tmp_path, store, 2) / "adapter_model.safetensors"
-    size = stored.stat().st_size
-    stored.write_bytes(stored.read_bytes()[: size // 2])
-    message = re.escape(f"file://{stored} is {size // 2} bytes but its manifest says {size} (truncated or replaced)")
-    for call in (lambda: store.load_tensors("r1", 2), lambda: store.verify("r1", 2)):
-        with pytest.raises(StoreError, match=message):
-            call()
-    tensors, _ = store.load_tensors("r1", 1)
-    assert torch.equal(tensors[SMALL_KEY.format(0, "q_proj", "A")], small_lora(1)[SMALL_KEY.format(0, "q_proj", "A")])
-
-
-def test_missing_file_is_reported(store, tmp_path):
-    _pub(store, 1)
-    stored = _files(tmp_path, store, 1) / "adapter_config.json"
-    stored.unlink()
-    with pytest.raises(StoreError, match=re.escape(f"file://{stored} is missing; adapter r1@1 is corrupt")):
-        store.pull("r1", 1, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
-# ----------------------------------------------------------------- untrusted input
-
-
-def _edit_manifest(tmp_path: Path, edit, version: int = 1) -> None:
-    path = tmp_path / f"runs/r1/adapters/v{version:06d}/manifest.json"
-    manifest = json.loads(path.read_text())
-    edit(manifest)
-    path.write_text(json.dumps(manifest))
-
-
-@pytest.mark.parametrize(
-    ("edit", "message"),
-    [
-        (lambda m: m["files"].update({"weights.bin": {"sha256": "0" * 64, "size": 1}}), "pickle file 'weights.bin'"),
-        (lambda m: m["files"].update({"notes.txt": {"sha256": "0" * 64, "size": 1}}), "file 'notes.txt' refused"),
-        (lambda m: m["files"].update({"a/b.json": {"sha256": "0" * 64, "size": 1}}), "unsafe file name 'a/b.json'"),
-        (lambda m: m.update(data_dir="../../r2"), r"unsafe data_dir '../../r2'"),
-        (lambda m: m.update(version=5), r"describes another adapter \(r1-v000005\)"),
-        (lambda m: m.pop("files"), "manifest.json is malformed: Field required"),
-    ],
-)
-def test_malicious_manifests_are_refused(store, tmp_path, edit, message):
-    _pub(store, 1)
-    _edit_manifest(tmp_path, edit)
-    with pytest.raises(StoreError, match=message):
-        store.load_tensors("r1", 1)
-
-
-def test_size_limits(tmp_path):
-    small = AdapterStore(f"file://{tmp_path}/runs", max_file_bytes=200)
-    with pytest.raises(
-        StoreError, match=r"adapter_model.safetensors is \d+ bytes, over the store's limit of 200 bytes"
-    ):
-        _pub(small, 1)
-    assert small.versions("r1") == []
-    _pub(AdapterStore(f"file://{tmp_path}/runs"), 1)
-    with pytest.raises(
-        StoreError, match=r"adapter_model.safetensors is \d+ bytes, over .* 200 bytes \(max_file_bytes\)"
-    ):
-        small.load_tensors("r1", 1)
-
-
-def test_symlinks_are_refused(store, tmp_path):
-    folder = tmp_path / "saved"
-    folder.mkdir()
-    real = tmp_path / "elsewhere.safetensors"
-    from safetensors.torch import save_file
-
-    save_file(small_lora(), real)
-    (folder / "adapter_model.safetensors").symlink_to(real)
-    (folder / "adapter_config.json").write_text(json.dumps(SMALL_CONFIG))
-    with pytest.raises(StoreError, match=r"adapter_model.safetensors is a symbolic link; publish_folder takes plain"):
-        store.publish_folder("r1", 1, folder, step=1, base_model=BASE)
-    _pub(store, 1)
-    stored = _files(tmp_path, store, 1) / "adapter_config.json"
-    stored.unlink()
-    stored.symlink_to(folder / "adapter_config.json")
-    with pytest.raises(
-        StoreError, match=re.escape(f"file://{stored} is a symbolic link; the store must hold plain files")
-    ):
-        store.load_tensors("r1", 1)
-    (tmp_path / "target").mkdir()
-    (tmp_path / "link").symlink_to(tmp_path / "target")
-    with pytest.raises(StoreError, match="cannot pull into .*link: it is a symbolic link"):
-        store.pull("r1", 1, tmp_path / "link")
-
-
-def test_garbage_weights_are_not_safetensors(store, tmp_path):
-    _pub(store, 1)
-    stored = _files(tmp_path, store, 1) / "adapter_model.safetensors"
-    garbage = b"\x80\x04\x95pickle bytes, not safetensors"
-    stored.write_bytes(garbage)
-    _edit_manifest(
-        tmp_path,
-        lambda m: m["files"]["adapter_model.safetensors"].update(
-            sha256=hashlib.sha256(garbage).hexdigest(), size=len(garbage)
-        ),
-    )
-    with pytest.raises(StoreError, match=r"adapter_model.safetensors is not a safetensors file \(or is truncated\)"):
-        store.pull("r1", 1, tmp_path / "out")
-
-
-@pytest.mark.parametrize(
-    ("config", "message"),
-    [
-        ({**SMALL_CONFIG, "r": 0}, r"r \(the LoRA rank\) must be a positive integer, got 0"),
-        ({**SMALL_CONFIG, "lora_alpha": -1}, "lora_alpha must be a positive number, got -1"),
-        ({**SMALL_CONFIG, "target_modules": []}, "target_modules must be a non-empty list"),
-        ({**SMALL_CONFIG, "target_modules": "(q_proj"}, "target_modules '\\(q_proj' is not a valid regex"),
-        ({**SMALL_CONFIG, "peft_type": "IA3"}, "peft_type 'IA3' is not LORA"),
-        ({**SMALL_CONFIG, "target_modules": ["q_proj"]}, "which target_modules does not name"),
-        ({**SMALL_CONFIG, "r": 4}, r"has shape \[2, 8\], but rank r = 4 needs dim 0 = 4"),
-    ],
-)
-def test_publish_validates_config_and_tensors(store, config, message):
-    with pytest.raises(StoreError, match=message):
-        _pub(store, 1, adapter_config=config)
-    assert store.versions("r1") == []
-
-
-@pytest.mark.parametrize(
-    ("edit", "message"),
-    [
-        (lambda t: t.pop(SMALL_KEY.format(0, "q_proj", "B")), "has a lora_A without its lora_B"),
-        (lambda t: t.update({"base_model.model.lm_head.weight": torch.ones(2, 2)}), "is not a LoRA weight"),
-        (
-            lambda t: t.update(
-                {"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": torch.ones(8)}
-            ),
-            "is a DoRA magnitude vector but use_dora is not set",
-        ),
-        (lambda t: t.clear(), "holds no tensors"),
-    ],
-)
-def test_publish_refuses_tensors_that_are_not_the_configured_lora(store, edit, message):
-    tensors = small_lora()
-    edit(tensors)
-    with pytest.raises(StoreError, match=message):
-        store.publish("r1", 1, tensors=tensors, adapter_config=SMALL_CONFIG, step=1, base_model=BASE)
-
-
-def test_load_tensors_checks_engine_rules(store):
-    _pub(store, 1)
-    base = _tiny_base()
-    store.load_tensors("r1", 1, rules=AdapterRules.for_model(base, max_rank=8))
-    with pytest.raises(StoreError, match=r"adapter_config.json: r = 2 exceeds the engine's maximum LoRA rank 1"):
-        store.load_tensors("r1", 1, rules=AdapterRules.for_model(base, max_rank=1))
-    rules = AdapterRules(base_module_names=("model.layers.0.mlp.up_proj",))
-    with pytest.raises(
-        StoreError, match=r"target_modules \['q_proj', 'v_proj'\] not found among the base model's adaptable"
-    ):
-        store.load_tensors("r1", 1, rules=rules)
-    dora = {**SMALL_CONFIG, "use_dora": True}
-    _pub(store, 2, adapter_config=dora)
-    with pytest.raises(StoreError, match=r"DoRA adapters \(use_dora: true\) are not supported by this engine"):
-        store.load_tensors("r1", 2, rules=AdapterRules.for_model(base))
-    store.load_tensors("r1", 2, rules=AdapterRules.for_model(base, allow_dora=True))
-
-
-def test_bad_version_numbers_are_refused(store):
-    for bad in (-1, True, 10**12, "3"):
-        with pytest.raises(StoreError, match="invalid adapter version"):
-            store.manifest("r1", bad)
-
-
 # ----------------------------------------------------------------- racing writers
-
-
-def race(stores: list[AdapterStore], tensors: list[dict], monkeypatch) -> tuple[list, list]:
-    """Publish r1@3 from two threads that both finish their files before either creates the manifest."""
-    import threading
-
-    barrier = threading.Barrier(len(stores), timeout=20)
-    commit = AdapterStore._commit_manifest
-
-    def synced_commit(self, manifest):
-        barrier.wait()
-        return commit(self, manifest)
-
-    monkeypatch.setattr(AdapterStore, "_commit_manifest", synced_commit)
-    results: list = [None] * len(stores)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = _pub(stores[i], 3, tensors=tensors[i])
-        except StoreError as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(stores))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return [r for r in results if isinstance(r, AdapterRef)], [r for r in results if isinstance(r, StoreError)]
-
-
-def check_race_outcome(store: AdapterStore, tensors: list[dict], wins: list, losses: list) -> None:
-    """One winner, one clear error, and the stored version is exactly the winner's weights."""
-    assert len(wins) == 1 and len(losses) == 1, (wins, losses)
-    assert "lost the race to publish r1-v000003" in str(losses[0]) and "publish under a new version" in str(losses[0])
-    assert store.versions("r1") == [3] and store.ref("r1", 3) == wins[0]
-    loaded, _ = store.load_tensors("r1", 3)
-    winner = next(
-        t
-        for t in tensors
-        if torch.equal(t[SMALL_KEY.format(0, "q_proj", "A")], loaded[SMALL_KEY.format(0, "q_proj", "A")])
-    )
-    assert all(torch.equal(loaded[k], winner[k]) for k in winner)
 
 
 @pytest.mark.parametrize("backend", ["file", "memory"])

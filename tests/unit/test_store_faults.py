@@ -29,7 +29,7 @@ from s3fs.errors import translate_boto_error
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store import AdapterStore, RetryPolicy, is_transient
 from tests.support import processes
-from tests.unit.test_store import SMALL_CONFIG, SMALL_KEY, small_lora
+from tests.support.store_adapters import SMALL_CONFIG, SMALL_KEY, small_lora
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = RetryPolicy(attempts=4, base_delay_s=0.001, max_delay_s=0.005)

@@ -27,7 +27,7 @@ from cli.adapters import adapters_app
 from lora_rl_core.errors import StoreError
 from lora_rl_core.run.rundir import RunDir
 from lora_rl_core.store import AdapterStore, RetentionPolicy, RetryPolicy
-from tests.unit.test_store import SMALL_CONFIG, SMALL_KEY, _tiny_base, check_race_outcome, race, small_lora
+from tests.support.store_adapters import SMALL_CONFIG, SMALL_KEY, check_race_outcome, race, small_lora, tiny_base
 from tests.unit.test_store_faults import FlakyFS, client_error, kill_mid_upload
 
 pytestmark = pytest.mark.slow  # a moto S3 server (and one writer subprocess)
@@ -120,7 +120,7 @@ def test_publish_list_pull_and_load(store, uri, s3, tmp_path):
 @pytest.mark.filterwarnings("ignore:Could not find a config file")
 def test_pulled_folder_loads_with_peft(store, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model = get_peft_model(_tiny_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(tiny_base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     gen = torch.Generator().manual_seed(3)
     state = {k: torch.randn(t.shape, generator=gen) for k, t in get_peft_model_state_dict(model).items()}
     store.publish(
@@ -130,7 +130,7 @@ def test_pulled_folder_loads_with_peft(store, tmp_path, monkeypatch):
     config = json.loads((dest / "adapter_config.json").read_text())
     assert {config["peft_type"], config["r"], config["lora_alpha"]} == {"LORA", 4, 8}  # what SGLang --lora-paths reads
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
-    got = get_peft_model_state_dict(PeftModel.from_pretrained(_tiny_base(), dest))
+    got = get_peft_model_state_dict(PeftModel.from_pretrained(tiny_base(), dest))
     assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
 
 
