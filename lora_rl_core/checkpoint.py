@@ -24,8 +24,8 @@ from typing import Any
 import fsspec
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
+from lora_rl_core.adapters.io import safetensors_bytes
 from lora_rl_core.adapters.names import validate_run_id
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store.io import RetryPolicy, StoreIO
@@ -114,7 +114,10 @@ class CheckpointStore:
             StoreError: the store failed after retries.
         """
         tensors, tree = flatten_state(state)
-        blobs = {"tensors.safetensors": save_safetensors(tensors), "state.json": json.dumps(tree).encode()}
+        blobs = {
+            "tensors.safetensors": safetensors_bytes(tensors, metadata=None),
+            "state.json": json.dumps(tree).encode(),
+        }
         folder = self._dir(run_id, step)
         if self._io.size(f"{folder}/manifest.json") is not None:
             self._io.rm(f"{folder}/manifest.json")

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import fsspec
@@ -34,6 +37,8 @@ TensorsAndConfig = tuple[dict[str, "torch.Tensor"], dict[str, Any]]
 """An adapter in memory: PEFT state dict (CPU tensors, keys as PEFT saves them) and its config dict."""
 
 MAX_HEADER_BYTES = 100 * 2**20
+PT_METADATA: Mapping[str, str] = MappingProxyType({"format": "pt"})
+"""The header metadata PEFT and transformers write (``save_pretrained``), and so do we."""
 _DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
@@ -43,12 +48,25 @@ _DTYPE_BYTES = {
 # ----------------------------------------------------------------- safetensors
 
 
-def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    """A safetensors file of ``tensors`` (copied to CPU, contiguous, metadata ``{"format": "pt"}``), as the store
-    writes it and SGLang's ``load_lora_adapter_from_tensors`` reads it."""
-    from safetensors.torch import save as st_save  # lazy: importing torch takes ~1 s (CLI start-up)
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = PT_METADATA) -> bytes:
+    """A safetensors file of ``tensors`` (copied to CPU, contiguous; header metadata ``metadata``, by default
+    ``{"format": "pt"}``, None for none), as the store writes it and SGLang's ``load_lora_adapter_from_tensors``
+    reads it.
 
-    return st_save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+    Written through a temporary file (``safetensors.torch.save_file``, then read back): the same bytes as
+    ``safetensors.torch.save``, but its Rust writer and the read release the interpreter lock, while ``save``
+    holds it while it copies every tensor into one buffer. The store and the checkpoint serialise on a
+    background thread beside the step (docs/DESIGN.md, "Publish and checkpoint in the background"): beside
+    ``save`` of a 7B adapter a main thread of small torch ops kept ~0.3x its speed, beside this ~0.78x
+    (``benchmarks/serialise_gil.py``, 2-core AVX2 EPYC).
+    """
+    from safetensors.torch import save_file  # lazy: importing torch takes ~1 s (CLI start-up)
+
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    with tempfile.TemporaryDirectory(prefix="lora-rl-st-") as folder:
+        path = Path(folder) / MODEL_FILE
+        save_file(cpu, path, metadata=None if metadata is None else dict(metadata))
+        return path.read_bytes()
 
 
 def safetensors_shapes(data: bytes, where: str = MODEL_FILE) -> dict[str, list[int]]:

@@ -208,3 +208,17 @@ def test_adaptable_module_names_see_through_injected_lora():
     assert set(linear_suffixes(tiny_base())) == {
         n.rsplit(".", 1)[-1] for n in adaptable_module_names(tiny_base(), linear_only=True) if n != "lm_head"
     }
+
+
+def test_safetensors_bytes_are_what_safetensors_save_makes_and_leave_no_temp_file(tmp_path, monkeypatch):
+    """Written through a temporary file (its writer releases the interpreter lock), the bytes are those of
+    `safetensors.torch.save`, with PEFT's `{"format": "pt"}` header metadata or none, and the file is gone."""
+    import tempfile
+
+    from safetensors.torch import save
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    tensors = {"a.lora_A.weight": torch.randn(4, 8), "b": torch.randn(3).to(torch.bfloat16), "c": torch.arange(5)}
+    assert safetensors_bytes(tensors) == save(tensors, metadata={"format": "pt"})
+    assert safetensors_bytes(tensors, metadata=None) == save(tensors)
+    assert list(tmp_path.iterdir()) == []
