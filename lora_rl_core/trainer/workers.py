@@ -46,10 +46,10 @@ from typing import Any, Literal, NoReturn, Self
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from transformers.utils import logging as hf_logging
 
 from lora_rl_core import distributed
+from lora_rl_core.adapters.io import safetensors_bytes
 from lora_rl_core.config import RunConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import apply_lora
@@ -139,7 +139,7 @@ class RankCommands:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint from `state_dict()` (of any world size, or an in-process `PolicyTrainer`)."""
-        self._call("load_state_dict", save_tensors(state["tensors"]), state["meta"])
+        self._call("load_state_dict", safetensors_bytes(state["tensors"], metadata=None), state["meta"])
 
 
 class TrainerWorkers(RankCommands):
@@ -350,12 +350,12 @@ def _reply(conn: Connection, status: str, value: Any) -> None:
 
 def _adapter_state(trainer: PolicyTrainer) -> tuple[bytes, dict[str, Any]] | None:
     state = trainer.gather_adapter_state()
-    return None if state is None else (save_tensors(state[0]), state[1])
+    return None if state is None else (safetensors_bytes(state[0], metadata=None), state[1])
 
 
 def _state_dict(trainer: PolicyTrainer) -> tuple[bytes, dict[str, Any]] | None:
     state = trainer.gather_state_dict()
-    return None if state is None else (save_tensors(state["tensors"]), state["meta"])
+    return None if state is None else (safetensors_bytes(state["tensors"], metadata=None), state["meta"])
 
 
 def _load_state_dict(trainer: PolicyTrainer, blob: bytes, meta: dict[str, Any]) -> None:
