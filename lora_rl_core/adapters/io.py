@@ -13,6 +13,7 @@ sharded safetensors (PEFT adapters are one file).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -37,6 +38,8 @@ TensorsAndConfig = tuple[dict[str, "torch.Tensor"], dict[str, Any]]
 """An adapter in memory: PEFT state dict (CPU tensors, keys as PEFT saves them) and its config dict."""
 
 MAX_HEADER_BYTES = 100 * 2**20
+log = logging.getLogger(__name__)
+_warned_tempdir: list[bool] = []  # warn once per process
 PT_METADATA: Mapping[str, str] = MappingProxyType({"format": "pt"})
 """The header metadata PEFT and transformers write (``save_pretrained``), and so do we."""
 _DTYPE_BYTES = {
@@ -58,15 +61,23 @@ def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: Mapping[str, s
     holds it while it copies every tensor into one buffer. The store and the checkpoint serialise on a
     background thread beside the step (docs/DESIGN.md, "Publish and checkpoint in the background"): beside
     ``save`` of a 7B adapter a main thread of small torch ops kept ~0.3x its speed, beside this ~0.78x
-    (``benchmarks/serialise_gil.py``, 2-core AVX2 EPYC).
+    (``benchmarks/serialise_gil.py``, 2-core AVX2 EPYC). Where the temporary folder cannot be written (full or
+    read-only), ``save`` makes the same bytes in memory.
     """
-    from safetensors.torch import save_file  # lazy: importing torch takes ~1 s (CLI start-up)
+    from safetensors.torch import save, save_file  # lazy: importing torch takes ~1 s (CLI start-up)
 
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    with tempfile.TemporaryDirectory(prefix="lora-rl-st-") as folder:
-        path = Path(folder) / MODEL_FILE
-        save_file(cpu, path, metadata=None if metadata is None else dict(metadata))
-        return path.read_bytes()
+    header = None if metadata is None else dict(metadata)
+    try:
+        with tempfile.TemporaryDirectory(prefix="lora-rl-st-") as folder:
+            path = Path(folder) / MODEL_FILE
+            save_file(cpu, path, metadata=header)
+            return path.read_bytes()
+    except OSError as exc:
+        if not _warned_tempdir:
+            _warned_tempdir.append(True)
+            log.warning("safetensors through %s failed (%s); serialising in memory", tempfile.gettempdir(), exc)
+        return save(cpu, metadata=header)
 
 
 def safetensors_shapes(data: bytes, where: str = MODEL_FILE) -> dict[str, list[int]]:

@@ -222,3 +222,13 @@ def test_safetensors_bytes_are_what_safetensors_save_makes_and_leave_no_temp_fil
     assert safetensors_bytes(tensors) == save(tensors, metadata={"format": "pt"})
     assert safetensors_bytes(tensors, metadata=None) == save(tensors)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_safetensors_bytes_without_a_writable_temp_folder_are_made_in_memory(tmp_path, monkeypatch):
+    import tempfile
+
+    from safetensors.torch import save
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "does-not-exist"))
+    tensors = {"a.lora_A.weight": torch.randn(4, 8)}
+    assert safetensors_bytes(tensors) == save(tensors, metadata={"format": "pt"})
