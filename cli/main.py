@@ -279,7 +279,7 @@ def main() -> None:
             code = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising it
             sys.exit(code if isinstance(code, int) else 0)
         except LoraRLError as exc:
-            signum = shutdown.received()
+            signum = shutdown.signal_of(exc)
             if signum is not None:  # failed while shutting down after a signal: the signal is the news
                 shutdown.exit_interrupted(signum)
             print(f"lora-rl: error: {exc}", file=sys.stderr)

@@ -61,10 +61,12 @@ def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: Mapping[str, s
     holds it while it copies every tensor into one buffer. The store and the checkpoint serialise on a
     background thread beside the step (docs/DESIGN.md, "Publish and checkpoint in the background"): beside
     ``save`` of a 7B adapter a main thread of small torch ops kept ~0.3x its speed, beside this ~0.78x
-    (``benchmarks/serialise_gil.py``, 2-core AVX2 EPYC). Where the temporary folder cannot be written (full or
-    read-only), ``save`` makes the same bytes in memory.
+    (``benchmarks/serialise_gil.py``, 2-core AVX2 EPYC; safetensors >= 0.8, whose ``save_file`` hands Rust the
+    tensors' memory). Where the temporary folder (``TMPDIR``) cannot be made or written (full, read-only),
+    ``save`` makes the same bytes in memory.
     """
-    from safetensors.torch import save, save_file  # lazy: importing torch takes ~1 s (CLI start-up)
+    from safetensors import SafetensorError  # lazy: importing torch takes ~1 s (CLI start-up)
+    from safetensors.torch import save, save_file
 
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     header = None if metadata is None else dict(metadata)
@@ -73,10 +75,15 @@ def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: Mapping[str, s
             path = Path(folder) / MODEL_FILE
             save_file(cpu, path, metadata=header)
             return path.read_bytes()
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # the folder cannot be made, or the file not written (full disk)
         if not _warned_tempdir:
             _warned_tempdir.append(True)
-            log.warning("safetensors through %s failed (%s); serialising in memory", tempfile.gettempdir(), exc)
+            log.warning(
+                "writing safetensors under %s failed (%s); serialising in memory instead (set TMPDIR to a "
+                "folder with room for a checkpoint)",
+                tempfile.gettempdir(),
+                exc,
+            )
         return save(cpu, metadata=header)
 
 

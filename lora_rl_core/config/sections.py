@@ -199,12 +199,13 @@ class TrainerConfig(Section):
     holds even at a quarter of `micro_batch_size` (the plan first halves the micro-batch, down to 4: cheaper
     than recomputing every layer); off on a CPU."""
     liger_kernels: bool | Literal["auto"] = False
-    """Fuse each decoder layer's RMSNorm, SwiGLU MLP and rotary embedding into one Triton kernel each (Liger
-    Kernel, forward and backward) in the trainer's copy of the model: fewer kernel launches and activations;
+    """Fuse each decoder layer's RMSNorm and SwiGLU MLP into one Triton kernel each (Liger Kernel, forward
+    and backward) in the trainer's copy of the model: fewer kernel launches and activations;
     the logits stay as they are (TRL `use_liger_kernel`, verl `model.use_liger`). Off by default: its speed
     on this trainer has not been measured yet (`benchmarks/gpu_scale.py --override trainer.liger_kernels=true`
     measures it; `tests/gpu/test_liger_kernels.py` checks its numerics). `auto`: on for a trainer on CUDA
-    where `liger-kernel` is installed (the `gpu` extra) and supports the model's family, off otherwise;
+    where `liger-kernel` is installed (the `gpu` extra) and the model is a llama, mistral, qwen2 or qwen3,
+    off otherwise;
     `true` where that does not hold is a config error (`lora_rl_core.trainer.kernels`)."""
     lora_compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype the LoRA branches compute in; the LoRA weights, their gradients and the AdamW state stay float32

@@ -1,26 +1,30 @@
 """Fused training kernels for the trainer's copy of the model (`trainer.liger_kernels`).
 
-Liger Kernel (linkedin/Liger-Kernel, PyPI `liger-kernel`, Triton) replaces a decoder's RMSNorm, SwiGLU MLP
-and rotary embedding by one fused kernel each, forward and backward. On a GPU the LoRA train phase is as
-much launch-bound as compute-bound (benchmarks/results/gpu_scale/README.md: thousands of small elementwise
-kernels per step around the GEMMs), and the fused RMSNorm and SwiGLU also keep fewer activations. The logits
-stay materialised: the loss needs every completion token's logprob and the entropy, which Liger's fused
-linear cross-entropy does not return. TRL (`use_liger_kernel`) and verl (`model.use_liger`) apply the same
-patch through `liger_kernel.transformers._apply_liger_kernel_to_instance`.
+Liger Kernel (linkedin/Liger-Kernel, PyPI `liger-kernel`, Triton) replaces a decoder's RMSNorm and SwiGLU MLP
+by one fused kernel each, forward and backward. On a GPU the LoRA train phase is as much launch-bound as
+compute-bound (benchmarks/results/gpu_scale/README.md: thousands of small elementwise kernels per step
+around the GEMMs), and the fused RMSNorm and SwiGLU also keep fewer activations. The logits stay
+materialised: the loss needs every completion token's logprob and the entropy, which Liger's fused linear
+cross-entropy does not return. TRL (`use_liger_kernel`) and verl (`model.use_liger`) apply the same patch
+through `liger_kernel.transformers._apply_liger_kernel_to_instance`.
 
-The patch is applied to the loaded model before LoRA wraps its linear layers (PEFT's wrappers are then
-called by Liger's MLP forward as by the original). It also swaps the model family's rotary function in
-transformers' module for the whole process (Liger patches it module-wide), which computes the same values.
+Only this model instance is patched: its RMSNorm and MLP modules get Liger's forwards (PEFT's wrappers of the
+MLP's linear layers are then called by Liger's forward as by the original, so the patch goes on before LoRA).
+Liger also rebinds names in transformers' module of the family (the RMSNorm and MLP classes, the rotary
+function) for every model of the process; `apply_kernels` puts those back, so an engine or a reference model
+built in the same process stays as transformers wrote it. That leaves the rotary embedding unfused (it is a
+module-level function: it cannot be patched for one instance).
 
 Off by default (not yet measured on a GPU with this trainer). `auto`: on for a trainer on CUDA when
-`liger-kernel` is installed (the `gpu` extra) and has kernels for the model's family (`model_type`: llama,
-mistral, qwen2, qwen3, gemma, phi3, ...); off on a CPU, where Triton does not run. `true` insists.
+`liger-kernel` is installed (the `gpu` extra) and the model's family is one whose decoder is RMSNorm + SwiGLU
+(`FAMILIES`); off otherwise, e.g. on a CPU, where Triton does not run. `true` insists.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,8 +34,12 @@ from lora_rl_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-PATCHED = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
-"""What the patch replaces: the three elementwise blocks; never the logits (the loss needs them)."""
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Model families (`model_type`) whose decoder layers are RMSNorm + SwiGLU MLP: the two kernels patched. Others
+(Gemma's GeGLU, MoE experts, LayerNorm models) get other Liger kernels, untested with PEFT LoRA here."""
+PATCHED = {"rope": False, "rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
+"""What the patch replaces: RMSNorm and SwiGLU; never the logits (the loss needs them), nor the rotary function
+(module-wide only)."""
 
 
 @dataclass(frozen=True)
@@ -43,35 +51,45 @@ class KernelChoice:
 
 
 def liger_model_types() -> frozenset[str]:
-    """The `model_type`s the installed `liger-kernel` patches; empty when it is not installed."""
-    if importlib.util.find_spec("liger_kernel") is None:
-        return frozenset()
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    """The families of `FAMILIES` that the installed `liger-kernel` patches.
 
-    return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
+    Raises:
+        ImportError: `liger-kernel` is not installed, or does not import (no Triton, a transformers it does
+            not know); the message says which.
+    """
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError("liger-kernel is not installed (`pip install 'lora-rl[gpu]'` or `pip install liger-kernel`)")
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception as exc:  # noqa: BLE001 - any import failure of the package means: cannot use it
+        raise ImportError(f"liger-kernel does not import ({type(exc).__name__}: {exc})") from exc
+    return FAMILIES & frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
 
 
 def choose_kernels(requested: bool | Literal["auto"], device: torch.device | str, model_type: str) -> KernelChoice:
     """Resolve `trainer.liger_kernels` for a trainer on `device` training a `model_type` model.
 
     Raises:
-        ConfigError: `true` on a CPU, without `liger-kernel` installed, or for a family it has no kernels for
+        ConfigError: `true` on a CPU, without a working `liger-kernel`, or for a family outside `FAMILIES`
             (names the setting and the fix).
     """
     device = torch.device(device)
     if requested is False:
         return KernelChoice(False, "trainer.liger_kernels=false")
-    supported = liger_model_types()
     problem = None
     if device.type != "cuda":
         problem = f"the trainer is on {device.type} (Liger's Triton kernels need a GPU)"
-    elif not supported:
-        problem = "liger-kernel is not installed (`pip install 'lora-rl[gpu]'` or `pip install liger-kernel`)"
-    elif model_type not in supported:
-        problem = f"liger-kernel has no kernels for model_type {model_type!r}"
+    else:
+        try:
+            supported = liger_model_types()
+        except ImportError as exc:
+            problem = str(exc)
+        else:
+            if model_type not in supported:
+                problem = f"Liger's RMSNorm + SwiGLU kernels are not used for model_type {model_type!r}"
     if problem is None:
         auto = "auto: " if requested == "auto" else ""
-        return KernelChoice(True, f"{auto}Liger's fused RMSNorm, SwiGLU and rotary kernels on cuda")
+        return KernelChoice(True, f"{auto}Liger's fused RMSNorm and SwiGLU kernels on cuda")
     if requested == "auto":
         return KernelChoice(False, f"auto: off, {problem}")
     raise ConfigError(f"trainer.liger_kernels=true but {problem}; set trainer.liger_kernels=auto or false")
@@ -79,7 +97,8 @@ def choose_kernels(requested: bool | Literal["auto"], device: torch.device | str
 
 def apply_kernels(model: Any, requested: bool | Literal["auto"], device: torch.device | str) -> KernelChoice:
     """Patch `model` (a transformers model, before LoRA is applied) with Liger's kernels where
-    `trainer.liger_kernels` (`requested`) resolves to on for `device`; returns the choice (logged).
+    `trainer.liger_kernels` (`requested`) resolves to on for `device`; returns the choice (logged). Only the
+    instance changes: what Liger rebinds in transformers' module of the family is put back.
 
     Raises:
         ConfigError: as `choose_kernels`.
@@ -89,5 +108,12 @@ def apply_kernels(model: Any, requested: bool | Literal["auto"], device: torch.d
     if choice.liger:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-        _apply_liger_kernel_to_instance(model=model, **PATCHED)
+        module = sys.modules[type(model).__module__]
+        before = dict(vars(module))
+        try:
+            _apply_liger_kernel_to_instance(model=model, **PATCHED)
+        finally:
+            for name, value in before.items():
+                if vars(module).get(name) is not value:
+                    setattr(module, name, value)
     return choice

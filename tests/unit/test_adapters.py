@@ -232,3 +232,20 @@ def test_safetensors_bytes_without_a_writable_temp_folder_are_made_in_memory(tmp
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "does-not-exist"))
     tensors = {"a.lora_A.weight": torch.randn(4, 8)}
     assert safetensors_bytes(tensors) == save(tensors, metadata={"format": "pt"})
+
+
+def test_safetensors_bytes_when_the_temp_file_cannot_be_written_are_made_in_memory(tmp_path, monkeypatch):
+    """A full temporary folder: safetensors' writer raises its own `SafetensorError` (not an OSError)."""
+    import tempfile
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: File too large (os error 27)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    tensors = {"a.lora_A.weight": torch.randn(4, 8)}
+    assert safetensors_bytes(tensors, metadata=None) == safetensors.torch.save(tensors)
+    assert list(tmp_path.iterdir()) == []

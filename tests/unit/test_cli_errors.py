@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cli import shutdown
+from lora_rl_core.errors import LoraRLError
 from tests.support import processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,7 +178,8 @@ def test_usage_error_in_a_real_process(case):
 
 
 # --------------------------------------------------------------------------- a signal behind another exception
-def test_sigterm_that_prefect_fails_to_handle_still_exits_143(monkeypatch, capfd):
+@pytest.mark.parametrize("raised", [ValueError, LoraRLError], ids=["crash", "our-error"])
+def test_sigterm_that_prefect_fails_to_handle_still_exits_143(monkeypatch, capfd, raised):
     """SIGTERM while Prefect's task engine sets up a task run: its crash handling raises `ValueError: Task run
     is not set` while handling the `TerminationSignal`, and Prefect never re-sends the signal to our handler
     (seen in CI). The command still ends as an interrupt: the one line and 128 + SIGTERM, no traceback."""
@@ -189,7 +191,7 @@ def test_sigterm_that_prefect_fails_to_handle_still_exits_143(monkeypatch, capfd
         try:
             raise TerminationSignal(signal.SIGTERM)
         except TerminationSignal:
-            raise ValueError("Task run is not set")  # noqa: B904 (Prefect raises it just so)
+            raise raised("Task run is not set")  # noqa: B904 (Prefect raises it just so)
 
     monkeypatch.setattr(cli.main, "app", crashing_app)
     monkeypatch.setattr(shutdown, "stop_prefect_servers", lambda: 0)  # none of this test's: others' stay up

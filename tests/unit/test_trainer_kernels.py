@@ -5,6 +5,10 @@ choice (`choose_kernels`) and the refusal before any worker starts (`build_train
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
+
 import pytest
 
 from lora_rl_core.config import RunConfig
@@ -23,7 +27,10 @@ def liger_installed(monkeypatch):
 
 @pytest.fixture
 def liger_missing(monkeypatch):
-    monkeypatch.setattr(kernels, "liger_model_types", frozenset)
+    def missing() -> frozenset[str]:
+        raise ImportError("liger-kernel is not installed (`pip install 'lora-rl[gpu]'` or `pip install liger-kernel`)")
+
+    monkeypatch.setattr(kernels, "liger_model_types", missing)
 
 
 def test_auto_is_on_for_a_supported_family_on_cuda(liger_installed):
@@ -37,7 +44,7 @@ def test_auto_is_on_for_a_supported_family_on_cuda(liger_installed):
     [
         ("cpu", "qwen2", "liger_installed", "the trainer is on cpu"),
         ("cuda", "qwen2", "liger_missing", "liger-kernel is not installed"),
-        ("cuda", "gpt2", "liger_installed", "no kernels for model_type 'gpt2'"),
+        ("cuda", "gemma", "liger_installed", "not used for model_type 'gemma'"),
     ],
     ids=["cpu", "not-installed", "unsupported-family"],
 )
@@ -52,6 +59,46 @@ def test_auto_is_off_and_true_is_refused_where_liger_cannot_run(request, device,
 
 def test_false_is_off_everywhere(liger_installed):
     assert not choose_kernels(False, "cuda", "qwen2").liger
+
+
+def test_auto_on_a_cpu_never_imports_liger(monkeypatch):
+    monkeypatch.setattr(kernels, "liger_model_types", lambda: pytest.fail("liger-kernel was imported on a CPU"))
+    assert not choose_kernels("auto", "cpu", "qwen2").liger
+
+
+def test_the_real_lookup_says_why_liger_is_unusable_here():
+    """CI has no liger-kernel: the real lookup raises ImportError with the fix, and `auto` says it."""
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger-kernel is installed here")
+    with pytest.raises(ImportError, match="pip install 'lora-rl\\[gpu\\]'"):
+        kernels.liger_model_types()
+    assert "liger-kernel is not installed" in choose_kernels("auto", "cuda", "qwen2").reason
+
+
+def test_only_the_instance_is_patched(tiny_model_dir, liger_installed, monkeypatch):
+    """Liger rebinds names in transformers' module of the family for the whole process; `apply_kernels` puts
+    them back, so only the given model changes (a stand-in for Liger's patch function: the real one needs a GPU).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    originals = {name: getattr(modeling_llama, name) for name in ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")}
+    seen = {}
+
+    def fake_patch(model, **kwargs):  # what Liger's apply_liger_kernel_to_llama(model=...) does, in kind
+        seen.update(kwargs)
+        modeling_llama.LlamaRMSNorm = type("LigerRMSNorm", (), {})
+        modeling_llama.LlamaMLP = type("LigerSwiGLUMLP", (), {})
+        model.model.norm.forward = lambda x: x
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake._apply_liger_kernel_to_instance = fake_patch  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    assert kernels.apply_kernels(model, True, "cuda").liger
+    assert {name: getattr(modeling_llama, name) for name in originals} == originals
+    assert "forward" in vars(model.model.norm)  # the instance keeps its patch
+    assert seen == kernels.PATCHED and not seen["fused_linear_cross_entropy"]
 
 
 def test_auto_on_a_cpu_leaves_the_model_unpatched(tiny_model_dir):
