@@ -7,6 +7,8 @@ import uuid
 import fsspec
 import pytest
 
+from tests.support.embedded_engine import engine, make_engine  # noqa: F401 - the embedded engine's fixtures
+
 
 @pytest.fixture
 def memory_root():
