@@ -43,6 +43,12 @@ def make_run(tmp_path, tiny_model_dir):
         run.close()
 
 
+def first_version(run) -> None:
+    """Publish and sync version 0 and wait for its background write: each test starts from it in the store."""
+    versions.sync(run, versions.publish(run, 0))
+    versions.flush(run)
+
+
 def _gate(run, method: str, version_of) -> threading.Event:
     """Hold every call of `run.store.<method>` for a version from 1 on until the returned event is set."""
     gate, real = threading.Event(), getattr(run.store, method)
@@ -63,7 +69,7 @@ def gate_writes(run) -> threading.Event:
 
 def test_publish_returns_before_the_upload_and_the_engine_serves_the_version_from_memory(make_run):
     run = make_run()
-    versions.sync(run, versions.publish(run, 0))
+    first_version(run)
     gate = gate_writes(run)
     try:
         ref = versions.publish(run, 1)
@@ -85,7 +91,7 @@ def gate_prepares(run) -> threading.Event:
 
 def test_serialising_a_version_is_off_the_critical_path_but_bad_tensors_fail_at_once(make_run):
     run = make_run()
-    versions.sync(run, versions.publish(run, 0))
+    first_version(run)
     gate = gate_prepares(run)
     try:
         ref = versions.publish(run, 1)  # the serialisation (safetensors bytes, sha256) waits at the gate
@@ -105,7 +111,7 @@ def test_an_engine_reporting_a_checksum_is_checked_against_the_versions_bytes(ma
     """Our server reports the sha256 of what it loaded: checked against the version's bytes, hashed in place
     while the writer has not serialised them (no wait behind the step's checkpoint)."""
     run = make_run()
-    versions.sync(run, versions.publish(run, 0))
+    first_version(run)
     listed = run.engine.list_adapters
     reported = {"sha256": "0" * 64}
     monkeypatch.setattr(run.engine, "list_adapters", lambda: {k: {**v, **reported} for k, v in listed().items()})
@@ -127,7 +133,7 @@ def test_an_engine_reporting_a_checksum_is_checked_against_the_versions_bytes(ma
 
 def test_a_failed_serialisation_fails_the_next_step_and_nobody_waits_on_its_checksum(make_run, monkeypatch):
     run = make_run()
-    versions.sync(run, versions.publish(run, 0))
+    first_version(run)
 
     def broken(*args, **kwargs):
         raise OSError("disk full while serialising")
@@ -147,7 +153,7 @@ def test_a_failed_serialisation_fails_the_next_step_and_nobody_waits_on_its_chec
 
 def test_a_store_sync_waits_for_the_upload_of_its_version(make_run):
     run = make_run("bg", "engine.sync=store")
-    versions.sync(run, versions.publish(run, 0))
+    first_version(run)
     gate = gate_writes(run)
     ref = versions.publish(run, 1)
     result: list = []
@@ -163,7 +169,7 @@ def test_a_store_sync_waits_for_the_upload_of_its_version(make_run):
 def test_a_failed_tensor_sync_tries_again_once_the_version_is_stored(make_run, monkeypatch):
     """SGLang falls back to the published folder when it refuses tensors: that folder must be there."""
     run = make_run()
-    versions.sync(run, versions.publish(run, 0))
+    first_version(run)
     gate = gate_writes(run)
     real, calls = versions.sync_version, []
 
@@ -183,7 +189,7 @@ def test_a_failed_upload_fails_the_next_step_naming_the_version_and_keeps_what_w
     make_run, monkeypatch, tmp_path
 ):
     run = make_run()
-    versions.sync(run, versions.publish(run, 0))
+    first_version(run)
     monkeypatch.setenv("LORA_RL_FAULT", "publish_adapter:1")  # raises with v1's files written, before its manifest
     ref = versions.publish(run, 1)  # returns: the upload fails in the background
     upload = run.policy.pending.stored
