@@ -45,8 +45,6 @@ import torch  # noqa: E402
 from _common import RESULTS, ROOT, machine_info, model_config, print_table, random_model, write_json  # noqa: E402
 from cpu_step import TimedPhases  # noqa: E402
 
-from lora_rl_core.trainer.kernels import choose_kernels  # noqa: E402
-
 PHASES = ("rollout", "score", "train", "sync", "publish")
 PEAKS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}  # dense bf16 FLOP/s, HBM bytes/s
 
@@ -205,7 +203,7 @@ def main() -> None:
         setup_seconds=setup_s,
         memory_plan=plan,
         trainer_peak_reserved_gib=round(trainer_peak / 1024**3, 2),
-        trainer_kernels=choose_kernels(cfg.trainer.liger_kernels, trainer_device, "qwen2").reason,
+        trainer_kernels=run.runtime["liger_kernels_reason"],
         sglang_command=command,
         steps=steps,
         machine=machine_info("cuda"),

@@ -97,23 +97,37 @@ def trainer_device(cfg: RunConfig) -> torch.device:
 
 def runtime_info(cfg: RunConfig) -> dict[str, Any]:
     """What the run computes on, for the run log, `run.json` and the report: `{"device", "dtype",
-    "dtype_reason", "lora_compute_dtype", "lora_compute_dtype_reason", "cpu_threads"}` (the dtype `model.dtype`
-    resolved to on the model's device; the one `trainer.lora_compute_dtype` resolved to on the trainer's).
+    "dtype_reason", "lora_compute_dtype", "lora_compute_dtype_reason", "liger_kernels", "liger_kernels_reason",
+    "cpu_threads"}` (the dtype `model.dtype` resolved to on the model's device; what `trainer.lora_compute_dtype`
+    and `trainer.liger_kernels` resolve to on the trainer's), decided here once, before anything starts.
 
     Raises:
-        ConfigError: `trainer.lora_compute_dtype: bfloat16` over base weights that are not bfloat16.
+        ConfigError: `trainer.lora_compute_dtype: bfloat16` over base weights that are not bfloat16;
+            `trainer.liger_kernels: true` where Liger cannot run (`trainer.kernels.choose_kernels`).
     """
     choice = model_dtype(cfg.model)
     device = trainer_device(cfg)
     lora = choose_lora_compute_dtype(cfg.trainer.lora_compute_dtype, device, choose_dtype(cfg.model.dtype, device).name)
+    kernels = choose_kernels(cfg.trainer.liger_kernels, device, _model_type(cfg) if cfg.trainer.liger_kernels else "")
     return {
         "device": str(resolve_device(cfg.model.device)),
         "dtype": choice.name,
         "dtype_reason": choice.reason,
         "lora_compute_dtype": lora.name,
         "lora_compute_dtype_reason": lora.reason,
+        "liger_kernels": kernels.liger,
+        "liger_kernels_reason": kernels.reason,
         "cpu_threads": cpu_threads(),
     }
+
+
+def _model_type(cfg: RunConfig) -> str:
+    """The model's family (`model_type` of its `config.json`), read without loading weights."""
+    from transformers import AutoConfig
+
+    return str(
+        AutoConfig.from_pretrained(model_folder(cfg.model), trust_remote_code=cfg.model.trust_remote_code).model_type
+    )
 
 
 def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer:
@@ -122,11 +136,6 @@ def build_trainer(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Trainer
     (`ray`), with FSDP2's bfloat16 mixed precision unless `trainer.lora_compute_dtype` is `float32`."""
     t = cfg.trainer
     mixed = t.lora_compute_dtype != "float32"
-    if t.world_size >= 1 and t.liger_kernels is True:  # refused here, not inside a worker as a worker failure
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model_folder(cfg.model), trust_remote_code=cfg.model.trust_remote_code)
-        choose_kernels(True, t.device, config.model_type)
     if t.world_size >= 1 and t.backend == "ray":
         from lora_rl_core.trainer.ray_actors import RayTrainer  # lazy: Ray only when asked for
 
@@ -386,8 +395,8 @@ class RunComponents:
 def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     """Build the components of run `run_id`: set CPU threads, write the config snapshot `run.json`, load data,
     rewards, tokenizer, the engine and the trainer, and seed Python's and torch's RNGs with `run.seed`. The
-    trainer gets the `auto` settings resolved: the LoRA compute dtype (`runtime_info`), gradient checkpointing
-    and the micro-batch (the memory plan).
+    trainer gets the `auto` settings resolved: the LoRA compute dtype and Liger's kernels (`runtime_info`),
+    gradient checkpointing and the micro-batch (the memory plan).
 
     The engine comes from the engine registry (`lora_rl_core.engines.registry.build_engine`) with what it
     starts: with `engine.launch.enabled` an SGLang server (log: `<workdir>/sglang.log`), with
@@ -418,6 +427,7 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
                     "gradient_checkpointing": memory.gradient_checkpointing,
                     "micro_batch_size": memory.micro_batch_size,
                     "lora_compute_dtype": runtime["lora_compute_dtype"],
+                    "liger_kernels": runtime["liger_kernels"],
                 }
             )
         }

@@ -112,16 +112,29 @@ def test_auto_on_a_cpu_leaves_the_model_unpatched(tiny_model_dir):
     assert not any("forward" in vars(m) for m in model.modules())  # no forward bound on an instance
 
 
-def test_true_on_cpu_workers_is_refused_before_any_worker_starts(tiny_model_dir, monkeypatch):
+def test_true_on_cpu_workers_is_refused_before_the_run_builds_anything(tmp_path, tiny_model_dir, monkeypatch):
     cfg = RunConfig.model_validate(
         {
             "model": {"name_or_path": str(tiny_model_dir)},
             "trainer": {"world_size": 2, "device": "cpu", "liger_kernels": True},
+            "store": {"uri": f"file://{tmp_path}/store"},
         }
     )
     monkeypatch.setattr(components, "TrainerWorkers", lambda *a, **k: pytest.fail("a worker was started"))
-    with pytest.raises(ConfigError, match="the trainer is on cpu"):
-        components.build_trainer(cfg, tokenizer=None)  # type: ignore[arg-type]
+    monkeypatch.setattr(components, "build_engine", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(ConfigError, match="trainer.liger_kernels=true but the trainer is on cpu"):
+        components.build_run(cfg, "liger-cpu")
+    assert not (tmp_path / "store").exists()  # not even run.json: nothing written
+
+
+def test_the_run_records_what_it_resolved_and_hands_the_trainer_a_bool(tiny_model_dir):
+    cfg = RunConfig.model_validate(
+        {"model": {"name_or_path": str(tiny_model_dir)}, "trainer": {"liger_kernels": "auto"}}
+    )
+    runtime = components.runtime_info(cfg)
+    assert runtime["liger_kernels"] is False and runtime["liger_kernels_reason"].startswith(
+        "auto: off, the trainer is on cpu"
+    )
 
 
 def test_off_by_default(liger_installed):
