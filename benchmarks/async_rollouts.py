@@ -147,22 +147,23 @@ class VersionCheck:
     def accuracies(self, run_id: str, seed: int | None, versions: list[int]) -> dict[str, float]:
         """`{version: greedy accuracy}` on the run's held-out problems (the seed's split, as the flow's)."""
         from lora_rl_core.evaluation import evaluate_run_policy
-        from lora_rl_core.rewards import RewardSet
+        from lora_rl_core.rewards import build_grader
         from lora_rl_core.run import build_problems
 
         problems = build_problems(self.cfg.data, "test", self.cfg.run.seed if seed is None else seed)
         result: dict[str, float] = {}
-        with RewardSet.from_config(self.cfg.reward) as rewards:  # one verifier worker for every version
+        grader = build_grader(self.cfg.eval, self.cfg.reward)  # one grader for every version
+        try:
             for version in versions:
                 ref = self.store.resolve(f"{run_id}@{version}")
                 self.engine.load_adapter(ref.name, path=ref.uri)
                 try:
-                    acc = evaluate_run_policy(
-                        self.engine, self.tokenizer, problems, rewards, self.cfg, adapter=ref.name
-                    )
+                    acc = evaluate_run_policy(self.engine, self.tokenizer, problems, grader, self.cfg, adapter=ref.name)
                 finally:
                     self.engine.unload_adapter(ref.name)
                 result[str(version)] = acc["accuracy"]
+        finally:
+            grader.close()
         return result
 
     def close(self) -> None:

@@ -85,7 +85,7 @@ def train(
             bar.advance(task_id)
         elif event == "eval":
             bar.console.print(
-                f"greedy accuracy {data['phase']} training: {100 * data['accuracy']:.1f}% ({data['n']} problems)"
+                f"greedy accuracy {data['phase']} training: {progress.format_accuracy(data)} ({data['n']} problems)"
             )
 
     unsubscribe = progress.subscribe(on_event)
@@ -98,9 +98,8 @@ def train(
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     console.print(
-        f"[bold green]done[/] run {s['run_id']}: accuracy {pct(s['base_accuracy'])} -> {pct(s['final_accuracy'])}, "
+        f"[bold green]done[/] run {s['run_id']}: accuracy {progress.accuracy_change(s)}, "
         f"{s['steps']} steps, {s['wall_seconds']:.0f} s wall, {s['seconds_per_step']:.1f} s/step, "
         f"{s['completions_per_second']:.2f} completions/s"
     )
@@ -114,8 +113,9 @@ def eval_(
     adapter: Annotated[str | None, typer.Option(help="RUN@VERSION, RUN@latest or RUN; omit for the base model")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
-    """Greedy accuracy on the config's held-out split, for a stored adapter or the base model, scored by the
-    config's reward functions; with `eval.samples_per_prompt=N` (N > 1) also pass@k and mean@N.
+    """Greedy accuracy on the config's held-out split, for a stored adapter or the base model, graded by the
+    evaluation's fixed grader (strict and flexible answer checks, or `eval.grader`), never the training reward;
+    with `eval.samples_per_prompt=N` (N > 1) also pass@k and mean@N.
 
     The engine is the config's (`engine` section: embedded with its limits, or the remote engines at
     `engine.urls`); the adapter is loaded from the config's store by path unless the engine lists it.
@@ -125,7 +125,7 @@ def eval_(
     from lora_rl_core.engines.registry import build_engine
     from lora_rl_core.evaluation import evaluate_run_policy
     from lora_rl_core.models import load_tokenizer
-    from lora_rl_core.rewards import RewardSet
+    from lora_rl_core.rewards import build_grader
     from lora_rl_core.run import build_problems
     from lora_rl_core.runtime import configure_threads
 
@@ -135,7 +135,7 @@ def eval_(
     configure_threads()
     problems = build_problems(cfg.data, "test", cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
-    rewards = RewardSet.from_config(cfg.reward)
+    grader = build_grader(cfg.eval, cfg.reward)
     built = build_engine(EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer))
     engine = built.engine
     try:
@@ -145,16 +145,16 @@ def eval_(
             if ref.name not in engine.list_adapters():
                 engine.load_adapter(ref.name, path=ref.uri)  # the engine reads the version sha256-verified
             name = ref.name
-        result = evaluate_run_policy(engine, tokenizer, problems, rewards, cfg, adapter=name)
+        result = evaluate_run_policy(engine, tokenizer, problems, grader, cfg, adapter=name)
     finally:
         built.close()
-        rewards.close()
+        grader.close()
     if json_out:
         console.print_json(json.dumps(result))
     else:
         sampled = " ".join(f"{k} {100 * v:.1f}%" for k, v in result.items() if k.startswith(("pass@", "mean@")))
         console.print(
-            f"{name or 'base model'}: greedy accuracy {100 * result['accuracy']:.1f}% on {result['n']} problems"
+            f"{name or 'base model'}: greedy accuracy {progress.format_accuracy(result)} on {result['n']} problems"
             + (f"; {sampled} ({result['samples_per_prompt']} samples each)" if sampled else "")
             + f" ({result['seconds']:.1f} s)"
         )

@@ -1,10 +1,12 @@
-"""A policy (base model or a named adapter) on held-out problems, scored by the run's reward functions.
+"""A policy (base model or a named adapter) on held-out problems, graded by the evaluation's fixed grader
+(`lora_rl_core.rewards.grader`: strict and flexible answer checks against the gold answers, or the function
+`eval.grader` names), never by the run's training reward unless it is named as the grader.
 
-Greedy accuracy always: one greedy completion per problem, a success when its summed reward reaches
-`eval.pass_threshold`. With `eval.samples_per_prompt: n > 1`, also `n` samples per problem at
-`eval.temperature`: pass@k for k = 1, 2, 4, ... n with the unbiased estimator of Chen et al. 2021 ("Evaluating
-Large Language Models Trained on Code", eq. 1: `1 - C(n-c, k) / C(n, k)` per problem, averaged), and mean@n,
-the mean success rate over the samples.
+Greedy accuracy always, per grader metric: one greedy completion per problem. With
+`eval.samples_per_prompt: n > 1`, also `n` samples per problem at `eval.temperature`: pass@k for k = 1, 2, 4,
+... n with the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code",
+eq. 1: `1 - C(n-c, k) / C(n, k)` per problem, averaged), and mean@n, the mean success rate over the samples.
+An aborted completion counts as a failure.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from lora_rl_core.config import EvalConfig, RunConfig
 from lora_rl_core.data import Problem, prompt_instruction, render_prompt, stable_seed
 from lora_rl_core.engines import Completion, GenerationRequest, InferenceEngine, SamplingParams
-from lora_rl_core.rewards import RewardBatch, RewardSet, ScoredRewards
+from lora_rl_core.rewards import Grader, RewardBatch
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ def evaluate_policy(
     engine: InferenceEngine,
     tokenizer: PreTrainedTokenizerBase,
     problems: Sequence[Problem],
-    rewards: RewardSet,
+    grader: Grader,
     *,
     adapter: str | None,
     prompt: PromptStyle,
@@ -57,17 +59,19 @@ def evaluate_policy(
     settings: EvalConfig,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Greedy accuracy of `adapter` (None = the base model), and pass@k / mean@n when
-    `settings.samples_per_prompt` > 1.
+    """Greedy accuracy of `adapter` (None = the base model) under each of the grader's metrics, and pass@k /
+    mean@n when `settings.samples_per_prompt` > 1.
 
     Returns:
-        {"accuracy": greedy successes / problems, "n": problems, "adapter", "aborted": greedy completions
-        aborted (counted as failures), "mean_completion_tokens", "reward_mean": greedy, "rewards/<name>/mean":
-        greedy, per reward function, "seconds", "samples": the first 3 (question, completion, gold)}; with
-        samples also "samples_per_prompt", "temperature", "pass@k" for each k, "mean@n".
+        {"accuracy": greedy accuracy under the grader's headline metric (its first), "metrics": the grader's
+        metric names, "accuracy/<metric>" for each, "n": problems, "adapter", "aborted": greedy completions
+        aborted (counted as failures), "truncated": greedy completions cut at `max_new_tokens`,
+        "mean_completion_tokens", "seconds", "samples": the first 3 (question, completion, gold, verdict per
+        metric)}; with samples also "samples_per_prompt", "temperature", "pass@k" and "mean@n" (headline) and
+        "pass@k/<metric>", "mean@n/<metric>" for each metric.
 
     Raises:
-        RewardError: a reward function failed (naming it and the rows).
+        RewardError: the grader failed (a row without a gold answer, or the named function failed).
     """
     start = time.perf_counter()
     ids = [
@@ -76,31 +80,37 @@ def evaluate_policy(
     ]
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     completions = engine.generate([GenerationRequest(i, adapter, greedy) for i in ids], inline=True)
-    texts, passed, scored = _score(tokenizer, rewards, list(problems), completions, settings.pass_threshold)
+    texts, passed = _grade(tokenizer, grader, list(problems), completions)
+    headline = grader.metrics[0]
     result: dict[str, Any] = {
-        "accuracy": sum(passed) / max(1, len(problems)),
+        "accuracy": _rate(passed[headline]),
+        "metrics": list(grader.metrics),
+        **{f"accuracy/{m}": _rate(passed[m]) for m in grader.metrics},
         "n": len(problems),
         "adapter": adapter,
         "aborted": sum(c.finish_reason == "abort" for c in completions),  # counted as failures
+        "truncated": sum(c.finish_reason == "length" for c in completions),
         "mean_completion_tokens": sum(len(c.completion_ids) for c in completions) / max(1, len(completions)),
-        "reward_mean": sum(scored.totals) / max(1, len(scored.totals)),
-        **{f"rewards/{name}/mean": mean for name, mean in scored.term_means().items()},
         "samples": [
-            {"question": p.question, "completion": t, "gold": p.answer}
-            for p, t in zip(problems[:3], texts, strict=False)
+            {"question": p.question, "completion": t, "gold": p.answer, **{m: passed[m][i] for m in grader.metrics}}
+            for i, (p, t) in enumerate(zip(problems[:3], texts, strict=False))
         ],
     }
     if settings.samples_per_prompt > 1:
-        result.update(_sampled(engine, tokenizer, problems, rewards, ids, adapter, max_new_tokens, settings, seed))
+        result.update(_sampled(engine, tokenizer, problems, grader, ids, adapter, max_new_tokens, settings, seed))
     result["seconds"] = time.perf_counter() - start
     return result
+
+
+def _rate(passed: list[bool]) -> float:
+    return sum(passed) / max(1, len(passed))
 
 
 def evaluate_run_policy(
     engine: InferenceEngine,
     tokenizer: PreTrainedTokenizerBase,
     problems: Sequence[Problem],
-    rewards: RewardSet,
+    grader: Grader,
     cfg: RunConfig,
     *,
     adapter: str | None,
@@ -110,13 +120,13 @@ def evaluate_run_policy(
     seed from `run.seed`. What the flow, `lora-rl eval` and the benchmarks evaluate with.
 
     Raises:
-        RewardError: a reward function failed (naming it and the rows).
+        RewardError: the grader failed (naming the rows).
     """
     return evaluate_policy(
         engine,
         tokenizer,
         problems,
-        rewards,
+        grader,
         adapter=adapter,
         prompt=PromptStyle(cfg.rollout.system_prompt, prompt_instruction(cfg.data, cfg.rollout)),
         max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
@@ -129,42 +139,41 @@ def _sampled(
     engine: InferenceEngine,
     tokenizer: PreTrainedTokenizerBase,
     problems: Sequence[Problem],
-    rewards: RewardSet,
+    grader: Grader,
     ids: list[list[int]],
     adapter: str | None,
     max_new_tokens: int,
     settings: EvalConfig,
     seed: int,
 ) -> dict[str, Any]:
-    """pass@k for k = 1, 2, 4, ... n and mean@n from `n` samples per problem."""
+    """pass@k for k = 1, 2, 4, ... n and mean@n from `n` samples per problem, per grader metric (the headline
+    metric's also without a suffix)."""
     n = settings.samples_per_prompt
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=settings.temperature, seed=seed)
     requests = [GenerationRequest(i, adapter, params) for i in ids for _ in range(n)]
     completions = engine.generate(requests, inline=True)
     repeated = [p for p in problems for _ in range(n)]
-    _, passed, _ = _score(tokenizer, rewards, repeated, completions, settings.pass_threshold)
-    successes = [sum(passed[i * n : (i + 1) * n]) for i in range(len(problems))]
+    _, passed = _grade(tokenizer, grader, repeated, completions)
     ks = sorted({*(2**j for j in range(n.bit_length()) if 2**j <= n), n})
     out: dict[str, Any] = {"samples_per_prompt": n, "temperature": settings.temperature}
-    for k in ks:
-        out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in successes) / max(1, len(problems))
-    out[f"mean@{n}"] = sum(successes) / max(1, n * len(problems))
+    for metric in grader.metrics:
+        successes = [sum(passed[metric][i * n : (i + 1) * n]) for i in range(len(problems))]
+        values = {f"pass@{k}": sum(pass_at_k(n, c, k) for c in successes) / max(1, len(problems)) for k in ks}
+        values[f"mean@{n}"] = sum(successes) / max(1, n * len(problems))
+        out.update({f"{key}/{metric}": value for key, value in values.items()})
+        if metric == grader.metrics[0]:
+            out.update(values)
     return out
 
 
-def _score(
-    tokenizer: PreTrainedTokenizerBase,
-    rewards: RewardSet,
-    problems: list[Problem],
-    completions: list[Completion],
-    threshold: float,
-) -> tuple[list[str], list[bool], ScoredRewards]:
-    """Completion texts, whether each succeeded (summed reward >= `threshold`, not skipped, not aborted), and
-    the reward functions' values."""
+def _grade(
+    tokenizer: PreTrainedTokenizerBase, grader: Grader, problems: list[Problem], completions: list[Completion]
+) -> tuple[list[str], dict[str, list[bool]]]:
+    """Completion texts, and per grader metric whether each succeeded (an aborted completion never does)."""
     texts = tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
-    scored = rewards.score(RewardBatch.from_problems(problems, texts, [c.completion_ids for c in completions]))
-    passed = [
-        not skip and c.finish_reason != "abort" and total >= threshold
-        for total, skip, c in zip(scored.totals, scored.skipped, completions, strict=True)
-    ]
-    return texts, passed, scored
+    verdicts = grader.grade(RewardBatch.from_problems(problems, texts, [c.completion_ids for c in completions]))
+    passed = {
+        metric: [ok and c.finish_reason != "abort" for ok, c in zip(values, completions, strict=True)]
+        for metric, values in verdicts.items()
+    }
+    return texts, passed

@@ -33,16 +33,37 @@ def emit(event: str, data: dict[str, Any]) -> None:
 
 
 def format_step(m: dict[str, Any]) -> str:
-    """One line per step: `step 3/30 reward 0.42±0.31 acc 41% clip 0.00 kl 0.000 ent 1.23 gnorm 0.5 len 21 18.2s`."""
+    """One line per step: `step 3/30 reward 0.42±0.31 acc 41% signal 50% clip 0.000 kl 0.0000 ent 1.23 gnorm 0.5
+    len 21.0 cut 3% 2.5 compl/s 18.2s`, then each reward term's mean (`cut`: completions that hit
+    `rollout.max_new_tokens`, verl's `response_length/clip_ratio`)."""
     return (
         f"step {m['step']}/{m.get('steps', '?')} reward {m.get('reward_mean', 0):.3f}±{m.get('reward_std', 0):.3f} "
         f"acc {100 * m.get('accuracy', 0):.0f}% signal {100 * m.get('groups_with_signal', 0):.0f}% "
         f"clip {m.get('clip_fraction', 0):.3f} kl {m.get('kl', 0):.4f} ent {m.get('entropy', 0):.2f} "
         f"gnorm {m.get('grad_norm', 0):.3f} len {m.get('completion_length', 0):.1f} "
+        f"cut {100 * m.get('truncated_fraction', 0):.0f}% "
         f"{m.get('completions_per_second', 0):.1f} compl/s {m.get('step_seconds', 0):.1f}s"
         + (f" lag {' '.join(f'{k}:{v}' for k, v in lag.items())}" if (lag := m.get("version_lag")) else "")
         + "".join(f" {k.removeprefix('rewards/').removesuffix('/mean')} {v:.3f}" for k, v in m.items() if _term(k, v))
     )
+
+
+def format_accuracy(evaluation: dict[str, Any]) -> str:
+    """`strict 3.9% flexible 10.2%`: an evaluation's greedy accuracy under each grader metric
+    (`lora_rl_core.evaluation`; an evaluation of an older version, with one `accuracy`, as that)."""
+    metrics = evaluation.get("metrics") or []
+    if not metrics:
+        return f"{100 * evaluation['accuracy']:.1f}%"
+    return " ".join(f"{m} {100 * evaluation[f'accuracy/{m}']:.1f}%" for m in metrics)
+
+
+def accuracy_change(summary: dict[str, Any]) -> str:
+    """`strict 3.9% -> 40.6%, flexible 10.2% -> 71.9%` from a run summary (`lora_rl_core.report.run_summary`);
+    `n/a` where an evaluation was not run."""
+    base, final = summary.get("base_eval") or {}, summary.get("final_eval") or {}
+    metrics = (final or base).get("metrics") or [None]
+    pct = lambda e, m: "n/a" if not e else f"{100 * e[f'accuracy/{m}' if m else 'accuracy']:.1f}%"  # noqa: E731
+    return ", ".join(f"{m + ' ' if m else ''}{pct(base, m)} -> {pct(final, m)}" for m in metrics)
 
 
 def format_runtime(runtime: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_rl_core.config import RunConfig
-from lora_rl_core.progress import lora_compute_part
+from lora_rl_core.progress import format_accuracy, lora_compute_part
 
 _TABLE_COLUMNS = (
     "step",
@@ -19,6 +19,7 @@ _TABLE_COLUMNS = (
     "entropy",
     "grad_norm",
     "completion_length",
+    "truncated_fraction",
     "rollout_seconds",
     "train_seconds",
     "sync_seconds",
@@ -98,7 +99,7 @@ def _markdown_table(rows: list[dict[str, Any]]) -> str:
 def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> str:
     """The report's headline section: accuracies, timing, throughput, settings."""
     base, final = summary.get("base_eval") or {}, summary.get("final_eval") or {}
-    acc = lambda e: f"{100 * e['accuracy']:.1f}% ({e['n']} problems){_sampled(e)}" if e else "not measured"  # noqa: E731
+    acc = lambda e: f"{format_accuracy(e)} ({e['n']} problems){_sampled(e)}" if e else "not measured"  # noqa: E731
     return (
         f"# lora-rl run `{run_id}`\n\n"
         f"- model: `{cfg.model.name_or_path}`; LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}, "
@@ -106,6 +107,7 @@ def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> st
         f"- data: {cfg.data.source}; {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples, "
         f"{cfg.rollout.max_new_tokens} new tokens; {cfg.algorithm.advantage}, lr {cfg.trainer.lr}\n"
         f"{_runtime_line(summary.get('runtime'))}"
+        f"- graded by {_grader(base or final)}, apart from the training reward\n"
         f"- greedy accuracy before training: {acc(base)}\n"
         f"- greedy accuracy after training: {acc(final)} (adapter `{summary.get('final_adapter')}`)\n"
         f"- steps: {summary.get('steps')}; wall time {summary.get('wall_seconds', 0):.0f} s; "
@@ -113,6 +115,40 @@ def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> st
         f"{summary.get('completions_per_second', 0):.2f} completions/s\n"
         f"- adapters: `{summary.get('store_uri')}/{run_id}/adapters/`\n"
     )
+
+
+def _grader(evaluation: dict[str, Any]) -> str:
+    metrics = evaluation.get("metrics") or []
+    if metrics == ["strict", "flexible"]:
+        return "the answer checker (strict: after `####` or in `\\boxed{}`; flexible: else the last number)"
+    return f"`{metrics[0]}` (eval.grader)" if metrics else "the run's reward (an older run)"
+
+
+def samples_markdown(samples: list[dict[str, Any]]) -> str:
+    """Sample completions of the run's steps (`lora_rl_core.run.samples.step_samples`) as markdown: per step, each
+    with its prompt, the completion (`cut` where it hit the token limit), the gold answer and every reward term."""
+    if not samples:
+        return "(none)\n"
+    lines = []
+    for step in sorted({s["step"] for s in samples}):
+        lines.append(f"\n### Step {step}\n")
+        for s in (s for s in samples if s["step"] == step):
+            terms = " ".join(f"{k} {_value(v)}" for k, v in s["rewards"].items())
+            cut = ", cut at the token limit" if s["finish_reason"] == "length" else ""
+            lines.append(
+                f"- **Q:** {_one_line(s['prompt'])} (gold {s['gold']})  \n"
+                f"  **A:** `{s['completion']!r}` ({s['tokens']} tokens{cut})  \n"
+                f"  reward {s['reward']:.3f}: {terms}\n"
+            )
+    return "".join(lines)
+
+
+def _value(v: float | None) -> str:
+    return "none" if v is None else f"{v:g}"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _sampled(evaluation: dict[str, Any]) -> str:
@@ -173,7 +209,8 @@ def run_summary(
 def write_report(
     workdir: Path, run_id: str, cfg: RunConfig, history: list[dict[str, Any]], summary: dict[str, Any]
 ) -> Path:
-    """Write `<workdir>/report.md` (summary, metric table, sample completions), `reward_curve.png`, and
+    """Write `<workdir>/report.md` (summary, metric table, sample rollout completions of the first, middle and
+    last steps from `summary["step_samples"]`, greedy held-out completions), `reward_curve.png`, and
     `history.json` (every step's metrics, one object per step).
 
     Returns:
@@ -182,15 +219,21 @@ def write_report(
     workdir.mkdir(parents=True, exist_ok=True)
     plot_reward_curve(history, workdir / "reward_curve.png")
     (workdir / "history.json").write_text(json.dumps(history, indent=1))
-    samples = (summary.get("final_eval") or {}).get("samples", [])
+    final = summary.get("final_eval") or {}
+    metrics = final.get("metrics") or []
     sample_md = "".join(
-        f"- **Q:** {s['question']}  \n  **A:** `{s['completion']!r}` (gold {s['gold']})\n" for s in samples
+        f"- **Q:** {_one_line(s['question'])}  \n  **A:** `{s['completion']!r}` (gold {s['gold']}"
+        + "".join(f"; {m} {'right' if s.get(m) else 'wrong'}" for m in metrics)
+        + ")\n"
+        for s in final.get("samples", [])
     )
     text = (
         summary_markdown(run_id, cfg, summary)
         + "\n![reward curve](reward_curve.png)\n\n## Steps\n\n"
         + _markdown_table(step_table(history))
-        + "\n## Sample completions after training\n\n"
+        + "\n## Rollout completions (first, middle and last step)\n"
+        + samples_markdown(summary.get("step_samples") or [])
+        + "\n## Greedy completions after training (held-out)\n\n"
         + (sample_md or "(none)\n")
     )
     path = workdir / "report.md"

@@ -98,6 +98,14 @@ def evaluate(run_id: str, adapter: str | None) -> dict[str, Any]:
     return phases.evaluate(registry.get_run(run_id), adapter)
 
 
+@task(name="step_samples", **_NO_CACHE)
+def step_samples(run_id: str, steps: int) -> list[dict[str, Any]]:
+    """Sample completions of the first, middle and last steps, with their prompts and reward terms."""
+    from lora_rl_core.run.samples import step_samples as _samples
+
+    return _samples(registry.get_run(run_id), steps)
+
+
 @task(name="write_report", **_NO_CACHE)
 def write_report(run_id: str, history: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     """Write report.md and reward_curve.png; returns the report path."""
@@ -137,6 +145,7 @@ class StepTasks:
     sync_engines: Task[..., SyncStats]
     flush_writes: Task[..., None]
     evaluate: Task[..., dict[str, Any]]
+    step_samples: Task[..., list[dict[str, Any]]]
     write_report: Task[..., str]
 
 
@@ -151,6 +160,7 @@ def step_tasks(storage: WritableFileSystem) -> StepTasks:
         sync_engines=sync_engines,
         flush_writes=flush_writes,
         evaluate=evaluate.with_options(result_storage=storage),
+        step_samples=step_samples,
         write_report=write_report,
     )
 

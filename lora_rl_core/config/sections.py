@@ -297,8 +297,9 @@ class RewardFunctionConfig(Section):
     """One reward term: a built-in name, `module:function` or `file.py:function`, and its weight."""
 
     name: str = "math"
-    """A built-in reward (`math`: 1.0 when the completion states the gold answer, checked by math-verify, 0.0
-    when not, None without one; `format`: 1.0 when the completion contains `#### <number>`), an importable
+    """A built-in reward (`math`: 1.0 when the answer the completion states, `reward.answer_format`, equals the
+    gold answer, 0.0 when not, None without one; `format`: 1.0 when the completion states a number after
+    `####`), an importable
     `module.path:function`, or `path/to/file.py:function` (a relative path is taken from the config file's
     folder). A function has TRL's signature `f(prompts, completions, completion_ids, **columns) -> list[float |
     None]`, called once per batch with every other dataset column by name; `async def` functions run
@@ -321,8 +322,20 @@ class RewardConfig(Section):
     """Where a relative `path/to/file.py:function` name is found: `load_config` sets the config file's folder;
     None = the working directory."""
     verify_timeout_s: float = Field(5.0, gt=0)
-    """The `math` reward: seconds one answer may take to parse and verify (math-verify's default); an answer
-    past it scores 0.0 and its worker process is replaced."""
+    """The `math` reward: seconds one symbolic answer may take to parse and verify with math-verify (its
+    default); an answer past it scores 0.0 and its worker process is replaced."""
+    answer_format: Literal["strict", "flexible"] = "flexible"
+    """Where the `math` reward reads the answer a completion states (lm-eval's gsm8k filters): `strict`
+    (`strict-match`) only after the last `####` or in the last `\\boxed{}`, the format the instruction asks
+    for; `flexible` (`flexible-extract`) there, else the last number of the completion. Either way only the
+    stated answer is graded: a number that is an operand of an expression (`34 + 49`) is no answer, so
+    restating the problem earns nothing. Default `flexible`: a small model that answers right without the
+    `####` still gets a learning signal (docs/DESIGN.md, "An honest math reward")."""
+    leak_check: bool = True
+    """Before step 1, score each held-out prompt restated as a completion (its text, the question, the question
+    without its closing `?`) with every term: a term that pays a restatement more than an empty completion on
+    more than 5 % of the prompts (`lora_rl_core.rewards.leaks.LEAK_MAX_FRACTION`) stops the run, naming the
+    term and a row (a reward the policy could earn by restating the question). `false` skips the check."""
 
 
 class EvalConfig(Section):
@@ -334,9 +347,16 @@ class EvalConfig(Section):
     mean@n (the mean success rate over the n samples)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of the `samples_per_prompt` samples."""
+    grader: str | None = None
+    """What grades the evaluation, apart from the training reward so that a change to a reward can never move
+    the score. None (default): the built-in answer checker against each problem's gold answer, in both of
+    lm-eval's gsm8k modes side by side (`strict`: the answer after `####` or in `\\boxed{}`; `flexible`: else
+    the last number). Or a reward function by name, as in `reward.functions` (`format`, `module:function`,
+    `file.py:function`): a completion succeeds when its value reaches `pass_threshold`. A run's own reward
+    functions never grade the evaluation unless named here."""
     pass_threshold: float = 1.0
-    """A completion succeeds when its summed reward reaches this (1.0: a right answer under the built-in
-    `math` reward); accuracy and pass@k count successes."""
+    """With `grader` naming a function: a completion succeeds when its value reaches this. Also the success
+    line of the rollout accuracy in the step metrics (summed training reward)."""
 
 
 class RunSection(Section):

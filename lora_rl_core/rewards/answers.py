@@ -1,24 +1,52 @@
-"""Where a completion states its answer, and whether it states it in the GSM8K format.
+"""The answer a completion states, and whether a stated number equals a numeric gold answer.
 
-`answer_span` finds the text math-verify should parse (`lora_rl_core.rewards.verify`): the first number after
-the last `####` (GSM8K's convention, which math-verify alone misreads when words follow the number); otherwise
-the whole completion, where math-verify finds a `\\boxed{}` or the last expression itself. `stated_text` is
-the answer as text, for gold answers with no math in them. Number tokens may carry thousands commas, a sign,
-decimals, a fraction (`3/4`, `\\frac{3}{4}`), a percent or a currency sign (`$ € £`).
+Only the stated answer is read; nothing else of the completion is parsed (a completion that restates the
+problem, `"The sum 76 + 57"`, states no answer: issue 31, where math-verify evaluated the restated problem).
+
+Where a completion states its answer (`extract_answer`), after lm-eval's gsm8k filters:
+
+* `strict` (lm-eval's `strict-match`, the format the instruction asks for): the text after the last `####`
+  up to the end of its line (where it holds a letter, a digit or LaTeX: `####.` states nothing), else the
+  content of the last balanced `\\boxed{}`; else no answer.
+* `flexible` (lm-eval's `flexible-extract`): the strict answer where there is one, else the last number in
+  the completion.
+
+A number token may carry thousands commas (`1,250`), a sign, decimals (`.5`), a fraction (`3/4`,
+`\\frac{3}{4}`), a percent sign or a currency sign (`$ € £`). A number that is an operand of an arithmetic
+expression (`34 + 49`, `25000 - 8 * 1500`) is not a stated number, whatever the expression evaluates to.
+
+Numeric comparison (`stated_number`, `numbers_equal`): exact as fractions, else `math.isclose` with
+`rel_tol=1e-9` (so a gold `0.6666666666666666` accepts `2/3`, never `0.67`); a percent matches both its
+number and a hundredth of it (`45%` matches `45` and `0.45`, on either side).
 """
 
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
+from typing import Literal
+
+AnswerFormat = Literal["strict", "flexible"]
+"""Where a completion states its answer (module docstring): `reward.answer_format`."""
+ANSWER_FORMATS: tuple[AnswerFormat, ...] = ("strict", "flexible")
 
 _SIGN = r"(?:(?<![\w)\]}])[-+\u2212])?"  # a sign only where it cannot be a binary minus
 _UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-_NUMBER_RE = re.compile(rf"{_SIGN}[$€£]?{_SIGN}{_UNSIGNED}(?:\s*/\s*{_UNSIGNED})?(?:\s*%)?")
-_FORMAT_RE = re.compile(rf"####\s*{_NUMBER_RE.pattern}")
+# `3/4` is a fraction; `12 / 4`, with spaces, is a division (an expression).
+_NUMBER_RE = re.compile(rf"{_SIGN}[$€£]?{_SIGN}{_UNSIGNED}(?:/{_UNSIGNED})?(?:\s*%)?")
+_LATEX_FRAC_RE = re.compile(r"^([-+\u2212]?)\\[dt]?frac\{\s*([^{}]+?)\s*\}\{\s*([^{}]+?)\s*\}$")
+_OPERATOR = r"[-+*/×÷^x\u2212\u22c5·]"
+# An operator then a number right after a number: the number starts an expression (`34 + 49`, `3x4`).
+_OPERATOR_AFTER_RE = re.compile(rf"\s*{_OPERATOR}\s*[$€£(]?\s*\.?\d")
+# A number (or a closing bracket) then an operator right before a number: the number ends an expression.
+_OPERATOR_BEFORE_RE = re.compile(rf"[\d)]\s*{_OPERATOR}\s*[$€£(]?\s*$")
+_STATES_SOMETHING_RE = re.compile(r"[\w\\]")
+_PERCENT_WORDS_RE = re.compile(r"\s*(?:percent|per cent)\b", re.IGNORECASE)
 
 
-def _boxed_content(text: str) -> str | None:
-    """Return the content of the last balanced ``\\boxed{...}`` in ``text``, or ``None``."""
+def boxed_content(text: str) -> str | None:
+    """The content of the last balanced ``\\boxed{...}`` in ``text``, or None."""
     start = text.rfind("\\boxed{")
     while start != -1:
         depth, begin = 0, start + len("\\boxed")
@@ -30,26 +58,102 @@ def _boxed_content(text: str) -> str | None:
     return None
 
 
-def answer_span(text: str) -> str:
-    """The part of a completion that math-verify should parse: the first number after the last ``####`` when
-    there is one (``#### -3 apples, 4 left`` states -3), else the whole completion."""
+def extract_answer(text: str, answer_format: AnswerFormat) -> str | None:
+    """The answer `text` states (module docstring), as text, or None where it states none.
+
+    Args:
+        text: one completion.
+        answer_format: `strict` (after the last `####`, else the last `\\boxed{}`) or `flexible` (else the last
+            number that is no operand of an expression).
+
+    Raises:
+        ValueError: an unknown `answer_format`.
+    """
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"unknown answer format {answer_format!r}; use one of {', '.join(ANSWER_FORMATS)}")
     if "####" in text:
-        found = _NUMBER_RE.search(text.rsplit("####", 1)[1])
-        if found:
-            return found.group(0).strip()
-    return text
+        line = _line_after_marker(text)
+        if _STATES_SOMETHING_RE.search(line):  # `####.` (the instruction restated) states nothing
+            return line
+    boxed = boxed_content(text)
+    if boxed is not None and boxed.strip():
+        return boxed.strip()
+    numbers = list(_NUMBER_RE.finditer(text)) if answer_format == "flexible" else []
+    if not numbers or _is_operand(text, numbers[-1]):
+        return None
+    return numbers[-1].group(0).strip()
+
+
+def stated_number(span: str) -> tuple[Fraction, bool] | None:
+    """The number a stated answer `span` (`extract_answer`) begins with, as `(value, is_percent)`, or None where
+    it begins with none, or with one that is an operand of an expression (`76 + 57`, `3 * 4`). Words after
+    the number are allowed (`5 apples`, `-3, 4 left`); so are words before it (`the answer is .5`)."""
+    latex = _LATEX_FRAC_RE.match(span.strip().rstrip("."))
+    if latex:
+        value = _fraction(f"{latex.group(2)}/{latex.group(3)}")
+        if value is None:
+            return None
+        return (-value if latex.group(1) else value), False
+    found = _NUMBER_RE.search(span)
+    if found is None or _is_operand(span, found):
+        return None
+    token = found.group(0).strip()
+    percent = token.endswith("%") or _PERCENT_WORDS_RE.match(span, found.end()) is not None
+    value = _fraction(token)
+    return None if value is None else (value, percent)
+
+
+def parse_gold_number(gold: str) -> tuple[Fraction, bool] | None:
+    """A gold answer's value when the whole gold answer is one number (`1,250`, `-3.5`, `3/4`, `45%`, `$5`,
+    `\\frac{3}{4}`), else None (a symbolic or text answer: math-verify's or a text comparison's)."""
+    text = gold.strip().rstrip(".").strip()
+    if _LATEX_FRAC_RE.match(text):
+        return stated_number(text)
+    found = _NUMBER_RE.fullmatch(text)
+    if found is None:
+        return None
+    return stated_number(text)
+
+
+def numbers_equal(gold: tuple[Fraction, bool], stated: tuple[Fraction, bool]) -> bool:
+    """Whether a stated number equals the gold number (module docstring: exact, else `rel_tol=1e-9`; a percent
+    on either side matches its number and a hundredth of it)."""
+    golds = {gold[0], gold[0] / 100} if gold[1] else {gold[0]}
+    stateds = {stated[0], stated[0] / 100} if stated[1] else {stated[0]}
+    return any(g == s or math.isclose(float(g), float(s), rel_tol=1e-9, abs_tol=1e-12) for g in golds for s in stateds)
 
 
 def has_gsm8k_answer(text: str) -> bool:
-    """Whether the completion contains ``#### <number>``."""
-    return _FORMAT_RE.search(text) is not None
+    """Whether the completion states a number after its last ``####`` (GSM8K's answer format; an expression
+    such as ``#### 34 + 49`` is no stated number)."""
+    if "####" not in text:
+        return False
+    return stated_number(_line_after_marker(text)) is not None
 
 
-def stated_text(text: str) -> str:
-    """The answer a completion states as text: the first line after the last ``####``, else the last
-    ``\\boxed{}``'s content, else the whole completion."""
-    if "####" in text:
-        lines = text.rsplit("####", 1)[1].strip().splitlines()
-        return lines[0] if lines else ""
-    boxed = _boxed_content(text)
-    return boxed if boxed is not None else text
+def _line_after_marker(text: str) -> str:
+    """The rest of the line after the last ``####``, stripped."""
+    return text.rsplit("####", 1)[1].split("\n", 1)[0].strip()
+
+
+def _is_operand(text: str, found: re.Match[str]) -> bool:
+    """Whether the number `found` in `text` is an operand of an arithmetic expression: an operator and a number
+    follow it, or a number and an operator come right before it."""
+    if _OPERATOR_AFTER_RE.match(text, found.end()) is not None:
+        return True
+    return _OPERATOR_BEFORE_RE.search(text, 0, found.start()) is not None
+
+
+def _fraction(token: str) -> Fraction | None:
+    """A number token's value (commas, currency, percent sign and spaces removed; `a/b` divided)."""
+    clean = token.replace(",", "").replace("\u2212", "-").replace("%", "").replace(" ", "")
+    clean = clean.translate(str.maketrans("", "", "$€£"))
+    sign = -1 if clean.count("-") % 2 else 1
+    clean = clean.replace("-", "").replace("+", "")
+    try:
+        if "/" in clean:
+            num, den = clean.split("/", 1)
+            return None if Fraction(den) == 0 else sign * Fraction(num) / Fraction(den)
+        return sign * Fraction(clean)
+    except (ValueError, ZeroDivisionError):
+        return None

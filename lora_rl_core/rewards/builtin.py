@@ -1,8 +1,10 @@
 """The built-in reward functions, with TRL's signature `f(prompts, completions, completion_ids, **columns)`:
 
-* `math`: 1.0 when the completion states the gold answer (`answer` column), checked by math-verify in worker
-  processes (`MathVerifier`); None for a row without a gold answer.
-* `format`: 1.0 when the completion contains `#### <number>` (GSM8K's answer format), else 0.0.
+* `math`: 1.0 when the answer the completion states (`reward.answer_format`: after `####` or in `\\boxed{}`;
+  `flexible` also the last number) equals the gold answer (`answer` column), else 0.0; None for a row
+  without a gold answer (`lora_rl_core.rewards.verify`: a numeric gold matches only a stated number; a
+  symbolic one goes through math-verify in worker processes).
+* `format`: 1.0 when the completion states a number after its last `####` (GSM8K's answer format), else 0.0.
 
 Completions come as text (TRL's standard format) or as `[{"role": "assistant", "content": ...}]` (TRL's
 conversational format); `completion_text` reads either.
@@ -14,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lora_rl_core.errors import RewardError
-from lora_rl_core.rewards.answers import has_gsm8k_answer
+from lora_rl_core.rewards.answers import AnswerFormat, has_gsm8k_answer
 from lora_rl_core.rewards.verify import MathVerifier
 
 
@@ -29,11 +31,13 @@ class MathReward:
     """`math`: 1.0 when the completion states the row's gold answer, 0.0 when not, None without a gold answer.
 
     Args:
-        verifier: checks answers with math-verify in worker processes (owned by the caller).
+        verifier: checks answers (`MathVerifier`, owned by the caller).
+        answer_format: where a completion states its answer (`reward.answer_format`).
     """
 
-    def __init__(self, verifier: MathVerifier) -> None:
+    def __init__(self, verifier: MathVerifier, answer_format: AnswerFormat = "strict") -> None:
         self.verifier = verifier
+        self.answer_format = answer_format
 
     def __call__(
         self,
@@ -55,7 +59,7 @@ class MathReward:
             )
         texts = [completion_text(c) for c in completions]
         rows = [i for i, gold in enumerate(answer) if gold is not None]
-        verdicts = self.verifier.check([str(answer[i]) for i in rows], [texts[i] for i in rows])
+        verdicts = self.verifier.check([str(answer[i]) for i in rows], [texts[i] for i in rows], self.answer_format)
         out: list[float | None] = [None] * len(texts)
         for i, right in zip(rows, verdicts, strict=True):
             out[i] = 1.0 if right else 0.0
@@ -65,12 +69,12 @@ class MathReward:
 def format_reward(
     prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **columns: Any
 ) -> list[float | None]:
-    """`format`: 1.0 when the completion contains `#### <number>`, else 0.0."""
+    """`format`: 1.0 when the completion states a number after its last `####`, else 0.0."""
     return [1.0 if has_gsm8k_answer(completion_text(c)) else 0.0 for c in completions]
 
 
-BUILTIN_REWARDS: dict[str, Callable[[MathVerifier], Callable[..., list[float | None]]]] = {
+BUILTIN_REWARDS: dict[str, Callable[[MathVerifier, AnswerFormat], Callable[..., list[float | None]]]] = {
     "math": MathReward,
-    "format": lambda verifier: format_reward,
+    "format": lambda verifier, answer_format: format_reward,
 }
-"""Built-in rewards by name: each a factory given the run's `MathVerifier`."""
+"""Built-in rewards by name: each a factory given the run's `MathVerifier` and `reward.answer_format`."""

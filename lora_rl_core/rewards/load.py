@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from lora_rl_core.errors import RewardError
+from lora_rl_core.rewards.answers import AnswerFormat
 from lora_rl_core.rewards.builtin import BUILTIN_REWARDS
 from lora_rl_core.rewards.verify import MathVerifier
 
 
-def load_reward_function(name: str, verifier: MathVerifier, files_dir: str | None = None) -> Callable[..., Any]:
+def load_reward_function(
+    name: str, verifier: MathVerifier, files_dir: str | None = None, answer_format: AnswerFormat = "strict"
+) -> Callable[..., Any]:
     """The callable `name` names.
 
     Args:
@@ -25,13 +28,14 @@ def load_reward_function(name: str, verifier: MathVerifier, files_dir: str | Non
         verifier: given to the built-in `math` reward.
         files_dir: where a relative file path is found (`reward.files_dir`: the config file's folder); None =
             the working directory.
+        answer_format: given to the built-in `math` reward (`reward.answer_format`).
 
     Raises:
         RewardError: an unknown name, a module or file that cannot be imported, a missing attribute, or an
             object that is not callable.
     """
     if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name](verifier)
+        return BUILTIN_REWARDS[name](verifier, answer_format)
     target, sep, attr = name.rpartition(":")
     if not sep or not target or not attr:
         valid = ", ".join(sorted(BUILTIN_REWARDS))

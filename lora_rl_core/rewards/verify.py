@@ -1,42 +1,87 @@
-"""Math answers checked with Hugging Face's `math-verify` (Apache-2.0; TRL's and Open-R1's accuracy reward use
-it): `parse` the gold answer and the completion's answer span, then `verify(gold, answer)` (gold first: the
-check is not symmetric).
+"""Whether a completion states the gold answer: the stated answer alone (`answers.extract_answer`, in
+`reward.answer_format`) is graded, never the rest of the completion.
+
+* A numeric gold answer (`1,250`, `-3.5`, `3/4`, `45%`) matches only a stated number (`answers.stated_number`,
+  `numbers_equal`), in this process: an expression that evaluates to the gold (`76 + 57`) is no stated number.
+* A symbolic gold answer (LaTeX, `\\frac{\\pi}{2}`, intervals, sets) goes to Hugging Face's `math-verify`
+  (Apache-2.0; TRL's and Open-R1's accuracy reward use it): `parse` the gold answer and the extracted span
+  only, then `verify(gold, answer)` (gold first: the check is not symmetric). A gold answer math-verify
+  finds no math in (`Yes`, a name) is compared with the span as case-folded text.
 
 math-verify's own timeouts use `signal.alarm`, which works only on a process's main thread (Math-Verify #50,
-#55), and a pathological expression can keep sympy busy for minutes. So `MathVerifier` runs every check in a
-worker process (a `pebble.ProcessPool`, spawned on first use) with math-verify's own timeouts off and a
-deadline per answer: an answer that takes longer is not verified (0.0) and its worker is replaced, so the
-step goes on. The pool belongs to whoever made the verifier (`close()`, or a `with` block); it never outlives
-it.
+#55), and a pathological expression can keep sympy busy for minutes. So `MathVerifier` runs every symbolic
+check in a worker process (a `pebble.ProcessPool`, spawned on first use) with math-verify's own timeouts off
+and a deadline per answer: an answer that takes longer is not verified (0.0) and its worker is replaced, so
+the step goes on. The pool belongs to whoever made the verifier (`close()`, or a `with` block); it never
+outlives it.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from lora_rl_core.rewards.answers import answer_span, stated_text
+from lora_rl_core.rewards.answers import (
+    ANSWER_FORMATS,
+    AnswerFormat,
+    extract_answer,
+    numbers_equal,
+    parse_gold_number,
+    stated_number,
+)
 
 VERIFY_TIMEOUT_S = 5.0
 """Default seconds one answer may take to parse and verify (math-verify's own default, 5 s)."""
 
 
-def check_answer(gold: str, completion: str) -> bool:
-    """Whether `completion` states `gold` (math-verify on `answer_span(completion)`; a gold answer math-verify
-    finds no math in is compared as case-folded text with `stated_text`), in this process, without a timeout:
-    the body of a worker's task."""
-    from math_verify import parse, verify
+def numeric_verdict(gold: str, completion: str, answer_format: AnswerFormat) -> bool | None:
+    """Whether `completion` states the numeric `gold` answer (module docstring); None when `gold` is not one
+    number (a symbolic or text gold: `check_answer` sends it to math-verify)."""
+    gold_number = parse_gold_number(gold)
+    if gold_number is None:
+        return None
+    span = extract_answer(completion, answer_format)
+    stated = stated_number(span) if span is not None else None
+    return stated is not None and numbers_equal(gold_number, stated)
+
+
+def check_answer(gold: str, completion: str, answer_format: AnswerFormat = "strict") -> bool:
+    """Whether `completion` states `gold` (module docstring), in this process, without a timeout: the body of a
+    worker's task.
+
+    Raises:
+        ValueError: an unknown `answer_format`.
+    """
+    numeric = numeric_verdict(gold, completion, answer_format)
+    if numeric is not None:
+        return numeric
+    span = extract_answer(completion, answer_format)
+    if span is None:
+        return False
+    if _WORDS_RE.fullmatch(gold.strip()):  # a gold answer that is no math (`Yes`, a name): compared as text
+        return _normalized(span) == _normalized(gold)
+    from math_verify import verify
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that its timeout is off
-    gold_parsed = parse(gold, parsing_timeout=None)  # None: no signal-based timeout
-    if not gold_parsed:  # a gold answer that is no math (`Yes`, a name): compared as text
-        return _normalized(stated_text(completion)) == _normalized(gold)
-    answer = parse(answer_span(completion), parsing_timeout=None)
-    return bool(verify(gold_parsed, answer, timeout_seconds=None))
+    return bool(verify(_parse(gold), _parse(span), timeout_seconds=None))
+
+
+def _parse(text: str) -> list[Any]:
+    """math-verify's reading of one answer: as LaTeX math (`$...$`, so `(1, 2]`, `\\{1, 2\\}` and `x^2 + 1`
+    parse whole), else as math-verify finds it in the text."""
+    from math_verify import parse
+
+    inline = parse(f"${text}$", parsing_timeout=None) if "$" not in text else []  # None: no signal-based timeout
+    return inline or parse(text, parsing_timeout=None)
+
+
+_WORDS_RE = re.compile(r"[^\W\d_][\w .'-]*", re.UNICODE)
+"""A gold answer of words (`Yes`, `New York`): no math in it."""
 
 
 def _normalized(text: str) -> str:
@@ -60,30 +105,40 @@ class MathVerifier:
         self._pool: Any = None
         self._lock = threading.Lock()
 
-    def check(self, golds: Sequence[str], completions: Sequence[str]) -> list[bool]:
-        """Whether each completion states its gold answer; an answer past the deadline, or one whose worker
-        died (sympy can exhaust memory), counts as not stated (`timeouts`, `crashes`).
+    def check(
+        self, golds: Sequence[str], completions: Sequence[str], answer_format: AnswerFormat = "strict"
+    ) -> list[bool]:
+        """Whether each completion states its gold answer (`check_answer`). Numeric golds are graded here;
+        symbolic ones in the worker processes, where an answer past the deadline, or one whose worker died
+        (sympy can exhaust memory), counts as not stated (`timeouts`, `crashes`).
 
         Raises:
             RuntimeError: the verifier is closed.
+            ValueError: an unknown `answer_format`.
         """
+        if self._closed:
+            raise RuntimeError("the math verifier is closed")
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"unknown answer format {answer_format!r}; use one of {', '.join(ANSWER_FORMATS)}")
+        verdicts = [numeric_verdict(g, c, answer_format) for g, c in zip(golds, completions, strict=True)]
+        symbolic = [i for i, v in enumerate(verdicts) if v is None]
+        if not symbolic:
+            return [bool(v) for v in verdicts]
         from pebble import ProcessExpired
 
         pool = self._start()
-        futures = [
-            pool.schedule(check_answer, args=(g, c), timeout=self.timeout_s)
-            for g, c in zip(golds, completions, strict=True)
-        ]
-        out = []
-        for future in futures:
+        futures = {
+            i: pool.schedule(check_answer, args=(golds[i], completions[i], answer_format), timeout=self.timeout_s)
+            for i in symbolic
+        }
+        out = [bool(v) for v in verdicts]
+        for i, future in futures.items():
             try:
-                out.append(bool(future.result()))
+                out[i] = bool(future.result())
             except FutureTimeout:
                 self.timeouts += 1
-                out.append(False)
             except ProcessExpired:
                 self.crashes += 1
-                out.append(False)
         return out
 
     def _start(self) -> Any:

@@ -34,7 +34,9 @@ from lora_rl_core.errors import DataError, LoraRLError
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.memory import MemoryPlan, ModelShape, log_plan, plan_memory, sglang_shares_trainer_gpu
 from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
-from lora_rl_core.rewards import RewardSet
+from lora_rl_core.rewards import Grader, RewardSet, build_grader
+from lora_rl_core.rewards.grader import NO_GOLD_FIX, missing_text
+from lora_rl_core.rewards.leaks import check_reward_leaks
 from lora_rl_core.run.rundir import RunDir
 from lora_rl_core.run.writer import StoreWriter
 from lora_rl_core.runtime import choose_dtype, choose_lora_compute_dtype, configure_threads, cpu_threads
@@ -63,31 +65,59 @@ def build_rewards(cfg: RunConfig) -> RewardSet:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Check, before any training work, that the store, the data, the reward functions and the model can be had,
-    and that the data has what the rewards need (the built-in `math` reward needs gold answers).
+    """Check, before any training work, that the store, the data, the reward functions, the evaluation's grader
+    and the model can be had, that the data has what the rewards and the grader need (gold answers), and that
+    no reward term pays for restating the prompt (`check_leaks`).
 
     Raises:
         StoreError / DataError / RewardError / ModelError: with one clear line naming what is wrong.
     """
     cfg.store.build()  # an unknown store protocol or a missing fsspec package
     train = build_problems(cfg.data, "train", cfg.run.seed)
-    build_problems(cfg.data, "test", cfg.run.seed)
-    build_rewards(cfg).close()
-    check_answers(cfg, train)
+    test = build_problems(cfg.data, "test", cfg.run.seed)
+    check_answers(cfg, train, test)
+    build_grader(cfg.eval, cfg.reward).close()
+    with build_rewards(cfg) as rewards:
+        if cfg.reward.leak_check:
+            check_leaks(cfg, load_tokenizer(cfg.model), test, rewards)
     model_folder(cfg.model)
 
 
-def check_answers(cfg: RunConfig, problems: list[Problem]) -> None:
-    """The built-in `math` reward needs gold answers: refuse data without any.
+def check_answers(cfg: RunConfig, train: list[Problem], test: list[Problem]) -> None:
+    """The built-in `math` reward needs gold answers in the training data, and the evaluation's default grader
+    in the held-out data: refuse data without them.
 
     Raises:
-        DataError: `math` is a reward term and no problem has an answer.
+        DataError: `math` is a reward term and no training problem has an answer; or the evaluation runs with
+            the default grader and a held-out problem has none.
     """
-    if any(f.name == "math" for f in cfg.reward.functions) and all(p.answer is None for p in problems):
+    if any(f.name == "math" for f in cfg.reward.functions) and all(p.answer is None for p in train):
         raise DataError(
             f"the math reward needs gold answers, but the data has no column {cfg.data.answer_column!r}: set "
             "data.answer_column to the column with the answers, or use reward functions that need none"
         )
+    missing = [p.id for p in test if p.answer is None]
+    if cfg.run.eval_before_after and cfg.eval.grader is None and missing:
+        raise DataError(
+            f"the evaluation grades against gold answers (eval.grader: null) and {missing_text(missing)} "
+            f"{NO_GOLD_FIX}, or set run.eval_before_after=false"
+        )
+
+
+def check_leaks(
+    cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, problems: list[Problem], rewards: RewardSet
+) -> None:
+    """`lora_rl_core.rewards.leaks.check_reward_leaks` over the held-out prompts, worded as the run words them.
+
+    Raises:
+        RewardError: a term pays for restating the prompt (naming it, a row and `reward.leak_check`).
+    """
+    check_reward_leaks(
+        rewards,
+        problems,
+        instruction=prompt_instruction(cfg.data, cfg.rollout),
+        tokenize=lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
+    )
 
 
 def trainer_device(cfg: RunConfig) -> torch.device:
@@ -309,6 +339,7 @@ class RunComponents:
             was started for it (an SGLang server, Ray actors), from the engine registry.
         train_problems / test_problems / sampler: the data.
         rewards: the reward terms (`RewardSet`: it owns the math verifier's worker processes).
+        grader: the evaluation's fixed grader (`eval.grader`), apart from the reward terms.
         runtime: device, dtype and why, the LoRA compute dtype and why, CPU threads, the memory plan
             (`runtime_info`).
         writer: writes train records, checkpoints and adapter versions to the store, in step order, on a
@@ -331,6 +362,7 @@ class RunComponents:
     test_problems: list[Problem]
     sampler: PromptSampler
     rewards: RewardSet
+    grader: Grader
     runtime: dict[str, Any]
     writer: StoreWriter
     policy: PolicyState = field(default_factory=PolicyState)
@@ -387,6 +419,7 @@ class RunComponents:
         (`engine.launch`'s SGLang server, Ray actors)."""
         with ExitStack() as stack:  # closes in reverse order, each one even if an earlier one raised
             stack.callback(self.rewards.close)
+            stack.callback(self.grader.close)
             stack.callback(self.built.close)
             stack.callback(self.trainer.close)
             stack.callback(self.writer.close)
@@ -415,7 +448,7 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     run_dir.write_config({**cfg.model_dump(mode="json"), "runtime": runtime})
     train_problems = build_problems(cfg.data, "train", cfg.run.seed)
     test_problems = build_problems(cfg.data, "test", cfg.run.seed)
-    check_answers(cfg, train_problems)
+    check_answers(cfg, train_problems, test_problems)
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
@@ -444,6 +477,10 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     with ExitStack() as started:  # on a failure, what was built so far is stopped again
         rewards = build_rewards(cfg)
         started.callback(rewards.close)
+        if cfg.reward.leak_check:
+            check_leaks(cfg, tokenizer, test_problems, rewards)
+        grader = build_grader(cfg.eval, cfg.reward)
+        started.callback(grader.close)
         built = build_engine(inputs)
         started.callback(built.close)
         trainer = build_trainer(cfg, tokenizer)
@@ -462,6 +499,7 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
         test_problems=test_problems,
         sampler=PromptSampler(train_problems, seed=cfg.run.seed),
         rewards=rewards,
+        grader=grader,
         runtime=runtime,
         memory=memory if memory.gpu_total else None,
         writer=StoreWriter(background=cfg.trainer.background_publish),

@@ -218,6 +218,7 @@ def _recorded_train(run: RunComponents, step: int) -> TrainStats:
 
 
 def evaluate(run: RunComponents, adapter: str | None) -> dict[str, Any]:
-    """Held-out evaluation of `adapter` (None = the base model) with the run's reward functions: greedy
-    accuracy, and pass@k / mean@n with `eval.samples_per_prompt` samples (`lora_rl_core.evaluation`)."""
-    return evaluate_run_policy(run.engine, run.tokenizer, run.test_problems, run.rewards, run.cfg, adapter=adapter)
+    """Held-out evaluation of `adapter` (None = the base model) with the run's fixed grader, never its reward
+    terms: greedy accuracy per grader metric (strict and flexible), and pass@k / mean@n with
+    `eval.samples_per_prompt` samples (`lora_rl_core.evaluation`)."""
+    return evaluate_run_policy(run.engine, run.tokenizer, run.test_problems, run.grader, run.cfg, adapter=adapter)

@@ -17,6 +17,7 @@ readiness, never a fixed sleep, and its deadlines are minutes, so a loaded machi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -227,10 +228,20 @@ def test_train_sigkilled_leaves_no_process(command, tiny_model_dir, tmp_path):
     """Trainer workers, the math verifier's worker, a launched SGLang (the look-alike, with a child of its own
     as SGLang has) and Prefect's server. Not with a local Ray: Ray listens on every interface (no option binds
     it to 127.0.0.1) and tests bind servers to 127.0.0.1 only; the reaper sweeps Ray's processes by the same
-    owner token (measured by hand: gone 1.4-1.5 s after the SIGKILL)."""
+    owner token (measured by hand: gone 1.4-1.5 s after the SIGKILL). The math verifier's worker starts for
+    symbolic gold answers only (numbers are compared in process): the data's answers are square roots."""
+    rows = [{"prompt": f"What is the square root of {n}?", "answer": f"\\sqrt{{{n}}}"} for n in range(2, 40)]
+    for split, part in (("train", rows[:30]), ("test", rows[30:])):
+        (tmp_path / f"roots-{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     sections: dict[str, Any] = {
         "trainer": {"steps": 1000, "world_size": 2},
         "engine": {"type": "sglang", "sync": "store", "launch": fake_launch()},
+        "data": {
+            "source": "dataset",
+            "train_path": str(tmp_path / "roots-train.jsonl"),
+            "test_path": str(tmp_path / "roots-test.jsonl"),
+            "eval_size": 4,
+        },
         "reward": {"functions": [{"name": "math"}, {"name": "tests.integration.rewards:digit_fraction"}]},
     }
     expected = {"spawn_main": 3, "sglang.launch_server": 1, "time.sleep(600)": 1, PREFECT_SERVER: 1}

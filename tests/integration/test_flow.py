@@ -48,7 +48,10 @@ def test_two_steps_publish_two_distinct_loadable_versions(flow_config, tiny_mode
     manifest = store.manifest("it-run", 2)
     assert manifest.step == 2 and "reward_mean" in manifest.metrics
     report = (tmp / "runs" / "it-run" / "report.md").read_text()
-    assert "greedy accuracy before training" in report and "| step |" in report
+    assert "greedy accuracy before training: strict" in report and "| step |" in report
+    samples = summary["step_samples"]  # the first and the last step (two steps: no middle), with every term
+    assert [s["step"] for s in samples] == [1, 1, 2, 2] and all("digit_fraction" in s["rewards"] for s in samples)
+    assert "### Step 1" in report and "### Step 2" in report and repr(samples[0]["completion"]) in report
     assert (tmp / "runs" / "it-run" / "reward_curve.png").stat().st_size > 1000
     assert 0.0 <= summary["base_accuracy"] <= 1.0 and 0.0 <= summary["final_accuracy"] <= 1.0
     rows = json.loads((tmp / "store" / "it-run" / "rollouts" / "step-000002.json").read_text())["rows"]
@@ -56,7 +59,8 @@ def test_two_steps_publish_two_distinct_loadable_versions(flow_config, tiny_mode
     # The artifact filter endpoint of prefect 3.8 + fastapi<0.155 rejects the client's nulls; read by key instead.
     api = PREFECT_API_URL.value()
     table = httpx.get(f"{api}/artifacts/it-run-step-metrics/latest").json()
-    assert httpx.get(f"{api}/artifacts/it-run-summary/latest").json()["type"] == "markdown"
+    summary_artifact = httpx.get(f"{api}/artifacts/it-run-summary/latest").json()
+    assert summary_artifact["type"] == "markdown" and "### Step 2" in summary_artifact["data"]
     assert [row["step"] for row in json.loads(table["data"])] == [1, 2]
 
 

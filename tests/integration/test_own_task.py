@@ -58,7 +58,8 @@ def _own_task(tmp_path, tiny_model_dir, name: str, rewards: list[dict]) -> str:
         name,
         data=data,
         reward={"functions": rewards},
-        eval={"samples_per_prompt": 2, "temperature": 1.0, "pass_threshold": 0.5},
+        # no gold answers: the user names the evaluation's grader (here one of their rewards)
+        eval={"samples_per_prompt": 2, "temperature": 1.0, "pass_threshold": 0.5, "grader": "my_rewards.py:polite"},
     )
     return str(path)
 
@@ -83,7 +84,7 @@ def test_own_dataset_and_trl_style_rewards_train_log_each_term_and_report_pass_a
     assert any(r["rewards"]["short_and_sweet"] is None for r in scored)  # rows without target_length
     assert all(not r["skipped"] for r in scored)  # `polite` scored them all
     final = summary["final_eval"]
-    assert final["n"] == 4 and final["samples_per_prompt"] == 2
+    assert final["n"] == 4 and final["samples_per_prompt"] == 2 and final["metrics"] == ["polite"]
     assert 0.0 <= final["pass@1"] <= final["pass@2"] <= 1.0 and final["mean@2"] == pytest.approx(final["pass@1"])
     report = (tmp_path / "runs" / "own-run" / "report.md").read_text()
     assert "rewards/short_and_sweet/mean" in report and "pass@2" in report

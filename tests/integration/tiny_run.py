@@ -10,7 +10,8 @@ import yaml
 
 def write_tiny_config(tmp_path: Path, model_dir: Path, name: str, **sections: dict[str, Any]) -> Path:
     """Write `<tmp_path>/<name>.yaml`: the tiny random model, arithmetic data, the digit-fraction reward
-    (a random model rarely solves a sum, so the math reward would be all zeros), store `<tmp_path>/store`.
+    (a random model rarely solves a sum, so the math reward would be all zeros) without the leak check,
+    store `<tmp_path>/store`.
     Each keyword updates that section, e.g. `trainer={"steps": 4}`."""
     cfg: dict[str, dict[str, Any]] = {
         "run": {"name": name, "output_dir": str(tmp_path / "runs")},
@@ -20,7 +21,8 @@ def write_tiny_config(tmp_path: Path, model_dir: Path, name: str, **sections: di
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8},
         "trainer": {"steps": 2, "lr": 1e-2, "micro_batch_size": 4},
         "data": {"source": "arithmetic", "train_size": 64, "eval_size": 4},
-        "reward": {"functions": [{"name": "tests.integration.rewards:digit_fraction"}]},
+        # The digit fraction pays for restated digits too, a leak by design: the check would stop the run.
+        "reward": {"functions": [{"name": "tests.integration.rewards:digit_fraction"}], "leak_check": False},
         "store": {"uri": f"file://{tmp_path / 'store'}"},
     }
     for section, values in sections.items():

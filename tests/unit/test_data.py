@@ -367,5 +367,20 @@ def test_the_math_reward_without_gold_answers_is_refused_before_step_one(tmp_pat
     cfg = load_config(None, ["data.source=dataset", f"data.path={path}"])
     problems = load_problems(cfg.data, "train", seed=0)
     with pytest.raises(DataError, match=r"the math reward needs gold answers.*column 'answer'.*data.answer_column"):
-        check_answers(cfg, problems)
-    check_answers(load_config(None, ["reward.functions=[{name: format}]"]), problems)  # a reward that needs none
+        check_answers(cfg, problems, [])
+    check_answers(load_config(None, ["reward.functions=[{name: format}]"]), problems, [])  # a reward that needs none
+
+
+def test_the_evaluation_without_gold_answers_needs_a_named_grader(tmp_path):
+    from lora_rl_core.config import load_config
+    from lora_rl_core.run.components import check_answers
+
+    path = _write(tmp_path, [json.dumps({"prompt": "Say hi."})], "hi.jsonl")
+    cfg = load_config(None, ["data.source=dataset", f"data.path={path}", "reward.functions=[{name: format}]"])
+    problems = load_problems(cfg.data, "train", seed=0)  # the held-out rows, as far as the check goes
+    with pytest.raises(
+        DataError, match=r"grades against gold answers .*1 problem have none \(first: hi-.*eval\.grader"
+    ):
+        check_answers(cfg, problems, problems)
+    check_answers(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"grader": "format"})}), problems, problems)
+    check_answers(cfg.model_copy(update={"run": cfg.run.model_copy(update={"eval_before_after": False})}), [], problems)

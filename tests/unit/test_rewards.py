@@ -8,6 +8,7 @@ import asyncio
 import math
 
 import pytest
+from pydantic import ValidationError
 
 from lora_rl_core.config import RewardConfig, load_config
 from lora_rl_core.errors import RewardError
@@ -18,11 +19,11 @@ from lora_rl_core.rewards import (
     RewardBatch,
     RewardSet,
     RewardTerm,
-    answer_span,
+    extract_answer,
     format_reward,
     load_reward_function,
-    stated_text,
 )
+from lora_rl_core.rewards.verify import check_answer
 
 NOT_CALLABLE = 3
 
@@ -36,32 +37,37 @@ def length_reward(prompts, completions, **kwargs):
 def verifier():
     """One verifier for the module, its worker started here (the fixture owns the process, not a test)."""
     with MathVerifier() as v:
-        assert v.check(["1"], ["#### 1"]) == [True]
+        assert v.check(["\\sqrt{2}"], ["#### \\sqrt{2}"]) == [True]  # symbolic: the worker starts here
         yield v
 
 
 @pytest.mark.parametrize(
-    ("text", "span", "stated"),
+    ("text", "strict", "flexible"),
     [
         ("She makes 9 * 2 = $<<9*2=18>>18.\n#### 18", "18", "18"),
         ("#### 1,250", "1,250", "1,250"),
-        ("first #### 3 then #### 4 and 5", "4", "4 and 5"),  # the last ####, its first number
-        ("#### -$5.50.", "-$5.50", "-$5.50."),
-        ("#### 45%", "45%", "45%"),
-        ("#### 3/4", "3/4", "3/4"),
-        ("#### €5", "€5", "€5"),
-        ("#### the answer is .5", ".5", "the answer is .5"),
-        ("#### none, so \\boxed{7}", "7", "none, so \\boxed{7}"),
-        ("So the answer is \\boxed{\\frac{1}{2}}.", None, "\\frac{1}{2}"),  # None: the whole text, for math-verify
-        ("\\boxed{1} then \\boxed{42}", None, "42"),
-        ("16-3-4 = 9 eggs.", None, None),
-        ("#### Yes", None, "Yes"),
+        ("first #### 3 then #### 4 and 5", "4 and 5", "4 and 5"),  # the last ####, to the end of its line
+        ("#### 4\nCheck: 5", "4", "4"),
+        ("#### none, so \\boxed{7}", "none, so \\boxed{7}", "none, so \\boxed{7}"),
+        ("So the answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}", "\\frac{1}{2}"),
+        ("\\boxed{1} then \\boxed{42}", "42", "42"),
+        ("#### \n\\boxed{3}", "3", "3"),  # an empty #### line states nothing: the box does
+        ("16-3-4 = 9 eggs.", None, "9"),
+        ("The answer is 34 + 49.", None, None),  # an operand of an expression is no answer
+        ("It costs -$5.50", None, "-$5.50"),
         ("", None, None),
     ],
 )
-def test_where_a_completion_states_its_answer(text, span, stated):
-    assert answer_span(text) == (text if span is None else span)
-    assert stated_text(text) == (text if stated is None else stated)
+def test_where_a_completion_states_its_answer(text, strict, flexible):
+    assert extract_answer(text, "strict") == strict
+    assert extract_answer(text, "flexible") == flexible
+
+
+def test_an_unknown_answer_format_is_refused():
+    with pytest.raises(ValueError, match=r"unknown answer format 'loose'; use one of strict, flexible"):
+        extract_answer("#### 1", "loose")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match=r"answer_format"):
+        RewardConfig(answer_format="loose")  # type: ignore[arg-type]
 
 
 MATCHES = [
@@ -69,15 +75,23 @@ MATCHES = [
     ("#### 1250", "1,250"),
     ("#### $1,250.00", "1250"),
     ("#### 3/4", "0.75"),
+    ("#### 1/2", "0.5"),
     ("so \\boxed{\\frac{1}{2}}", "0.5"),
     ("#### 2/3", "0.6666666666666666"),
     ("#### 45%", "45"),
     ("#### 45%", "0.45"),
     ("#### 0.45", "45%"),
+    ("#### 45 percent", "0.45"),
     ("#### -3 apples, 4 left", "-3"),  # the number after ####, not the last one
+    ("#### \u22123", "-3"),  # a typographic minus
     ("2 + 3 = 5\n#### 5", "5"),
-    ("the answer is 5", "5"),
+    ("#### €5", "5"),
+    ("#### the answer is .5", "0.5"),
     ("#### Yes", " yes "),  # a gold answer with no math in it is compared as text
+    ("so \\boxed{\\frac{\\pi}{2}}", "\\frac{\\pi}{2}"),  # symbolic golds: math-verify, on the span only
+    ("#### (1, 2]", "(1,2]"),
+    ("\\boxed{\\{1, 2\\}}", "{1,2}"),
+    ("\\boxed{\\sqrt 2}", "\\sqrt{2}"),
 ]
 MISMATCHES = [
     ("#### 45", "0.45"),
@@ -85,17 +99,86 @@ MISMATCHES = [
     ("#### 7", "-7"),
     ("#### 6", "5"),
     ("I do not know", "5"),
+    ("the answer is 5", "5"),  # strict: no ####, no box
     ("#### 100.001", "100"),
     ("#### no", "yes"),
+    ("#### 76 + 57", "133"),
+    ("#### [1, 2]", "(1,2]"),
+    ("\\boxed{\\sqrt{3}}", "\\sqrt{2}"),
+    ("The area is \\frac{\\pi}{2}", "\\frac{\\pi}{2}"),  # strict: no box
 ]
 
 
-def test_the_math_reward_verifies_answers_with_math_verify(verifier):
-    reward = MathReward(verifier)
+def test_the_math_reward_grades_the_stated_answer(verifier):
+    reward = MathReward(verifier, "strict")
     completions = [c for c, _ in MATCHES + MISMATCHES]
     golds = [g for _, g in MATCHES + MISMATCHES]
     values = reward(prompts=[""] * len(golds), completions=completions, completion_ids=None, answer=golds)
     assert values == [1.0] * len(MATCHES) + [0.0] * len(MISMATCHES)
+
+
+# Completions as policies wrote them (issue 31 and the runs before it), with the verdict in each mode.
+# (completion, gold, strict, flexible)
+ADVERSARIAL = [
+    # the restated question: math-verify evaluated `76 + 57` to the gold 133 (the default job's "100 %")
+    ("To find the final answer to the equation 76 + 57, we can start by using the algebraic approach.", "133", 0, 0),
+    ("To find the final answer to the equation 76 + 57, we can start by", "133", 0, 0),  # cut at the token limit
+    ("What is 76 + 57?", "133", 0, 0),
+    # an expression as the answer (the word-problems recipe's "answers")
+    ("The answer is 34 + 49.", "83", 0, 0),
+    ("The answer is 25000 - 8 * 1500.", "13000", 0, 0),
+    ("#### 3 * 4", "12", 0, 0),
+    ("3 x 4", "12", 0, 0),
+    ("#### 25000 - 8 * 1500", "13000", 0, 0),
+    # an expression worked out to its value is an answer
+    ("76 + 57 = 133", "133", 0, 1),
+    ("76 + 57 = 133\n#### 133", "133", 1, 1),
+    # the answer followed by another number
+    ("#### 133\nThe next one is 134.", "133", 1, 1),
+    ("The sum is 133. Check: 133 - 57 = 76", "133", 0, 0),  # flexible: the last number, an operand
+    ("The sum is 133, or maybe 134", "133", 0, 0),
+    ("The sum is 134, no, 133", "133", 0, 1),
+    # #### twice: the last one counts
+    ("#### 132\n#### 133", "133", 1, 1),
+    ("#### 133\n#### 132", "133", 0, 0),
+    # words after the number, units, currency
+    ("#### 133 apples", "133", 1, 1),
+    ("#### 133.", "133", 1, 1),
+    ("The answer is 133 cm.", "133", 0, 1),
+    ("#### $1,250", "1250", 1, 1),
+    ("He earns $1,250.00 a week", "1250", 0, 1),
+    ("#### 12 km/h", "12", 1, 1),
+    # negative numbers
+    ("#### -7", "-7", 1, 1),
+    ("#### -7", "7", 0, 0),
+    ("The temperature is -7 degrees", "-7", 0, 1),
+    ("So 3 - 10 = -7", "-7", 0, 1),
+    ("10 - 3", "-7", 0, 0),
+    # thousands commas
+    ("#### 1,234,567", "1234567", 1, 1),
+    ("It is 1,234 meters.", "1234", 0, 1),
+    ("#### 1,23", "123", 0, 0),  # not a thousands group: 1 is stated
+    # a truncated completion with a number in it
+    ("Let me add them: first 70 + 50 = 120, then 6 + 7 = 13, so", "133", 0, 0),
+    ("Let me add them: first 70 + 50 = 120, then 6 + 7 = 13, so 120 + 13 = 133", "133", 0, 1),
+    # no answer at all
+    ("I am not sure.", "133", 0, 0),
+    ("", "133", 0, 0),
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "strict", "flexible"), ADVERSARIAL)
+def test_adversarial_completions_from_real_rollouts(completion, gold, strict, flexible):
+    assert (check_answer(gold, completion, "strict"), check_answer(gold, completion, "flexible")) == (
+        bool(strict),
+        bool(flexible),
+    )
+
+
+def test_the_math_reward_in_flexible_mode_reads_the_last_number(verifier):
+    reward = MathReward(verifier, "flexible")
+    completions = ["The answer is 5", "5 + 0", "#### 4 and then 5", "x = 5 apples"]
+    assert reward(prompts=[""] * 4, completions=completions, answer=["5"] * 4) == [1.0, 0.0, 0.0, 1.0]
 
 
 def test_the_math_reward_reads_conversational_completions_and_skips_rows_without_gold(verifier):
@@ -107,14 +190,21 @@ def test_the_math_reward_reads_conversational_completions_and_skips_rows_without
 
 def test_an_answer_past_the_deadline_is_not_verified_and_the_worker_is_replaced():
     with MathVerifier(timeout_s=0.01) as slow:  # the first check also imports sympy: far past 10 ms
-        assert slow.check(["4"], ["#### 4"]) == [False] and slow.timeouts == 1
+        gold, stated = "\\sqrt{2}", "\\boxed{\\sqrt{2}}"  # symbolic: math-verify, in the worker
+        assert slow.check([gold], [stated]) == [False] and slow.timeouts == 1
         slow.timeout_s = 60.0
-        assert slow.check(["4"], ["#### 4"]) == [True]  # a fresh worker answers
+        assert slow.check([gold], [stated]) == [True]  # a fresh worker answers
+
+
+def test_numeric_golds_are_graded_without_a_worker_process():
+    with MathVerifier() as v:
+        assert v.check(["133", "5"], ["#### 133", "#### 6"]) == [True, False]
+        assert v._pool is None
 
 
 def test_format_reward():
-    completions = ["#### 5", "####5.", "the answer is 5", "#### five"]
-    assert format_reward(prompts=[""] * 4, completions=completions) == [1.0, 1.0, 0.0, 0.0]
+    completions = ["#### 5", "####5.", "the answer is 5", "#### five", "#### 3 + 4", "#### 7\n#### x"]
+    assert format_reward(prompts=[""] * 6, completions=completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_load_reward_function_by_name_module_and_file(tmp_path, verifier):
