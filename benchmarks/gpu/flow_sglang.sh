@@ -8,6 +8,7 @@
 # last checkpoint. A run longer than one 10-minute call of the GPU host is trained so, in several calls.
 # Our own dependencies (Prefect and friends, cp312 wheels in .gpu-ours/) go to /tmp/ours; SGLang runs from
 # /tmp/sglsite in its own process (its transformers and fastapi differ from ours). Results go to $OUT.
+# ENGINE=embedded runs the rollouts on our transformers + PEFT engine on the GPU instead (no SGLang carry needed).
 set -euo pipefail
 CONFIG=$1; shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,13 +16,14 @@ if [ -d .gpu-ours ] && [ ! -f /tmp/ours/.complete ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ours .gpu-ours/*.whl
   touch /tmp/ours/.complete
 fi
-export PYTHONPATH=/tmp/ours:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=/tmp/ours:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PREFECT_HOME=/tmp/prefect-home PREFECT_SERVER_ANALYTICS_ENABLED=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rc=0
+ENGINE_ARGS=(engine.type=sglang engine.launch.enabled=true "engine.launch.env={PYTHONPATH: /tmp/sglsite}")
+if [ "${ENGINE:-sglang}" = embedded ]; then ENGINE_ARGS=(engine.type=embedded); fi
 timeout -s TERM -k 60 "${FLOW_TIMEOUT_S:-100000}" python3 -m cli.main train -c "$CONFIG" \
-  model.name_or_path=/tmp/models/smollm2-gguf engine.type=sglang \
-  engine.launch.enabled=true "engine.launch.env={PYTHONPATH: /tmp/sglsite}" \
+  model.name_or_path=/tmp/models/smollm2-gguf "${ENGINE_ARGS[@]}" \
   run.output_dir=/tmp/runs store.uri=file:///tmp/store "$@" 2>&1 | tee -a "$OUT/train.log" || rc=$?
 echo "[flow_sglang] lora-rl train ended with exit code $rc"
 pkill -f sglang.launch_server && echo "[flow_sglang] an SGLang server was left running: killed" || true

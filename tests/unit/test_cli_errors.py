@@ -103,6 +103,10 @@ CONFIG_ERRORS = {  # argv (after `lora-rl`), what the one line names; {tmp}: the
     ),
     "unknown-override-key": (["train", "-c", "{tmp}/run.yaml", "no.such.key=1"], "no: unknown key"),
     "bad-override-value": (["train", "-c", "{tmp}/run.yaml", "lora.rank=abc"], "lora.rank"),
+    "answer-format": (
+        ["train", "-c", "{tmp}/run.yaml", "reward.answer_format=loose"],
+        "reward.answer_format: Input should be 'strict' or 'flexible' (got 'loose')",
+    ),
     "train-store-uri": (["train", "-c", "{tmp}/run.yaml", "store.uri=nosuch://x", NOWHERE], "'nosuch://x'"),
     "eval-store-uri": (["eval", "-c", "{tmp}/run.yaml", "store.uri=nosuch://x", NOWHERE], "'nosuch://x'"),
     "serve-store-uri": (["serve", "store.uri=nosuch://x", NOWHERE, "--port", "30999"], "'nosuch://x'"),
@@ -123,6 +127,18 @@ def test_config_error_is_one_line(tmp_path, case, monkeypatch, capfd):
     code, out, err = _run_main(argv, env, monkeypatch, capfd)
     _assert_one_error_line(code, err, culprit)
     assert not out.strip()  # nothing started: no "serving ..." line, no progress bar
+
+
+def test_a_reward_that_pays_for_the_restated_prompt_is_one_line_before_anything_starts(
+    tmp_path, tiny_model_dir, monkeypatch, capfd
+):
+    (tmp_path / "run.yaml").write_text("lora:\n  rank: 8\n")
+    argv = ["train", "-c", str(tmp_path / "run.yaml"), f"model.name_or_path={tiny_model_dir}"]
+    argv.append("reward.functions=[{name: math}, {name: tests.integration.rewards:digit_fraction}]")
+    env = {"HF_HUB_OFFLINE": "1", "LORA_RL_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf")}
+    code, out, err = _run_main(argv, env, monkeypatch, capfd)
+    _assert_one_error_line(code, err, "reward 'digit_fraction' gives credit to 128 of 128 held-out prompts")
+    assert "reward.leak_check=false" in err and not out.strip()
 
 
 # --------------------------------------------------------------------------- usage errors: click's, exit 2
