@@ -152,8 +152,10 @@ def _one_line(text: str) -> str:
 
 
 def _sampled(evaluation: dict[str, Any]) -> str:
-    """`; pass@1 40.0% pass@4 71.0% mean@4 40.0% (4 samples at temperature 1.0)` when sampled, else ``."""
-    keys = [k for k in evaluation if k.startswith(("pass@", "mean@"))]
+    """`; pass@1/strict 40.0% pass@4/strict 71.0% mean@4/strict 40.0% ... (4 samples at temperature 1.0)` when
+    sampled, else ``: per grader metric (the headline's unsuffixed copies left out)."""
+    per_metric = bool(evaluation.get("metrics"))
+    keys = [k for k in evaluation if k.startswith(("pass@", "mean@")) and ("/" in k or not per_metric)]
     if not keys:
         return ""
     values = " ".join(f"{k} {100 * evaluation[k]:.1f}%" for k in keys)
