@@ -59,10 +59,13 @@ def format_accuracy(evaluation: dict[str, Any]) -> str:
 
 def accuracy_change(summary: dict[str, Any]) -> str:
     """`strict 3.9% -> 40.6%, flexible 10.2% -> 71.9%` from a run summary (`lora_rl_core.report.run_summary`);
-    `n/a` where an evaluation was not run."""
+    `n/a` where an evaluation was not run or has no such metric (a cached one from an older version)."""
     base, final = summary.get("base_eval") or {}, summary.get("final_eval") or {}
     metrics = (final or base).get("metrics") or [None]
-    pct = lambda e, m: "n/a" if not e else f"{100 * e[f'accuracy/{m}' if m else 'accuracy']:.1f}%"  # noqa: E731
+    def pct(evaluation: dict[str, Any], metric: str | None) -> str:
+        value = evaluation.get(f"accuracy/{metric}" if metric else "accuracy")  # None: not run, or another grader
+        return "n/a" if value is None else f"{100 * value:.1f}%"
+
     return ", ".join(f"{m + ' ' if m else ''}{pct(base, m)} -> {pct(final, m)}" for m in metrics)
 
 

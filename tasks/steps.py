@@ -44,7 +44,9 @@ def _step_key(context: Any, params: dict[str, Any]) -> str:
 
 
 def _eval_key(context: Any, params: dict[str, Any]) -> str:
-    return f"{params['run_id']}-evaluate-{params['adapter'] or 'base'}"
+    # "graded": evaluations by the fixed grader (issue 31); one cached by a run of an older version, graded by
+    # the training reward, is not reused when the run resumes
+    return f"{params['run_id']}-evaluate-graded-{params['adapter'] or 'base'}"
 
 
 @task(name="open_run", **_NO_CACHE)
