@@ -62,6 +62,7 @@ def accuracy_change(summary: dict[str, Any]) -> str:
     `n/a` where an evaluation was not run or has no such metric (a cached one from an older version)."""
     base, final = summary.get("base_eval") or {}, summary.get("final_eval") or {}
     metrics = (final or base).get("metrics") or [None]
+
     def pct(evaluation: dict[str, Any], metric: str | None) -> str:
         value = evaluation.get(f"accuracy/{metric}" if metric else "accuracy")  # None: not run, or another grader
         return "n/a" if value is None else f"{100 * value:.1f}%"
