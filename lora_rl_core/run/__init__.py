@@ -2,7 +2,8 @@
 
 `components`: `build_run` (the one place that builds store, run files, data, rewards, engine and trainer)
 and `RunComponents`; `phases`: rollout, score, train, evaluate; `versions`: publish and sync adapter
-versions; `resume`: checkpoints and restore; `rundir`: the run's files in the store.
+versions; `resume`: checkpoints and restore; `rundir`: the run's files in the store; `samples`: sample
+completions of the first, middle and last steps, for the report.
 """
 
 from lora_rl_core.run.components import RunComponents, build_problems, build_run, preflight, runtime_info
