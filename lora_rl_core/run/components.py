@@ -1,4 +1,5 @@
-"""The one place that builds what a training run uses: store, run files, data, rewards, engine and trainer.
+"""The one place that builds what a training run uses: store, run files, data, rewards, engine and trainer
+(the data and the rewards, and the checks made on them before step 1, through `lora_rl_core.run.inputs`).
 
 `build_run(cfg, run_id)` returns a `RunComponents`; the phases (`lora_rl_core.run.phases`) and resume
 (`lora_rl_core.run.resume`) are functions over it. Nothing here runs a phase, and nothing here knows about
@@ -17,15 +18,15 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.adapters import safetensors_bytes
 from lora_rl_core.checkpoint import CheckpointStore
-from lora_rl_core.config import DataConfig, RunConfig
-from lora_rl_core.data import Problem, PromptSampler, load_problems, prompt_instruction, render_prompt
+from lora_rl_core.config import RunConfig
+from lora_rl_core.data import Problem, PromptSampler, prompt_instruction, render_prompt
 from lora_rl_core.engines import BuiltEngine, EngineInputs, InferenceEngine
 from lora_rl_core.engines.launch.probe import probe_sglang
 from lora_rl_core.engines.launch.process import LaunchPlan
@@ -35,8 +36,7 @@ from lora_rl_core.lora import apply_lora
 from lora_rl_core.memory import MemoryPlan, ModelShape, log_plan, plan_memory, sglang_shares_trainer_gpu
 from lora_rl_core.models import load_model, load_tokenizer, model_dtype, model_folder, resolve_device
 from lora_rl_core.rewards import Grader, RewardSet, build_grader
-from lora_rl_core.rewards.grader import NO_GOLD_FIX, missing_text
-from lora_rl_core.rewards.leaks import check_reward_leaks
+from lora_rl_core.run.inputs import build_problems, build_rewards, check_answers, check_leaks
 from lora_rl_core.run.rundir import RunDir
 from lora_rl_core.run.writer import StoreWriter
 from lora_rl_core.runtime import choose_dtype, choose_lora_compute_dtype, configure_threads, cpu_threads
@@ -44,80 +44,6 @@ from lora_rl_core.store import AdapterRef, AdapterStore, validate_run_id
 from lora_rl_core.trainer import PolicyTrainer, Trainer
 from lora_rl_core.trainer.kernels import apply_kernels, choose_kernels
 from lora_rl_core.trainer.workers import TrainerWorkers
-
-
-def build_problems(cfg: DataConfig, split: Literal["train", "test"], seed: int) -> list[Problem]:
-    """Training or held-out problems of the `data` section (`lora_rl_core.data.load_problems`).
-
-    Raises:
-        DataError: a missing dataset, file, split or column, an empty split, or a malformed row.
-    """
-    return load_problems(cfg, split, seed)
-
-
-def build_rewards(cfg: RunConfig) -> RewardSet:
-    """The run's reward terms (`reward` section); close the set when done (it may own worker processes).
-
-    Raises:
-        RewardError: a name that is neither built in nor an importable `module:function` / `file.py:function`.
-    """
-    return RewardSet.from_config(cfg.reward)
-
-
-def preflight(cfg: RunConfig) -> None:
-    """Check, before any training work, that the store, the data, the reward functions, the evaluation's grader
-    and the model can be had, that the data has what the rewards and the grader need (gold answers), and that
-    no reward term pays for restating the prompt (`check_leaks`).
-
-    Raises:
-        StoreError / DataError / RewardError / ModelError: with one clear line naming what is wrong.
-    """
-    cfg.store.build()  # an unknown store protocol or a missing fsspec package
-    train = build_problems(cfg.data, "train", cfg.run.seed)
-    test = build_problems(cfg.data, "test", cfg.run.seed)
-    check_answers(cfg, train, test)
-    build_grader(cfg.eval, cfg.reward).close()
-    with build_rewards(cfg) as rewards:
-        if cfg.reward.leak_check:
-            check_leaks(cfg, load_tokenizer(cfg.model), test, rewards)
-    model_folder(cfg.model)
-
-
-def check_answers(cfg: RunConfig, train: list[Problem], test: list[Problem]) -> None:
-    """The built-in `math` reward needs gold answers in the training data, and the evaluation's default grader
-    in the held-out data: refuse data without them.
-
-    Raises:
-        DataError: `math` is a reward term and no training problem has an answer; or the evaluation runs with
-            the default grader and a held-out problem has none.
-    """
-    if any(f.name == "math" for f in cfg.reward.functions) and all(p.answer is None for p in train):
-        raise DataError(
-            f"the math reward needs gold answers, but the data has no column {cfg.data.answer_column!r}: set "
-            "data.answer_column to the column with the answers, or use reward functions that need none"
-        )
-    missing = [p.id for p in test if p.answer is None]
-    if cfg.run.eval_before_after and cfg.eval.grader is None and missing:
-        raise DataError(
-            f"the evaluation grades against gold answers (eval.grader: null) and {missing_text(missing)} "
-            f"{NO_GOLD_FIX}, or set run.eval_before_after=false"
-        )
-
-
-def check_leaks(
-    cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, problems: list[Problem], rewards: RewardSet
-) -> None:
-    """`lora_rl_core.rewards.leaks.check_reward_leaks` over the held-out prompts, worded as the run words them.
-
-    Raises:
-        RewardError: a term pays for restating the prompt (naming it, a row and `reward.leak_check`).
-    """
-    check_reward_leaks(
-        rewards,
-        problems,
-        instruction=prompt_instruction(cfg.data, cfg.rollout),
-        tokenize=lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
-    )
 
 
 def trainer_device(cfg: RunConfig) -> torch.device:
@@ -477,8 +403,7 @@ def build_run(cfg: RunConfig, run_id: str) -> RunComponents:
     with ExitStack() as started:  # on a failure, what was built so far is stopped again
         rewards = build_rewards(cfg)
         started.callback(rewards.close)
-        if cfg.reward.leak_check:
-            check_leaks(cfg, tokenizer, test_problems, rewards)
+        check_leaks(cfg, tokenizer, test_problems, rewards)
         grader = build_grader(cfg.eval, cfg.reward)
         started.callback(grader.close)
         built = build_engine(inputs)

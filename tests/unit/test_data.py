@@ -361,7 +361,7 @@ def test_render_prompt_without_chat_template(tiny_tokenizer):
 
 def test_the_math_reward_without_gold_answers_is_refused_before_step_one(tmp_path):
     from lora_rl_core.config import load_config
-    from lora_rl_core.run.components import check_answers
+    from lora_rl_core.run.inputs import check_answers
 
     path = _write(tmp_path, [json.dumps({"prompt": "Say hi."})], "hi.jsonl")
     cfg = load_config(None, ["data.source=dataset", f"data.path={path}"])
@@ -373,7 +373,7 @@ def test_the_math_reward_without_gold_answers_is_refused_before_step_one(tmp_pat
 
 def test_the_evaluation_without_gold_answers_needs_a_named_grader(tmp_path):
     from lora_rl_core.config import load_config
-    from lora_rl_core.run.components import check_answers
+    from lora_rl_core.run.inputs import check_answers
 
     path = _write(tmp_path, [json.dumps({"prompt": "Say hi."})], "hi.jsonl")
     cfg = load_config(None, ["data.source=dataset", f"data.path={path}", "reward.functions=[{name: format}]"])

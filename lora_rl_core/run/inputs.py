@@ -1,0 +1,95 @@
+"""A run's inputs: its data and reward terms, and the checks made on them before step 1 (`preflight` for the
+command line, the same checks again in `build_run` for a deployment that starts without it): the store, data,
+reward functions, grader and model can be had; the data has the gold answers the `math` reward and the default
+grader need; no reward term pays for restating the prompt (the leak check).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from transformers import PreTrainedTokenizerBase
+
+from lora_rl_core.config import DataConfig, RunConfig
+from lora_rl_core.data import Problem, load_problems, prompt_instruction
+from lora_rl_core.errors import DataError
+from lora_rl_core.models import load_tokenizer, model_folder
+from lora_rl_core.rewards import RewardSet, build_grader
+from lora_rl_core.rewards.grader import NO_GOLD_FIX, missing_text
+from lora_rl_core.rewards.leaks import check_reward_leaks
+
+
+def build_problems(cfg: DataConfig, split: Literal["train", "test"], seed: int) -> list[Problem]:
+    """Training or held-out problems of the `data` section (`lora_rl_core.data.load_problems`).
+
+    Raises:
+        DataError: a missing dataset, file, split or column, an empty split, or a malformed row.
+    """
+    return load_problems(cfg, split, seed)
+
+
+def build_rewards(cfg: RunConfig) -> RewardSet:
+    """The run's reward terms (`reward` section); close the set when done (it may own worker processes).
+
+    Raises:
+        RewardError: a name that is neither built in nor an importable `module:function` / `file.py:function`.
+    """
+    return RewardSet.from_config(cfg.reward)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Check, before any training work, that the store, the data, the reward functions, the evaluation's grader
+    and the model can be had, that the data has what the rewards and the grader need (gold answers), and that
+    no reward term pays for restating the prompt (`check_leaks`).
+
+    Raises:
+        StoreError / DataError / RewardError / ModelError: with one clear line naming what is wrong.
+    """
+    cfg.store.build()  # an unknown store protocol or a missing fsspec package
+    train = build_problems(cfg.data, "train", cfg.run.seed)
+    test = build_problems(cfg.data, "test", cfg.run.seed)
+    check_answers(cfg, train, test)
+    build_grader(cfg.eval, cfg.reward).close()
+    with build_rewards(cfg) as rewards:
+        check_leaks(cfg, load_tokenizer(cfg.model), test, rewards)
+    model_folder(cfg.model)
+
+
+def check_answers(cfg: RunConfig, train: list[Problem], test: list[Problem]) -> None:
+    """The built-in `math` reward needs gold answers in the training data, and the evaluation's default grader
+    in the held-out data: refuse data without them.
+
+    Raises:
+        DataError: `math` is a reward term and no training problem has an answer; or the evaluation runs with
+            the default grader and a held-out problem has none.
+    """
+    if any(f.name == "math" for f in cfg.reward.functions) and all(p.answer is None for p in train):
+        raise DataError(
+            f"the math reward needs gold answers, but the data has no column {cfg.data.answer_column!r}: set "
+            "data.answer_column to the column with the answers, or use reward functions that need none"
+        )
+    missing = [p.id for p in test if p.answer is None]
+    if cfg.run.eval_before_after and cfg.eval.grader is None and missing:
+        raise DataError(
+            f"the evaluation grades against gold answers (eval.grader: null) and {missing_text(missing)} "
+            f"{NO_GOLD_FIX}, or set run.eval_before_after=false"
+        )
+
+
+def check_leaks(
+    cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, problems: list[Problem], rewards: RewardSet
+) -> None:
+    """`lora_rl_core.rewards.leaks.check_reward_leaks` over the held-out prompts, worded as the run words them;
+    nothing with `reward.leak_check: false`.
+
+    Raises:
+        RewardError: a term pays for restating the prompt (naming it, a row and `reward.leak_check`).
+    """
+    if not cfg.reward.leak_check:
+        return
+    check_reward_leaks(
+        rewards,
+        problems,
+        instruction=prompt_instruction(cfg.data, cfg.rollout),
+        tokenize=lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
+    )
