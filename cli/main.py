@@ -152,9 +152,7 @@ def eval_(
     if json_out:
         console.print_json(json.dumps(result))
     else:
-        sampled = " ".join(
-            f"{k} {100 * v:.1f}%" for k, v in result.items() if k.startswith(("pass@", "mean@")) and "/" in k
-        )
+        sampled = progress.format_sampled(result)
         console.print(
             f"{name or 'base model'}: greedy accuracy {progress.format_accuracy(result)} on {result['n']} problems"
             + (f"; {sampled} ({result['samples_per_prompt']} samples each)" if sampled else "")

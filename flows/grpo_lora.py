@@ -21,7 +21,7 @@ from prefect.runtime import flow_run
 
 from lora_rl_core import progress
 from lora_rl_core.config import load_config
-from lora_rl_core.report import run_summary, samples_markdown, step_table, summary_markdown
+from lora_rl_core.report import artifact_markdown, run_summary, step_table
 from lora_rl_core.run.loop import run_steps
 from tasks.registry import close_run
 from tasks.steps import StepTasks, TaskPhases, prefect_slug, result_storage, step_tasks
@@ -98,9 +98,5 @@ def _artifacts(run_id: str, cfg: Any, history: list[dict[str, Any]], summary: di
     key = prefect_slug(run_id)
     create_table_artifact(step_table(history), key=f"{key}-step-metrics", description=f"Step metrics of {run_id}")
     create_markdown_artifact(
-        summary_markdown(run_id, cfg, summary)
-        + "\n## Rollout completions (first, middle and last step)\n"
-        + samples_markdown(summary.get("step_samples") or []),
-        key=f"{key}-summary",
-        description=f"Summary of {run_id}",
+        artifact_markdown(run_id, cfg, summary), key=f"{key}-summary", description=f"Summary of {run_id}"
     )

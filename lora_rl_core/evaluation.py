@@ -67,8 +67,8 @@ def evaluate_policy(
         metric names, "accuracy/<metric>" for each, "n": problems, "adapter", "aborted": greedy completions
         aborted (counted as failures), "truncated": greedy completions cut at `max_new_tokens`,
         "mean_completion_tokens", "seconds", "samples": the first 3 (question, completion, gold, verdict per
-        metric)}; with samples also "samples_per_prompt", "temperature", "pass@k" and "mean@n" (headline) and
-        "pass@k/<metric>", "mean@n/<metric>" for each metric.
+        metric)}; with samples also "samples_per_prompt", "temperature", and "pass@k/<metric>",
+        "mean@n/<metric>" for each metric.
 
     Raises:
         RewardError: the grader failed (a row without a gold answer, or the named function failed).
@@ -146,8 +146,8 @@ def _sampled(
     settings: EvalConfig,
     seed: int,
 ) -> dict[str, Any]:
-    """pass@k for k = 1, 2, 4, ... n and mean@n from `n` samples per problem, per grader metric (the headline
-    metric's also without a suffix)."""
+    """pass@k for k = 1, 2, 4, ... n and mean@n from `n` samples per problem, per grader metric
+    (`pass@k/<metric>`, `mean@n/<metric>`)."""
     n = settings.samples_per_prompt
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=settings.temperature, seed=seed)
     requests = [GenerationRequest(i, adapter, params) for i in ids for _ in range(n)]
@@ -161,8 +161,6 @@ def _sampled(
         values = {f"pass@{k}": sum(pass_at_k(n, c, k) for c in successes) / max(1, len(problems)) for k in ks}
         values[f"mean@{n}"] = sum(successes) / max(1, n * len(problems))
         out.update({f"{key}/{metric}": value for key, value in values.items()})
-        if metric == grader.metrics[0]:
-            out.update(values)
     return out
 
 

@@ -57,6 +57,12 @@ def format_accuracy(evaluation: dict[str, Any]) -> str:
     return " ".join(f"{m} {100 * evaluation[f'accuracy/{m}']:.1f}%" for m in metrics)
 
 
+def format_sampled(evaluation: dict[str, Any]) -> str:
+    """`pass@1/strict 40.0% pass@4/strict 71.0% mean@4/strict 40.0% ...`: an evaluation's pass@k and mean@n per
+    grader metric, or `` when it drew no samples (`eval.samples_per_prompt: 1`)."""
+    return " ".join(f"{k} {100 * v:.1f}%" for k, v in evaluation.items() if k.startswith(("pass@", "mean@")))
+
+
 def accuracy_change(summary: dict[str, Any]) -> str:
     """`strict 3.9% -> 40.6%, flexible 10.2% -> 71.9%` from a run summary (`lora_rl_core.report.run_summary`);
     `n/a` where an evaluation was not run or has no such metric (a cached one from an older version)."""

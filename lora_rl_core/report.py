@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from lora_rl_core.config import RunConfig
-from lora_rl_core.progress import format_accuracy, lora_compute_part
+from lora_rl_core.progress import format_accuracy, format_sampled, lora_compute_part
+from lora_rl_core.rewards.answers import ANSWER_FORMATS
 
 _TABLE_COLUMNS = (
     "step",
@@ -117,9 +118,21 @@ def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> st
     )
 
 
+def artifact_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> str:
+    """The run's summary for the Prefect artifact: `summary_markdown` and the rollout completions of the first,
+    middle and last steps (`summary["step_samples"]`)."""
+    return summary_markdown(run_id, cfg, summary) + _step_samples_section(summary)
+
+
+def _step_samples_section(summary: dict[str, Any]) -> str:
+    return "\n## Rollout completions (first, middle and last step)\n" + samples_markdown(
+        summary.get("step_samples") or []
+    )
+
+
 def _grader(evaluation: dict[str, Any]) -> str:
     metrics = evaluation.get("metrics") or []
-    if metrics == ["strict", "flexible"]:
+    if tuple(metrics) == ANSWER_FORMATS:
         return "the answer checker (strict: after `####` or in `\\boxed{}`; flexible: else the last number)"
     return f"`{metrics[0]}` (eval.grader)" if metrics else "the run's reward (an older run)"
 
@@ -152,13 +165,10 @@ def _one_line(text: str) -> str:
 
 
 def _sampled(evaluation: dict[str, Any]) -> str:
-    """`; pass@1/strict 40.0% pass@4/strict 71.0% mean@4/strict 40.0% ... (4 samples at temperature 1.0)` when
-    sampled, else ``: per grader metric (the headline's unsuffixed copies left out)."""
-    per_metric = bool(evaluation.get("metrics"))
-    keys = [k for k in evaluation if k.startswith(("pass@", "mean@")) and ("/" in k or not per_metric)]
-    if not keys:
+    """`; pass@1/strict 40.0% ... (4 samples at temperature 1.0)` when sampled, else ``."""
+    values = format_sampled(evaluation)
+    if not values:
         return ""
-    values = " ".join(f"{k} {100 * evaluation[k]:.1f}%" for k in keys)
     return f"; {values} ({evaluation['samples_per_prompt']} samples at temperature {evaluation['temperature']:g})"
 
 
@@ -233,8 +243,7 @@ def write_report(
         summary_markdown(run_id, cfg, summary)
         + "\n![reward curve](reward_curve.png)\n\n## Steps\n\n"
         + _markdown_table(step_table(history))
-        + "\n## Rollout completions (first, middle and last step)\n"
-        + samples_markdown(summary.get("step_samples") or [])
+        + _step_samples_section(summary)
         + "\n## Greedy completions after training (held-out)\n\n"
         + (sample_md or "(none)\n")
     )

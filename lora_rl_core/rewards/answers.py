@@ -69,8 +69,7 @@ def extract_answer(text: str, answer_format: AnswerFormat) -> str | None:
     Raises:
         ValueError: an unknown `answer_format`.
     """
-    if answer_format not in ANSWER_FORMATS:
-        raise ValueError(f"unknown answer format {answer_format!r}; use one of {', '.join(ANSWER_FORMATS)}")
+    check_answer_format(answer_format)
     if "####" in text:
         line = _line_after_marker(text)
         if _STATES_SOMETHING_RE.search(line):  # `####.` (the instruction restated) states nothing
@@ -82,6 +81,12 @@ def extract_answer(text: str, answer_format: AnswerFormat) -> str | None:
     if not numbers or _is_operand(text, numbers[-1]):
         return None
     return numbers[-1].group(0).strip()
+
+
+def check_answer_format(answer_format: str) -> None:
+    """Raises ValueError naming the choices when `answer_format` is not one of `ANSWER_FORMATS`."""
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"unknown answer format {answer_format!r}; use one of {', '.join(ANSWER_FORMATS)}")
 
 
 def stated_number(span: str) -> tuple[Fraction, bool] | None:
@@ -107,12 +112,8 @@ def parse_gold_number(gold: str) -> tuple[Fraction, bool] | None:
     """A gold answer's value when the whole gold answer is one number (`1,250`, `-3.5`, `3/4`, `45%`, `$5`,
     `\\frac{3}{4}`), else None (a symbolic or text answer: math-verify's or a text comparison's)."""
     text = gold.strip().rstrip(".").strip()
-    if _LATEX_FRAC_RE.match(text):
-        return stated_number(text)
-    found = _NUMBER_RE.fullmatch(text)
-    if found is None:
-        return None
-    return stated_number(text)
+    whole_number = _LATEX_FRAC_RE.match(text) or _NUMBER_RE.fullmatch(text)
+    return stated_number(text) if whole_number else None
 
 
 def numbers_equal(gold: tuple[Fraction, bool], stated: tuple[Fraction, bool]) -> bool:

@@ -27,8 +27,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from lora_rl_core.rewards.answers import (
-    ANSWER_FORMATS,
     AnswerFormat,
+    check_answer_format,
     extract_answer,
     numbers_equal,
     parse_gold_number,
@@ -118,8 +118,7 @@ class MathVerifier:
         """
         if self._closed:
             raise RuntimeError("the math verifier is closed")
-        if answer_format not in ANSWER_FORMATS:
-            raise ValueError(f"unknown answer format {answer_format!r}; use one of {', '.join(ANSWER_FORMATS)}")
+        check_answer_format(answer_format)  # also where every gold is symbolic and only a worker reads it
         verdicts = [numeric_verdict(g, c, answer_format) for g, c in zip(golds, completions, strict=True)]
         symbolic = [i for i, v in enumerate(verdicts) if v is None]
         if not symbolic:

@@ -85,9 +85,10 @@ def test_own_dataset_and_trl_style_rewards_train_log_each_term_and_report_pass_a
     assert all(not r["skipped"] for r in scored)  # `polite` scored them all
     final = summary["final_eval"]
     assert final["n"] == 4 and final["samples_per_prompt"] == 2 and final["metrics"] == ["polite"]
-    assert 0.0 <= final["pass@1"] <= final["pass@2"] <= 1.0 and final["mean@2"] == pytest.approx(final["pass@1"])
+    pass1, pass2, mean2 = final["pass@1/polite"], final["pass@2/polite"], final["mean@2/polite"]
+    assert 0.0 <= pass1 <= pass2 <= 1.0 and mean2 == pytest.approx(pass1)
     report = (tmp_path / "runs" / "own-run" / "report.md").read_text()
-    assert "rewards/short_and_sweet/mean" in report and "pass@2" in report
+    assert "rewards/short_and_sweet/mean" in report and "pass@2/polite" in report
 
 
 def test_a_reward_that_raises_fails_the_run_naming_it_and_the_rows(tiny_model_dir, tmp_path):

@@ -98,7 +98,7 @@ def test_the_evaluation_grades_strict_and_flexible_with_the_fixed_grader_not_the
     assert result["metrics"] == ["strict", "flexible"]
     assert (result["accuracy/strict"], result["accuracy/flexible"], result["accuracy"]) == (0.25, 0.5, 0.25)
     assert (result["pass@2/strict"], result["pass@2/flexible"], result["mean@2/flexible"]) == (0.25, 0.5, 0.5)
-    assert result["pass@1"] == result["pass@1/strict"] == 0.25
+    assert result["pass@1/strict"] == 0.25 and "pass@1" not in result  # per metric only, no unsuffixed copy
     assert result["samples"][2] == {
         "question": "What is 10 + 5?", "completion": "10 + 5 = 15", "gold": "15", "strict": False, "flexible": True
     }  # fmt: skip
