@@ -47,7 +47,7 @@ half, so a trainer can run it on a background thread (``lora_rl_core.run.writer`
 Modules: ``adapter_store`` (``AdapterStore``, the one object callers use) owns its parts, which share
 its ``StoreIO`` (``io``) and ``StoreLayout`` (``layout``: paths, size caps, JSON): ``reader``
 (runs, versions, manifests, refs, specs), ``publish`` (the protocol above), ``verify`` (verify, pull,
-load_tensors), ``tags`` and ``retention`` (``gc``); ``models`` holds the records and ``plan_retention``.
+load_tensors), ``tags`` and ``retention`` (``gc``); ``records`` holds the records and ``plan_retention``.
 
 Left out: deleting leftover data folders of versions that never completed
 (they may belong to a publish still in flight; delete them by hand if a version
@@ -71,7 +71,7 @@ from lora_rl_core.adapters.names import (  # the naming rules live in lora_rl_co
 from lora_rl_core.store.adapter_store import AdapterStore
 from lora_rl_core.store.io import RetryPolicy, is_transient
 from lora_rl_core.store.layout import DEFAULT_MAX_FILE_BYTES, MAX_JSON_BYTES
-from lora_rl_core.store.models import AdapterManifest, AdapterRef, FileEntry, RetentionPolicy, plan_retention
+from lora_rl_core.store.records import AdapterManifest, AdapterRef, FileEntry, RetentionPolicy, plan_retention
 from lora_rl_core.store.publish import PreparedVersion
 
 __all__ = [

@@ -24,7 +24,7 @@ from lora_rl_core.adapters.validation import AdapterRules
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store.io import RetryPolicy, StoreIO
 from lora_rl_core.store.layout import DEFAULT_MAX_FILE_BYTES, StoreLayout
-from lora_rl_core.store.models import AdapterManifest, AdapterRef, RetentionPolicy
+from lora_rl_core.store.records import AdapterManifest, AdapterRef, RetentionPolicy
 from lora_rl_core.store.publish import AdapterPublisher, PreparedVersion
 from lora_rl_core.store.reader import VersionReader
 from lora_rl_core.store.retention import Retention

@@ -17,7 +17,7 @@ from typing import Any
 
 from lora_rl_core.adapters.names import LATEST_FILE, MANIFEST_FILE, validate_run_id, validate_tag, validate_version
 from lora_rl_core.errors import StoreError
-from lora_rl_core.store.models import AdapterManifest
+from lora_rl_core.store.records import AdapterManifest
 
 DEFAULT_MAX_FILE_BYTES = 2 * 2**30
 MAX_JSON_BYTES = 2**20  # manifest, adapter config, tags, LATEST

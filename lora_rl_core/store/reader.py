@@ -26,7 +26,7 @@ from lora_rl_core.adapters.names import (
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store.io import StoreIO
 from lora_rl_core.store.layout import MAX_JSON_BYTES, StoreLayout
-from lora_rl_core.store.models import AdapterManifest, AdapterRef
+from lora_rl_core.store.records import AdapterManifest, AdapterRef
 
 
 class VersionReader:
