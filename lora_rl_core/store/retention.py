@@ -1,6 +1,6 @@
 """``Retention``: apply a ``RetentionPolicy`` to a run's versions (``AdapterStore.retention_plan`` and ``gc``).
 
-The decision is the pure ``plan_retention`` (``store/models.py``); this module acts on it. A version
+The decision is the pure ``plan_retention`` (``store/records.py``); this module acts on it. A version
 disappears atomically: its manifest goes first (it stops existing), then its files. Leftover data
 folders of failed or losing publish attempts are removed inside complete versions only.
 Left out: leftovers of versions that never completed (a publish may still be in flight there) and
