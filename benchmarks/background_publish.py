@@ -19,6 +19,7 @@ Writes `benchmarks/results/background_publish.json` (or `--out`) and prints a ta
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -26,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, before torch loads:
-import lora_rl_core  # noqa: E402, F401 - sets OMP_WAIT_POLICY before torch loads, as the CLI does
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lora_rl_core
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, as the CLI does (lora_rl_core.runtime)
 
 # isort: split
 import torch  # noqa: E402
@@ -68,7 +69,7 @@ def run_mode(config: str, background: bool, steps: int) -> list[dict[str, float]
     """Time `steps` step tails of a fresh run with `trainer.background_publish` = `background`."""
     from lora_rl_core.config import load_config
     from lora_rl_core.records import TrainStats
-    from lora_rl_core.run import build_run, phases, versions
+    from lora_rl_core.run import phases, start_run, versions
 
     with tempfile.TemporaryDirectory(prefix="bg-publish-") as tmp:
         overrides = [
@@ -78,7 +79,7 @@ def run_mode(config: str, background: bool, steps: int) -> list[dict[str, float]
             "trainer.checkpoint_every=1",
             f"trainer.background_publish={str(background).lower()}",
         ]
-        run = build_run(load_config(config, overrides), "bg-publish")
+        run = start_run(load_config(config, overrides), "bg-publish")
         rows: list[dict[str, float]] = []
         try:
             versions.sync(run, versions.publish(run, 0))

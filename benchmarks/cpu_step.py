@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, before torch loads:
-import lora_rl_core  # noqa: E402, F401 - sets OMP_WAIT_POLICY before torch loads, as the CLI does
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lora_rl_core
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, as the CLI does (lora_rl_core.runtime)
 
 # isort: split
 from _common import RESULTS, ROOT, machine_info, print_table, write_json  # noqa: E402
@@ -42,7 +42,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """In a child process: build a run for one dtype and time `args.steps` steps of the library's step loop
     (`lora_rl_core.run.loop.run_steps`) phase by phase."""
     from lora_rl_core.config import load_config
-    from lora_rl_core.run import build_run
+    from lora_rl_core.run import start_run
     from lora_rl_core.run.loop import RunPhases, run_steps
 
     with tempfile.TemporaryDirectory(prefix="cpu-step-") as tmp:
@@ -56,7 +56,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         ]
         cfg = load_config(args.config, overrides)
         start = time.perf_counter()
-        run = build_run(cfg, "cpu-step")
+        run = start_run(cfg, "cpu-step")
         setup_s = time.perf_counter() - start
         steps: list[dict[str, Any]] = []
         try:

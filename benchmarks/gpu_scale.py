@@ -134,7 +134,7 @@ def main() -> None:
 
     from lora_rl_core.config import load_config
     from lora_rl_core.records import RolloutBatch
-    from lora_rl_core.run import build_run
+    from lora_rl_core.run import start_run
     from lora_rl_core.run.loop import RunPhases, run_steps
 
     model_dir = build_model(args.shape, args.tokenizer, args.models / f"qwen2.5-{args.shape}-random")
@@ -161,7 +161,7 @@ def main() -> None:
     steps: list[dict[str, Any]] = []
     start = time.perf_counter()
     with GpuMemory() as memory:
-        run = build_run(cfg, "gpu-scale")
+        run = start_run(cfg, "gpu-scale")
         setup_s = time.perf_counter() - start
         try:
             with RunPhases(run) as inner:

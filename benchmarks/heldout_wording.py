@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from lora_rl_core.config import load_config
-    from lora_rl_core.data import Problem, prompt_instruction
+    from lora_rl_core.data import Problem, PromptStyle, prompt_instruction
     from lora_rl_core.engines import EngineInputs
     from lora_rl_core.engines.registry import build_engine
-    from lora_rl_core.evaluation import PromptStyle, evaluate_policy
+    from lora_rl_core.evaluation import evaluate_policy
     from lora_rl_core.models import load_tokenizer, resolve_device
     from lora_rl_core.rewards import AnswerGrader
     from lora_rl_core.run import build_problems

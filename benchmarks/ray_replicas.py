@@ -28,13 +28,13 @@ import _common
 from _common import RESULTS, machine_info, print_table, write_json
 
 from lora_rl_core.config import EngineConfig, ModelConfig
-from lora_rl_core.engines import EngineInputs, GenerationRequest, InferenceEngine, SamplingParams
+from lora_rl_core.engines import EngineInputs, GenerationRequest, SamplingParams, ServingEngine
 from lora_rl_core.engines.embedded.build import build_embedded_engine, embedded_engine
 from lora_rl_core.engines.launch.ray_replicas import start_ray_replicas
 from lora_rl_core.models import load_tokenizer
 
 
-def rollout(engine: InferenceEngine, requests: list[GenerationRequest], repeats: int) -> dict[str, Any]:
+def rollout(engine: ServingEngine, requests: list[GenerationRequest], repeats: int) -> dict[str, Any]:
     """A warm-up call, then `repeats` timed calls; median tokens/s."""
     engine.generate(requests[: max(1, len(requests) // 4)])
     runs = []

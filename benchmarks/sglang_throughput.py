@@ -45,7 +45,7 @@ from multi_adapter import MODES, bench_case, requests_for, timed_generate
 from safetensors.torch import save_file
 
 from lora_rl_core.config import config_from_dict
-from lora_rl_core.engines import EmbeddedEngine, InferenceEngine, SamplingParams
+from lora_rl_core.engines import EmbeddedEngine, SamplingParams, ServingEngine
 from lora_rl_core.engines.launch.process import launch_sglang
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
 from lora_rl_testing.adapters import random_lora_factory
@@ -66,7 +66,7 @@ def adapter_folders(model: torch.nn.Module, count: int, rank: int, root: Path) -
 
 
 def run_cases(
-    engine: InferenceEngine,
+    engine: ServingEngine,
     folders: dict[str, str],
     counts: list[int],
     prompts: list,

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cli import reaper, shutdown
 from cli.adapters import adapters_app
 from lora_rl_core import progress
-from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_DEFAULT_PORT
+from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_DEFAULT_PORT, RunConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.subscriber import ENGINE_KIND, KEEP_VERSIONS, POLL_INTERVAL_S
 
@@ -47,7 +47,7 @@ OverridesArg = Annotated[
 def train(
     config: ConfigOpt,
     overrides: OverridesArg = None,
-    run_id: Annotated[str | None, typer.Option(help="run id (default run.id or <name>-<timestamp>)")] = None,
+    run_id: Annotated[str | None, typer.Option(help="run id (default run.id or <run.name>-<flow run id[:8]>)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show Prefect's INFO logs too")] = False,
 ) -> None:
     """Run the `lora-rl-train` flow with a progress bar and one line per step."""
@@ -59,7 +59,8 @@ def train(
     from lora_rl_core.config import load_config
     from lora_rl_core.run import preflight
 
-    preflight(load_config(config, overrides or []))  # config, store, data, reward, model: one line, before Prefect
+    cfg = load_config(config, overrides or [])  # validated once: the flow takes this object
+    preflight(cfg)  # config, store, data, reward, model: one line, before Prefect
     reaper.watch()  # before anything starts: nothing outlives this process, even on SIGKILL
     from flows.grpo_lora import train as train_flow
 
@@ -91,7 +92,7 @@ def train(
     unsubscribe = progress.subscribe(on_event)
     try:
         with bar:
-            summary = train_flow(config_path=config, overrides=list(overrides or []), run_id=run_id)
+            summary = train_flow(config_path=config, overrides=list(overrides or []), run_id=run_id, config=cfg)
     finally:
         unsubscribe()
     _print_summary(summary)
@@ -121,34 +122,22 @@ def eval_(
     `engine.urls`); the adapter is loaded from the config's store by path unless the engine lists it.
     """
     from lora_rl_core.config import load_config
-    from lora_rl_core.engines import EngineInputs
-    from lora_rl_core.engines.registry import build_engine
     from lora_rl_core.evaluation import evaluate_run_policy
-    from lora_rl_core.models import load_tokenizer
-    from lora_rl_core.rewards import build_grader
-    from lora_rl_core.run import build_problems
-    from lora_rl_core.runtime import configure_threads
+    from lora_rl_core.run import build_evaluation, plan_run
 
     cfg = load_config(config, overrides or [])
-    store = cfg.store.build()  # a bad store URI fails before the data and the tokenizer load
+    cfg.store.build()  # a bad store URI fails before the data and the tokenizer load
+    plan, inputs = plan_run(cfg, train=False)
     reaper.watch()  # nothing started from here on outlives this process, even on SIGKILL
-    configure_threads()
-    problems = build_problems(cfg.data, "test", cfg.run.seed)
-    tokenizer = load_tokenizer(cfg.model)
-    grader = build_grader(cfg.eval, cfg.reward)
-    built = build_engine(EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer))
-    engine = built.engine
-    try:
+    with build_evaluation(plan, inputs) as ev:  # the engine and the grader, as a training run builds them
+        engine = ev.built.engine
         name = None
         if adapter:
-            ref = store.resolve(adapter)
+            ref = ev.store.resolve(adapter)
             if ref.name not in engine.list_adapters():
                 engine.load_adapter(ref.name, path=ref.uri)  # the engine reads the version sha256-verified
             name = ref.name
-        result = evaluate_run_policy(engine, tokenizer, problems, grader, cfg, adapter=name)
-    finally:
-        built.close()
-        grader.close()
+        result = evaluate_run_policy(engine, inputs.tokenizer, inputs.test, ev.grader, cfg, adapter=name)
     if json_out:
         console.print_json(json.dumps(result))
     else:
@@ -157,6 +146,20 @@ def eval_(
             f"{name or 'base model'}: greedy accuracy {progress.format_accuracy(result)} on {result['n']} problems"
             + (f"; {sampled} ({result['samples_per_prompt']} samples each)" if sampled else "")
             + f" ({result['seconds']:.1f} s)"
+        )
+
+
+def _check_port_is_not_sglangs(cfg: RunConfig, port: int) -> None:
+    """Raise `ConfigError` when `serve` would bind the port of the SGLang server it launches: SGLang binds it
+    first (on 127.0.0.1, which any of our hosts overlaps), and then uvicorn fails with `address already in use`."""
+    from lora_rl_core.errors import ConfigError
+
+    launch = cfg.engine.launch
+    if cfg.engine.type == "sglang" and launch.enabled and launch.port == port:
+        other = port + 1 if port < 65535 else port - 1
+        raise ConfigError(
+            f"lora-rl serve --port {port} is the port of the SGLang it launches (engine.launch.port); "
+            f"pass another --port (e.g. {other}) or set engine.launch.port"
         )
 
 
@@ -191,11 +194,13 @@ def serve(
     from lora_rl_core.engines.registry import build_serving_engine
     from lora_rl_core.engines.serve.app import check_bind
     from lora_rl_core.engines.serve.app import serve as serve_engine
-    from lora_rl_core.engines.spec import EngineInputs
-    from lora_rl_core.models import load_tokenizer, resolve_device
-    from lora_rl_core.runtime import choose_dtype, configure_threads
+    from lora_rl_core.models import load_tokenizer
+    from lora_rl_core.plan import make_plan
+    from lora_rl_core.run.components import engine_inputs
+    from lora_rl_core.runtime import configure_threads
 
     cfg = load_config(config, overrides or [])
+    _check_port_is_not_sglangs(cfg, port)
     api_key = api_key or os.environ.get(cfg.engine.api_key_env)
     check_bind(host, api_key)
     store = cfg.store.build()  # a bad store URI: one line before the model loads
@@ -205,13 +210,13 @@ def serve(
     console.print(f"serving {model} on http://{host}:{port} (control endpoints {'need a key' if api_key else 'open'})")
     if cfg.engine.type == "sglang":
         console.print(f"in front of SGLang at {cfg.engine.urls or 'a server launched here'}", markup=False)
-    else:
-        choice = choose_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
-        console.print(f"model dtype {choice.name}: {choice.reason}", markup=False)
+    plan = make_plan(cfg, train=False)  # the engine's `auto` settings, resolved once
+    if cfg.engine.type != "sglang":
+        dtype = plan.choices["model.dtype"]
+        console.print(f"model dtype {dtype.value}: {dtype.reason}", markup=False)
     tokenizer = load_tokenizer(cfg.model)
-    inputs = EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer, log_dir=Path.cwd())
     serve_engine(
-        build_serving_engine(inputs),
+        build_serving_engine(engine_inputs(plan, tokenizer, Path.cwd())),
         model_path=model,
         tokenizer=tokenizer,
         store=store,
@@ -273,6 +278,8 @@ def main() -> None:
     """Console-script entry point: run the app, turning user errors into one line and exit code 2,
     and SIGINT/SIGTERM into an orderly shutdown, one line and exit code 128 + signal (`cli.shutdown`)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Before torch loads, which reads it once: waiting OpenMP threads sleep, not spin (`lora_rl_core.runtime`).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     shutdown.install()
     with reaper.enabled():  # this process is lora-rl itself: its commands start a reaper (`cli.reaper`)
         try:

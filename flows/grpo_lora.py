@@ -20,7 +20,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
 from lora_rl_core import progress
-from lora_rl_core.config import load_config
+from lora_rl_core.config import RunConfig, load_config
 from lora_rl_core.report import artifact_markdown, run_summary, step_table
 from lora_rl_core.run.loop import run_steps
 from tasks.registry import close_run
@@ -29,27 +29,33 @@ from tasks.steps import StepTasks, TaskPhases, prefect_slug, result_storage, ste
 
 @flow(name="lora-rl-train")
 def train(
-    config_path: str | None = None, overrides: list[str] | None = None, run_id: str | None = None
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    run_id: str | None = None,
+    config: RunConfig | None = None,
 ) -> dict[str, Any]:
     """Train a LoRA policy with GRPO and publish every step's adapter to the store.
 
     Args:
         config_path: YAML run config (None = built-in defaults).
         overrides: dotted `key=value` overrides, e.g. `["lora.rank=32"]`.
-        run_id: run id (default: `run.id`, else `<run.name>-<timestamp>`).
+        run_id: run id (default: `run.id`, else `<run.name>-<first 8 characters of the flow run id>`, so a
+            retry of the flow run resumes the same run).
+        config: the config already validated from `config_path` and `overrides` (`lora-rl train` passes it,
+            so the config is validated once per process); None = load it here.
 
     Returns:
         summary: run_id, final_adapter, base/final accuracy, wall_seconds, seconds_per_step,
         completions_per_second, report path.
     """
     start = time.perf_counter()
-    cfg = load_config(config_path, overrides or [])
+    cfg = config if config is not None else load_config(config_path, overrides or [])
     # A retry of this flow run keeps its id, so it resumes the same run.
     run_id = run_id or cfg.run.id or f"{cfg.run.name}-{str(flow_run.id)[:8]}"
     logger = get_run_logger()
     steps = cfg.trainer.steps
     t = step_tasks(result_storage(cfg.store, run_id))
-    resumed = t.open_run(cfg.model_dump(mode="json"), run_id)
+    resumed = t.open_run(cfg, run_id)
     try:
         progress.emit("run_started", {"steps": steps, **resumed.model_dump()})
         logger.info(f"run {run_id}: {steps} steps, resuming after checkpoint step {resumed.restored_step}")

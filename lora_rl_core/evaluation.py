@@ -14,23 +14,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.config import EvalConfig, RunConfig
-from lora_rl_core.data import Problem, prompt_instruction, render_prompt, stable_seed
-from lora_rl_core.engines import Completion, GenerationRequest, InferenceEngine, SamplingParams
+from lora_rl_core.data import Problem, PromptStyle, stable_seed
+from lora_rl_core.engines import Completion, GenerationRequest, RolloutEngine, SamplingParams
 from lora_rl_core.rewards import Grader, RewardBatch
-
-
-@dataclass(frozen=True)
-class PromptStyle:
-    """How problems become prompts: the system prompt (None: the chat template's) and the instruction."""
-
-    system_prompt: str | None
-    instruction: str
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -48,7 +39,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate_policy(
-    engine: InferenceEngine,
+    engine: RolloutEngine,
     tokenizer: PreTrainedTokenizerBase,
     problems: Sequence[Problem],
     grader: Grader,
@@ -74,10 +65,7 @@ def evaluate_policy(
         RewardError: the grader failed (a row without a gold answer, or the named function failed).
     """
     start = time.perf_counter()
-    ids = [
-        render_prompt(tokenizer, p, system_prompt=prompt.system_prompt, instruction=prompt.instruction)
-        for p in problems
-    ]
+    ids = [prompt.render(tokenizer, p) for p in problems]
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     completions = engine.generate([GenerationRequest(i, adapter, greedy) for i in ids], inline=True)
     texts, passed = _grade(tokenizer, grader, list(problems), completions)
@@ -107,17 +95,19 @@ def _rate(passed: list[bool]) -> float:
 
 
 def evaluate_run_policy(
-    engine: InferenceEngine,
+    engine: RolloutEngine,
     tokenizer: PreTrainedTokenizerBase,
     problems: Sequence[Problem],
     grader: Grader,
     cfg: RunConfig,
     *,
     adapter: str | None,
+    prompt: PromptStyle | None = None,
 ) -> dict[str, Any]:
-    """`evaluate_policy` with a run config's settings: its prompt style (`rollout.system_prompt`, the data
-    source's instruction), `run.eval_max_new_tokens` (else `rollout.max_new_tokens`), the `eval` section and a
-    seed from `run.seed`. What the flow, `lora-rl eval` and the benchmarks evaluate with.
+    """`evaluate_policy` with a run config's settings: its prompt style (`prompt`, default
+    `PromptStyle.of(cfg.data, cfg.rollout)`: `rollout.system_prompt`, the data source's instruction),
+    `run.eval_max_new_tokens` (else `rollout.max_new_tokens`), the `eval` section and a seed from `run.seed`.
+    What the flow, `lora-rl eval` and the benchmarks evaluate with.
 
     Raises:
         RewardError: the grader failed (naming the rows).
@@ -128,7 +118,7 @@ def evaluate_run_policy(
         problems,
         grader,
         adapter=adapter,
-        prompt=PromptStyle(cfg.rollout.system_prompt, prompt_instruction(cfg.data, cfg.rollout)),
+        prompt=prompt or PromptStyle.of(cfg.data, cfg.rollout),
         max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
         settings=cfg.eval,
         seed=stable_seed(cfg.run.seed, "eval"),
@@ -136,7 +126,7 @@ def evaluate_run_policy(
 
 
 def _sampled(
-    engine: InferenceEngine,
+    engine: RolloutEngine,
     tokenizer: PreTrainedTokenizerBase,
     problems: Sequence[Problem],
     grader: Grader,

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from lora_rl_core.config import ModelConfig
 from lora_rl_core.errors import ModelError
-from lora_rl_core.runtime import DtypeChoice, choose_dtype
+from lora_rl_core.runtime import DTYPES, DtypeChoice, choose_dtype
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,15 @@ def model_dtype(cfg: ModelConfig) -> DtypeChoice:
     return choose_dtype(cfg.dtype, resolve_device(cfg.device))
 
 
-def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the base causal LM and its tokenizer, in eval mode on `cfg.device`, in `model_dtype(cfg)`.
+def load_model(
+    cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the base causal LM and its tokenizer, in eval mode.
+
+    Args:
+        cfg: the `model` section.
+        device / dtype: as the run's plan resolved them (`lora_rl_core.plan`); None = `cfg.device` and
+            `model_dtype(cfg)` resolved here (a process without a plan: a Ray replica, `lora-rl serve`).
 
     Returns:
         (model, tokenizer); the tokenizer has a pad token (EOS when it had none).
@@ -81,14 +88,16 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=model_dtype(cfg).torch_dtype, trust_remote_code=cfg.trust_remote_code
+            folder,
+            dtype=DTYPES[dtype] if dtype is not None else model_dtype(cfg).torch_dtype,
+            trust_remote_code=cfg.trust_remote_code,
         )
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load model from {folder}: {_first_line(exc)}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     # transformers' `to` wrapper confuses mypy about `self`; at runtime it is PreTrainedModel.to
-    model = model.to(resolve_device(cfg.device))  # type: ignore[call-arg,arg-type,unused-ignore]
+    model = model.to(torch.device(device) if device is not None else resolve_device(cfg.device))  # type: ignore[call-arg,arg-type,unused-ignore]
     return model.eval(), tokenizer
 
 

@@ -77,13 +77,23 @@ def accuracy_change(summary: dict[str, Any]) -> str:
 
 
 def format_runtime(runtime: dict[str, Any]) -> str:
-    """One line for the run log: device, model dtype and why, the LoRA compute dtype and why (not in a `run.json`
-    of an older version), CPU threads (`lora_rl_core.run.runtime_info`)."""
-    return (
+    """The run's plan for the run log, printed once when the run opens (`lora_rl_core.plan.RunPlan.summary`):
+    a first line with the device, the model dtype and why, the LoRA compute dtype and why, CPU threads; then
+    one line per other resolved setting (`  <setting> = <value>: <reason>`) and the memory plan (GiB)."""
+    head = (
         f"model dtype {runtime['dtype']} on {runtime['device']}: {runtime['dtype_reason']}; "
         + lora_compute_part(runtime)
         + f"{runtime['cpu_threads']} CPU threads"
     )
+    shown = {"model.dtype", "trainer.lora_compute_dtype"}
+    lines = [
+        f"  {name} = {c['value']}: {c['reason']}"
+        for name, c in runtime.get("choices", {}).items()
+        if name not in shown
+    ]
+    if runtime.get("memory_plan"):
+        lines.append(f"  memory plan (GiB): {runtime['memory_plan']}")
+    return "\n".join([head, *lines])
 
 
 def lora_compute_part(runtime: dict[str, Any]) -> str:

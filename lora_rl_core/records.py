@@ -245,6 +245,6 @@ class ResumeInfo(Record):
     policy_version: int | None
     """Adapter version the engines serve after restoring; None before version 0 is published."""
     runtime: dict[str, Any]
-    """Device, dtype and why, CPU threads (`lora_rl_core.run.components.runtime_info`)."""
+    """Device, dtype and why, CPU threads (the run plan's summary, `lora_rl_core.plan.RunPlan.summary`)."""
     store_uri: str
     """The adapter store's root as an absolute URI, where the run's versions are published."""

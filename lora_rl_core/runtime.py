@@ -19,10 +19,12 @@ so a container or `taskset` limit is honoured; torch's own default counts the ma
 `LORA_RL_NUM_THREADS`, else `OMP_NUM_THREADS`, overrides it. The trainer and the embedded engine run on
 one thread and share this pool (`EmbeddedEngine.generate(inline=True)`), so they never oversubscribe it.
 
-OpenMP waiting: `lora_rl_core/__init__.py` sets `OMP_WAIT_POLICY=PASSIVE` (unless the environment sets
-it) before torch loads, so threads waiting at a barrier sleep instead of spinning. Measured on the 2-core
-AVX2 EPYC with `yes > /dev/null` keeping one core busy, a LoRA forward/backward + decode workload took
-29.4 s with spinning threads (3.9x its idle time) and 13.7 s passive (about 1.4x), at a 0-15 % idle cost.
+OpenMP waiting: the `lora-rl` command (`cli.main.main`), `tests/conftest.py` and the CPU benchmarks set
+`OMP_WAIT_POLICY=PASSIVE` (unless the environment sets it) before torch loads, so threads waiting at a
+barrier sleep instead of spinning; importing the library sets nothing, and OpenMP reads the variable only
+when torch loads. `OMP_WAIT_POLICY=ACTIVE` keeps spinning. Measured on the 2-core AVX2 EPYC with
+`yes > /dev/null` keeping one core busy, a LoRA forward/backward + decode workload took 29.4 s with
+spinning threads (3.9x its idle time) and 13.7 s passive (about 1.4x), at a 0-15 % idle cost.
 """
 
 from __future__ import annotations

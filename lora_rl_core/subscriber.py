@@ -43,7 +43,7 @@ from lora_rl_core.errors import ConfigError, EngineError, EngineUnavailable, Lor
 from lora_rl_core.store import AdapterRef, AdapterStore
 
 if TYPE_CHECKING:  # the engines package loads transformers and peft: keep `lora-rl` start-up light
-    from lora_rl_core.engines.base import InferenceEngine
+    from lora_rl_core.engines.base import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ ENGINE_KIND: RemoteEngineKind = "server"
 """Default `engine.type` of the engines followed: `server` (`lora-rl serve`) or `sglang` (a real SGLang server)."""
 
 
-def engine_list(engines: InferenceEngine | Sequence[InferenceEngine]) -> list[InferenceEngine]:
+def engine_list(engines: RolloutEngine | Sequence[RolloutEngine]) -> list[RolloutEngine]:
     """One engine, a sequence of engines, or a `MultiEngine` as a flat list of single engines (`members()`)."""
     items = list(engines) if isinstance(engines, Sequence) else [engines]
     return [member for engine in items for member in engine.members()]

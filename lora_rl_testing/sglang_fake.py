@@ -59,7 +59,7 @@ import anyio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from lora_rl_core.engines.base import Completion, GenerationRequest, InferenceEngine
+from lora_rl_core.engines.base import Completion, GenerationRequest, ServingEngine
 from lora_rl_core.engines.serve.adapters import TENSOR_ROOT, AdapterRoutes
 from lora_rl_core.engines.serve.api import (
     AbortIn,
@@ -162,7 +162,7 @@ class SGLangFakeServer(EngineServer):
 
     def __init__(
         self,
-        engine: InferenceEngine,
+        engine: ServingEngine,
         *,
         health_check_timeout_s: float = 20.0,
         unload_wait_s: float = 5.0,
@@ -291,7 +291,7 @@ def _result(future: asyncio.Future) -> Completion | None:
 
 
 def create_sglang_fake_app(
-    engine: InferenceEngine, *, served_model_name: str = "fake-sglang", **options: Any
+    engine: ServingEngine, *, served_model_name: str = "fake-sglang", **options: Any
 ) -> FastAPI:
     """The FastAPI app of the fake SGLang server over `engine` (`input_ids` prompts only: no tokenizer);
     `options` are `SGLangFakeServer`'s keyword arguments (e.g. `unload_wait_s`)."""

@@ -15,7 +15,7 @@ import threading
 from lora_rl_core.config import RunConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.records import ResumeInfo
-from lora_rl_core.run import build_run
+from lora_rl_core.run import start_run
 from lora_rl_core.run.components import RunComponents
 from lora_rl_core.run.resume import restore
 
@@ -24,13 +24,14 @@ _LOCK = threading.Lock()
 
 
 def open_run(cfg: RunConfig, run_id: str) -> ResumeInfo:
-    """Build and restore run `run_id` in this process (once; a second call returns the first one's info).
+    """Load the inputs of run `run_id`, make its plan, build and restore it in this process (once; a second
+    call returns the first one's info).
 
     If restoring fails, the components just built are closed again.
     """
     with _LOCK:
         if run_id not in _RUNS:
-            run = build_run(cfg, run_id)
+            run = start_run(cfg, run_id)
             try:
                 _RUNS[run_id] = (run, restore(run))
             except BaseException:

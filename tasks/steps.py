@@ -30,7 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
 from prefect.futures import PrefectFuture
 
-from lora_rl_core.config import StoreConfig, config_from_dict
+from lora_rl_core.config import RunConfig, StoreConfig
 from lora_rl_core.records import ResumeInfo, RolloutStats, ScoreStats, SyncStats, TrainStats
 from lora_rl_core.run import phases, versions
 from lora_rl_core.store import AdapterRef
@@ -50,9 +50,10 @@ def _eval_key(context: Any, params: dict[str, Any]) -> str:
 
 
 @task(name="open_run", **_NO_CACHE)
-def open_run(config: dict[str, Any], run_id: str) -> ResumeInfo:
-    """Build models, engine, store and data for `run_id` in this process and restore the newest checkpoint."""
-    return registry.open_run(config_from_dict(config), run_id)
+def open_run(cfg: RunConfig, run_id: str) -> ResumeInfo:
+    """Plan run `run_id` from its validated config, build its models, engine, store and data in this process
+    and restore the newest checkpoint."""
+    return registry.open_run(cfg, run_id)
 
 
 @task(name="rollout", task_run_name="rollout-{step}", cache_key_fn=_step_key, persist_result=True)

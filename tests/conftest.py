@@ -8,7 +8,10 @@ fails that test's teardown; the same check runs once more when the session ends.
 
 from __future__ import annotations
 
-import lora_rl_core  # noqa: F401  # isort: skip - first: sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP
+import os
+
+# Before torch loads OpenMP, as the `lora-rl` command does (`lora_rl_core.runtime`, "OpenMP waiting").
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import string
 from pathlib import Path

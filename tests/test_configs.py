@@ -75,13 +75,10 @@ def test_yaml_list_is_rejected(tmp_path):
         load_config(path)
 
 
-def test_run_id_from_config():
-    assert load_config(None, ["run.id=my-run"]).resolved_run_id() == "my-run"
-
-
-def test_run_id_defaults_to_name_and_timestamp():
-    run_id = load_config(None, ["run.name=exp"]).resolved_run_id()
-    assert re.fullmatch(r"exp-\d{8}-\d{6}", run_id), run_id
+def test_run_id_is_carried_from_overrides():
+    # The default id (`<run.name>-<flow run id[:8]>`) is made by the flow, which needs a flow run.
+    assert load_config(None, ["run.id=my-run"]).run.id == "my-run"
+    assert load_config(None, ["run.name=exp"]).run.id is None
 
 
 def test_async_rollouts_need_a_staleness_window():

@@ -21,7 +21,6 @@ from lora_rl_core.algorithm.losses import (
     off_policy_weights,
     ppo_clip_loss,
     selective_log_softmax,
-    truncated_importance_weights,
 )
 
 __all__ = [
@@ -39,5 +38,4 @@ __all__ = [
     "ppo_clip_loss",
     "rloo_advantages",
     "selective_log_softmax",
-    "truncated_importance_weights",
 ]

@@ -128,7 +128,11 @@ def group_has_signal(rewards_NG: Tensor, *, atol: float = 1e-8, skipped_NG: Tens
     return (high_N - low_N).nan_to_num(nan=0.0) > atol  # a group with nothing scored: inf - inf, no signal
 
 
-def masked_group_advantages(rewards_NG: Tensor, skipped_NG: Tensor, estimator: Callable[[Tensor], Tensor]) -> Tensor:
+AdvantageEstimator = Callable[[Tensor], Tensor]
+"""Group rewards `[N, G]` -> advantages `[N, G]` (an `ADVANTAGE_ESTIMATORS` entry)."""
+
+
+def masked_group_advantages(rewards_NG: Tensor, skipped_NG: Tensor, estimator: AdvantageEstimator) -> Tensor:
     """Advantages ``[N, G]`` by ``estimator`` (an ``ADVANTAGE_ESTIMATORS`` entry) over each group's scored
     completions only: complete groups in one call, a group with skipped entries on its ``k`` scored
     rewards alone (``[1, k]``; zeros when ``k < 2``, nothing to compare), skipped entries 0.
@@ -148,7 +152,7 @@ def masked_group_advantages(rewards_NG: Tensor, skipped_NG: Tensor, estimator: C
     return advantages_NG
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": grpo_advantages,
     "drgrpo": drgrpo_advantages,
     "rloo": rloo_advantages,

@@ -193,30 +193,6 @@ def kl_k3(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:
     return torch.exp(log_ratio_BT) - log_ratio_BT - 1.0
 
 
-def truncated_importance_weights(
-    old_logprobs_BT: Tensor, inference_logprobs_BT: Tensor, mask_BT: Tensor, *, cap: float
-) -> Tensor:
-    """Truncated importance weights correcting the trainer / inference-engine mismatch.
-
-    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
-    Off-Policy RL Training" (TIS): ``w = min(pi_trainer / pi_engine, C)``, i.e.
-    ``min(exp(old_logprobs - inference_logprobs), cap)``. Multiply the
-    per-token policy-gradient loss by ``w``.
-
-    Args:
-        old_logprobs_BT: ``[B, T]`` trainer log-probs of the rollout tokens under the rollout policy.
-        inference_logprobs_BT: ``[B, T]`` log-probs the inference engine reported for the same tokens.
-        mask_BT: ``[B, T]`` 1.0 on real tokens, 0.0 on padding.
-        cap: truncation C > 0.
-
-    Returns:
-        ``[B, T]`` float32 weights in ``[0, cap]``, 0 on padding, detached.
-    """
-    if cap <= 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
-    return off_policy_weights(old_logprobs_BT, inference_logprobs_BT, mask_BT, mode="token-truncate", cap=cap)[0]
-
-
 OFF_POLICY_MODES: tuple[str, ...] = (
     "token-truncate",
     "token-mask",
@@ -243,7 +219,8 @@ def off_policy_weights(
     With ``log r_t = old_logprobs_t - inference_logprobs_t`` (trainer over sampler; the sampler is an older
     adapter version in asynchronous training, and the engine's numerics always):
 
-    * ``token-truncate``: ``w_t = min(r_t, cap)``; Yao et al. 2025 (TIS), TRL ``token_truncate``.
+    * ``token-truncate``: ``w_t = min(r_t, cap)``; TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly
+      Brings You Off-Policy RL Training"), TRL ``token_truncate``.
     * ``token-mask``: ``w_t = r_t``, 0 where ``r_t`` is outside ``[floor, cap]``; IcePop (Ling Team 2025,
       "Every Step Evolves"), TRL ``token_mask``.
     * ``sequence-truncate``: ``w = min(prod_t r_t, cap)`` for every token of the sequence; TRL
@@ -363,7 +340,7 @@ def ppo_clip_loss(
         clip_eps_high: ratio ceiling is ``1 + clip_eps_high``.
         aggregation: a mode of ``aggregate`` (see ``LOSS_AGGREGATIONS``).
         importance_weights_BT: optional ``[B, T]`` weights on the policy-gradient term,
-            e.g. from ``truncated_importance_weights``.
+            e.g. the first value of ``off_policy_weights``.
         ref_logprobs_BT: optional ``[B, T]`` reference-model log-probs.
         kl_coef: weight of the k3 KL penalty.
         max_tokens: constant length, only for aggregation ``"seq-mean-token-sum-norm"``.

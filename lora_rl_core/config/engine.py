@@ -96,8 +96,8 @@ class EngineConfig(Section):
     ray_replicas: int = Field(0, ge=0)
     """0 runs the engine in this process (or talks to `urls`); N >= 1 runs N engine replicas as Ray actors,
     joining the cluster of `RAY_ADDRESS` or starting a local one: `embedded` replicas (one CPU each,
-    `lora_rl_core/engines/ray_replicas.py`), or with `type: sglang` and `launch.enabled` actors that each
-    launch and own an SGLang server (`lora_rl_core/engines/ray_sglang.py`). The samples of a prompt stay
+    `lora_rl_core/engines/launch/ray_replicas.py`), or with `type: sglang` and `launch.enabled` actors that each
+    launch and own an SGLang server (`lora_rl_core/engines/launch/ray_sglang.py`). The samples of a prompt stay
     on one replica; adapter versions load into every replica."""
     ray_gpus_per_replica: float = Field(1.0, ge=0, le=1)
     """GPUs each Ray engine replica reserves when it uses CUDA (an SGLang replica always; an embedded one when

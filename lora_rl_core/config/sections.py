@@ -3,7 +3,6 @@ run) and `RunConfig`, which holds them all."""
 
 from __future__ import annotations
 
-import datetime as _dt
 import warnings
 from typing import Any, Literal
 
@@ -363,14 +362,17 @@ class RunSection(Section):
     """Run identity and outputs."""
 
     id: str | None = None
-    """Run id; default `<name>-<UTC timestamp>`."""
+    """Run id; default `<run.name>-<flow run id, first 8 characters>`, so a retry of the Prefect flow run
+    resumes the same run. `lora-rl train --run-id` overrides it."""
     name: str = "run"
-    """Prefix of the default run id (`<name>-<UTC timestamp>`); ignored when `id` is set."""
+    """Prefix of the default run id (`<run.name>-<flow run id, first 8 characters>`); ignored when `id` is set."""
     seed: int = 0
     """Seeds the arithmetic problems, the prompt order, the LoRA initialisation, Python's and torch's RNGs,
     and each step's sampling seed, so a run with the same seed and config draws the same prompts."""
     output_dir: str = "runs"
-    """Local folder for rollouts, report and plots (`<output_dir>/<run_id>/`)."""
+    """Local folder of each run's report and logs, `<output_dir>/<run_id>/`: `report.md`, `reward_curve.png`,
+    `history.json`, and the logs of the SGLang servers the run launches (`sglang.log`; `sglang-<i>.log` per
+    Ray replica, on the replica's node). Rollouts and adapters go to the store (`store.uri`)."""
     eval_before_after: bool = True
     """Greedy accuracy on the held-out split before and after training."""
     eval_max_new_tokens: int | None = None
@@ -433,9 +435,3 @@ class RunConfig(Section):
         """How many steps ahead of the training step rollouts run: `algorithm.max_staleness` in
         `rollout.mode: async`, 0 in sync mode."""
         return self.algorithm.max_staleness if self.rollout.mode == "async" else 0
-
-    def resolved_run_id(self) -> str:
-        """The run id: `run.id`, or `<run.name>-<YYYYmmdd-HHMMSS>` (UTC)."""
-        if self.run.id:
-            return self.run.id
-        return f"{self.run.name}-{_dt.datetime.now(_dt.UTC):%Y%m%d-%H%M%S}"

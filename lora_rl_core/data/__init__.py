@@ -9,7 +9,7 @@ problems of a `data` section (`load_problems`) and the prompt instruction; `arit
 from lora_rl_core.data.arithmetic import TEST_POOL_SIZE, ArithmeticGenerator, arithmetic_split
 from lora_rl_core.data.load import dataset_spec, load_problems, prompt_instruction
 from lora_rl_core.data.problems import Problem
-from lora_rl_core.data.prompts import build_messages, render_prompt
+from lora_rl_core.data.prompts import PromptStyle, build_messages, render_prompt
 from lora_rl_core.data.sampler import PromptSampler
 from lora_rl_core.data.seeding import stable_seed
 from lora_rl_core.data.sources import PRESETS, DatasetSpec, read_problems
@@ -25,6 +25,7 @@ __all__ = [
     "build_messages",
     "dataset_spec",
     "load_problems",
+    "PromptStyle",
     "prompt_instruction",
     "read_problems",
     "render_prompt",

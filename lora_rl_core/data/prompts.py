@@ -7,10 +7,14 @@ The user turn is the question, a newline, then the instruction (e.g.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from lora_rl_core.data.problems import Problem
 from lora_rl_core.errors import DataError
+
+if TYPE_CHECKING:
+    from lora_rl_core.config import DataConfig, RolloutConfig
 
 
 def build_messages(problem: Problem, *, system_prompt: str | None, instruction: str) -> list[dict[str, str]]:
@@ -74,3 +78,29 @@ def render_prompt(tokenizer, problem: Problem, *, system_prompt: str | None, ins
         return _as_ids(encoded)
     lines = [m["content"] for m in build_messages(problem, system_prompt=system_prompt, instruction=instruction)]
     return _as_ids(tokenizer("\n".join(lines) + "\n"))
+
+
+@dataclass(frozen=True)
+class PromptStyle:
+    """How a run turns problems into prompt token ids, the one place it is decided (rollouts, the memory
+    plan's longest prompt, evaluation).
+
+    Attributes:
+        system_prompt: the system turn's text (None: the chat template's default).
+        instruction: appended after a newline to the (last) user turn; `""` for none.
+    """
+
+    system_prompt: str | None
+    instruction: str
+
+    @classmethod
+    def of(cls, data: DataConfig, rollout: RolloutConfig) -> PromptStyle:
+        """The run's style: `rollout.system_prompt` and the instruction (`rollout.instruction`, else the data
+        source's own: `data.load.prompt_instruction`)."""
+        from lora_rl_core.data.load import prompt_instruction  # lazy: `load` imports this module
+
+        return cls(rollout.system_prompt, prompt_instruction(data, rollout))
+
+    def render(self, tokenizer: Any, problem: Problem) -> list[int]:
+        """`problem`'s prompt token ids in this style (`render_prompt`)."""
+        return render_prompt(tokenizer, problem, system_prompt=self.system_prompt, instruction=self.instruction)

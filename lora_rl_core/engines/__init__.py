@@ -1,4 +1,5 @@
-"""Inference engines behind one protocol (`InferenceEngine`), with SGLang's LoRA semantics.
+"""Inference engines behind two protocols, split by who uses them (`RolloutEngine`: what a training step
+needs; `ServingEngine`: that and what serving needs), with SGLang's LoRA semantics.
 
 A folder per subsystem, each touching only `base`, `spec` and the rooms below it:
 
@@ -26,8 +27,9 @@ from lora_rl_core.engines.base import (
     PAUSE_MODES,
     Completion,
     GenerationRequest,
-    InferenceEngine,
+    RolloutEngine,
     SamplingParams,
+    ServingEngine,
     aborted_completion,
     unknown_adapter_message,
 )
@@ -45,7 +47,8 @@ __all__ = [
     "EngineInputs",
     "EngineUnavailable",
     "GenerationRequest",
-    "InferenceEngine",
+    "RolloutEngine",
+    "ServingEngine",
     "MultiEngine",
     "SamplingParams",
     "aborted_completion",

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 """SGLang's `/pause_generation` modes (`sglang/srt/managers/io_struct.py`, `PauseGenerationReqInput`)."""
@@ -79,8 +79,12 @@ class Completion:
     abort_reason: str | None = None
 
 
-class InferenceEngine(Protocol):
-    """What the flow needs from an inference engine (embedded, server or SGLang).
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What a training step needs from an inference engine: generate completions with named adapters, and load,
+    unload and list adapter versions (the hot-swap protocol, `lora_rl_core.subscriber`, also asks `is_paused`
+    before an unload and iterates `members`). The run's phases, its syncs, evaluation and the subscriber use
+    only these members.
 
     Semantics follow SGLang's LoRA API (`sglang/srt/entrypoints/http_server.py`, `lora/lora_registry.py`);
     see `EmbeddedEngine` for the reference implementation and docs/SGLANG.md for the wire format.
@@ -110,38 +114,6 @@ class InferenceEngine(Protocol):
         Raises:
             EngineError: an adapter that is not loaded (SGLang's "has never been loaded" message; never a
                 silent base-model completion), an empty prompt, a duplicate request id, a closed engine.
-        """
-        ...
-
-    def submit(self, request: GenerationRequest) -> Future[Completion]:
-        """Start one request in the background (one prompt of `/generate`).
-
-        Returns:
-            A future of its `Completion`; it raises as `generate` does. `abort(request.request_id)` ends it
-            early with `finish_reason="abort"`.
-
-        Raises:
-            EngineError: an engine that checks at once (the embedded one) refuses an unknown adapter, an
-                empty prompt, a duplicate id or a closed engine here; HTTP engines raise from the future.
-        """
-        ...
-
-    def abort(self, request_id: str | None = None, *, reason: str = "aborted") -> int:
-        """Abort one request by id, or every queued and running request when None (SGLang `/abort_request`).
-
-        The request's completion comes back with `finish_reason="abort"` and `abort_reason=reason`, and no
-        tokens. SGLang's `/abort_request` carries no reason: an HTTP client keeps `reason` itself for the
-        requests it sent (and our server also takes it in the body).
-
-        Args:
-            request_id: the request to abort; None = all.
-            reason: one of `ABORT_REASONS`.
-
-        Returns:
-            How many requests were aborted (0 for an unknown or finished id).
-
-        Raises:
-            EngineError: `reason` is not one of `ABORT_REASONS`.
         """
         ...
 
@@ -184,6 +156,68 @@ class InferenceEngine(Protocol):
         there; `in_flight`, `pinned`, `resident`, `sha256`, `path`/`source` where the engine reports them."""
         ...
 
+    def is_paused(self) -> bool:
+        """Whether generation is paused now (`pause` called, `resume` not yet), asked before unloading (never
+        unload while paused: `subscriber.retire_stale`). Cheap: it runs nothing on the engine (`health()` on
+        SGLang runs a generation); an SGLang client answers from its own `pause`/`resume` calls, our server's
+        client asks the server, a `MultiEngine` is paused when any member is.
+
+        Raises:
+            EngineError: the engine cannot say (unreachable, no answer in time, closed client); callers
+                then treat it as paused.
+        """
+        ...
+
+    def members(self) -> Sequence[RolloutEngine]:
+        """The single engines behind this one: `[self]` for a single engine, every member's members for a
+        `MultiEngine`. Per-engine work (verifying a load, retiring versions) iterates these."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds (worker thread, HTTP connections); queued requests of an in-process
+        engine end aborted (`engine_closed`). Idempotent; later calls raise EngineError."""
+        ...
+
+
+@runtime_checkable
+class ServingEngine(RolloutEngine, Protocol):
+    """What serving needs besides the step's members (`lora-rl serve`, `MultiEngine`, clients' traffic):
+    one request at a time (`submit`), abort with a reason, pause and resume (SGLang's `/pause_generation`),
+    flush the cache, health and metrics. Every engine kind implements it (`tests/integration/
+    test_engine_conformance.py` runs both protocols' suites on each)."""
+
+    def submit(self, request: GenerationRequest) -> Future[Completion]:
+        """Start one request in the background (one prompt of `/generate`).
+
+        Returns:
+            A future of its `Completion`; it raises as `generate` does. `abort(request.request_id)` ends it
+            early with `finish_reason="abort"`.
+
+        Raises:
+            EngineError: an engine that checks at once (the embedded one) refuses an unknown adapter, an
+                empty prompt, a duplicate id or a closed engine here; HTTP engines raise from the future.
+        """
+        ...
+
+    def abort(self, request_id: str | None = None, *, reason: str = "aborted") -> int:
+        """Abort one request by id, or every queued and running request when None (SGLang `/abort_request`).
+
+        The request's completion comes back with `finish_reason="abort"` and `abort_reason=reason`, and no
+        tokens. SGLang's `/abort_request` carries no reason: an HTTP client keeps `reason` itself for the
+        requests it sent (and our server also takes it in the body).
+
+        Args:
+            request_id: the request to abort; None = all.
+            reason: one of `ABORT_REASONS`.
+
+        Returns:
+            How many requests were aborted (0 for an unknown or finished id).
+
+        Raises:
+            EngineError: `reason` is not one of `ABORT_REASONS`.
+        """
+        ...
+
     def pause(self, mode: str = "in_place") -> None:
         """Stop admitting generation work (SGLang `/pause_generation`); returns at once.
 
@@ -204,18 +238,6 @@ class InferenceEngine(Protocol):
         because requests are running. An engine without a cache returns True."""
         ...
 
-    def is_paused(self) -> bool:
-        """Whether generation is paused now (`pause` called, `resume` not yet), asked before unloading (never
-        unload while paused: `subscriber.retire_stale`). Cheap: it runs nothing on the engine (`health()` on
-        SGLang runs a generation); an SGLang client answers from its own `pause`/`resume` calls, our server's
-        client asks the server, a `MultiEngine` is paused when any member is.
-
-        Raises:
-            EngineError: the engine cannot say (unreachable, no answer in time, closed client); callers
-                then treat it as paused.
-        """
-        ...
-
     def health(self) -> dict[str, Any]:
         """Liveness facts; always `ok` (bool: serving) and `paused` (bool: generation paused). Never raises
         for an unreachable engine: it is reported not ok."""
@@ -223,16 +245,6 @@ class InferenceEngine(Protocol):
 
     def metrics(self) -> dict[str, Any]:
         """Counters and gauges; `adapters`: name -> {requests, tokens, ...} where the engine counts them."""
-        ...
-
-    def members(self) -> Sequence[InferenceEngine]:
-        """The single engines behind this one: `[self]` for a single engine, every member's members for a
-        `MultiEngine`. Per-engine work (verifying a load, retiring versions) iterates these."""
-        ...
-
-    def close(self) -> None:
-        """Release what the engine holds (worker thread, HTTP connections); queued requests of an in-process
-        engine end aborted (`engine_closed`). Idempotent; later calls raise EngineError."""
         ...
 
 

@@ -1,4 +1,4 @@
-"""Several engines behind one `InferenceEngine` (`MultiEngine`): HTTP clients of several URLs
+"""Several engines behind one `ServingEngine` (`MultiEngine`): HTTP clients of several URLs
 (`remote.connect`), Ray replicas (`launch.ray_replicas`, `launch.ray_sglang`), or any mix.
 
 Choices made here:
@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from lora_rl_core.engines.base import Completion, GenerationRequest, InferenceEngine
+from lora_rl_core.engines.base import Completion, GenerationRequest, RolloutEngine, ServingEngine
 from lora_rl_core.errors import EngineError, EngineUnavailable
 
 
 class MultiEngine:
-    """Several engines behind one `InferenceEngine`: generation is spread, adapter changes broadcast.
+    """Several engines behind one `ServingEngine`: generation is spread, adapter changes broadcast.
 
     Args:
         engines: any engines of the protocol (HTTP clients, embedded engines, or a mix).
@@ -32,7 +32,7 @@ class MultiEngine:
         EngineError: no engines given.
     """
 
-    def __init__(self, engines: Sequence[InferenceEngine]) -> None:
+    def __init__(self, engines: Sequence[ServingEngine]) -> None:
         if not engines:
             raise EngineError("MultiEngine needs at least one engine")
         self.engines = list(engines)
@@ -139,7 +139,7 @@ class MultiEngine:
         """`{"engines": [each metrics]}`."""
         return {"engines": [engine.metrics() for engine in self.engines]}
 
-    def members(self) -> list[InferenceEngine]:
+    def members(self) -> list[RolloutEngine]:
         """The single engines behind this one (members of member `MultiEngine`s included), in order."""
         return [member for engine in self.engines for member in engine.members()]
 
@@ -156,12 +156,12 @@ class MultiEngine:
 
 
 def _generate_on(
-    engine: InferenceEngine, requests: list[GenerationRequest], timeout_s: float | None
+    engine: ServingEngine, requests: list[GenerationRequest], timeout_s: float | None
 ) -> list[Completion]:
     return engine.generate(requests, timeout_s=timeout_s) if requests else []
 
 
-def _result(engine: InferenceEngine, future: Future) -> list[Completion]:
+def _result(engine: ServingEngine, future: Future) -> list[Completion]:
     try:
         return future.result()
     except EngineError as exc:

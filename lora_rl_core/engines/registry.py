@@ -36,13 +36,14 @@ class EngineKind:
         build: the engine in this process (or the clients of remote ones).
         replicate: `engine.ray_replicas` replicas as Ray actors; None = the kind has no replicas
             (`EngineConfig` refuses `ray_replicas` for it).
-        tensor_load_reads_folder: whether loading a version given as tensors makes the engine read the
-            version's published folder (then a sync waits for the version's write to the store); default never.
+        tensor_load_reads_folder: whether loading a version given as tensors, with the plan's resolved
+            `engine.tensor_transport`, makes the engine read the version's published folder (then a sync
+            waits for the version's write to the store); default never.
     """
 
     build: Builder
     replicate: Builder | None = None
-    tensor_load_reads_folder: Callable[[EngineConfig], bool] = lambda cfg: False
+    tensor_load_reads_folder: Callable[[EngineConfig, str], bool] = lambda cfg, transport: False
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
@@ -55,10 +56,11 @@ ENGINE_KINDS: dict[str, EngineKind] = {
 """Every engine kind, by `EngineConfig.type`."""
 
 
-def sync_reads_folder(cfg: EngineConfig) -> bool:
+def sync_reads_folder(cfg: EngineConfig, transport: str) -> bool:
     """Whether syncing a version to `cfg`'s engines reads its published folder from the store (`sync: store`,
-    or a tensor load the kind routes through the folder), so the sync must wait for the version's write."""
-    return cfg.sync == "store" or ENGINE_KINDS[cfg.type].tensor_load_reads_folder(cfg)
+    or a tensor load the kind routes through the folder with the run's resolved `transport`), so the sync
+    must wait for the version's write. Decided once, by the run's plan (`lora_rl_core.plan`)."""
+    return cfg.sync == "store" or ENGINE_KINDS[cfg.type].tensor_load_reads_folder(cfg, transport)
 
 
 def build_engine(inputs: EngineInputs) -> BuiltEngine:

@@ -11,11 +11,50 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig, StoreConfig
-    from lora_rl_core.engines.base import InferenceEngine
+    from transformers import PreTrainedTokenizerBase
+
+    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig, StoreConfig, TensorTransport
+    from lora_rl_core.engines.base import ServingEngine
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the run knows that the launcher resolves `auto` settings with.
+
+    Attributes:
+        rollout_batch: sequences decoded at once (prompts x group size x rollouts in flight); None = unknown.
+        mem_fraction: `--mem-fraction-static` from the run's memory plan; None = SGLang's own.
+        memory_saver: free the KV cache during training (`--enable-memory-saver`).
+    """
+
+    rollout_batch: int | None = None
+    mem_fraction: float | None = None
+    memory_saver: bool = False
+
+
+@dataclass(frozen=True)
+class ResolvedLaunch:
+    """`engine.launch` with no `auto` left. A backend of None means SGLang's own choice (the flag is omitted).
+
+    Attributes:
+        cuda_graph_max_bs: largest decode batch captured as a CUDA graph; None = CUDA graphs off.
+        mem_fraction_static: `--mem-fraction-static`; None = SGLang's own.
+        memory_saver: `--enable-memory-saver`.
+        reasons: for each resolved `auto`, why it became its value.
+    """
+
+    attention_backend: str | None
+    sampling_backend: str | None
+    lora_backend: str | None
+    grammar_backend: str
+    cuda_graph_max_bs: int | None
+    mem_fraction_static: float | None
+    memory_saver: bool
+    extra_args: tuple[str, ...] = ()
+    reasons: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -31,18 +70,47 @@ class EngineInputs:
             Ray actors).
         log_dir: where launched servers write their logs (`sglang.log`, `sglang-<i>.log`).
         api_key: the engines' Bearer key; None = the environment variable `engine.api_key_env`.
-        launch_plan: what a launched SGLang resolves its `auto` settings with (`launch.process.LaunchPlan`:
-            rollout batch, the memory plan's fraction and saver); None = SGLang's own defaults.
+        device / dtype: the embedded engine's model device and dtype as the run's plan resolved them; None =
+            `model.device` / `model.dtype` resolved where the engine is built (a Ray actor on its host).
+        launch: the SGLang server to launch here, its `auto` flags resolved by the run's plan; None = resolved
+            by the launcher against SGLang's defaults (a server without a plan: a Ray replica's).
+        launch_plan: what a Ray replica's launcher resolves its `auto` settings with on its host (rollout
+            batch, the memory plan's fraction and saver); None = SGLang's own defaults.
+        tensor_transport: `engine.tensor_transport` as the run's plan resolved it; None = the section's.
     """
 
     engine: EngineConfig
     model: ModelConfig | None = None
     lora: LoRAConfig | None = None
     store: StoreConfig | None = None
-    tokenizer: Any = None
+    tokenizer: PreTrainedTokenizerBase | None = None
     log_dir: Path | None = None
     api_key: str | None = None
-    launch_plan: Any = None
+    device: str | None = None
+    dtype: str | None = None
+    launch: ResolvedLaunch | None = None
+    launch_plan: LaunchPlan | None = None
+    tensor_transport: TensorTransport | None = None
+
+
+class LaunchedServer(Protocol):
+    """A server launched for an engine (`engines.launch.process.SGLangServer`), as its owner sees it."""
+
+    url: str
+    memory_saver: bool
+    """Started with SGLang's memory saver: its KV cache can be released and taken back."""
+
+    def release_memory(self) -> float:
+        """Free the KV cache (memory saver); returns the seconds it took. Raises `EngineError` if refused."""
+        ...
+
+    def resume_memory(self) -> float:
+        """Take the KV cache back; returns the seconds it took. Raises `EngineError` if refused."""
+        ...
+
+    def stop(self) -> None:
+        """Stop the server and its process group."""
+        ...
 
 
 @dataclass
@@ -50,16 +118,16 @@ class BuiltEngine:
     """An engine and what was started for it (servers, Ray actors), stopped after the engine closes.
 
     Attributes:
-        engine: the `InferenceEngine` callers use.
+        engine: the `ServingEngine` callers use.
         owned: stop callbacks of what the builder started, run in reverse order after `engine.close()`,
             each even if an earlier one raised.
         servers: the SGLang servers launched here for it (their URLs, pids and logs).
         actors: the Ray actor handles started for it, in replica order.
     """
 
-    engine: InferenceEngine
+    engine: ServingEngine
     owned: list[Callable[[], None]] = field(default_factory=list)
-    servers: list[Any] = field(default_factory=list)
+    servers: list[LaunchedServer] = field(default_factory=list)
     actors: list[Any] = field(default_factory=list)
     _closed: bool = field(default=False, repr=False)
 

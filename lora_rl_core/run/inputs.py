@@ -1,22 +1,71 @@
 """A run's inputs: its data and reward terms, and the checks made on them before step 1 (`preflight` for the
-command line, the same checks again in `build_run` for a deployment that starts without it): the store, data,
+command line, the same checks again in `load_inputs` and `build_run` for a deployment that starts without
+it): the store, data,
 reward functions, grader and model can be had; the data has the gold answers the `math` reward and the default
 grader need; no reward term pays for restating the prompt (the leak check).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.config import DataConfig, RunConfig
-from lora_rl_core.data import Problem, load_problems, prompt_instruction
+from lora_rl_core.data import Problem, PromptStyle, load_problems
 from lora_rl_core.errors import DataError
 from lora_rl_core.models import load_tokenizer, model_folder
 from lora_rl_core.rewards import RewardSet, build_grader
 from lora_rl_core.rewards.grader import NO_GOLD_FIX, missing_text
 from lora_rl_core.rewards.leaks import check_reward_leaks
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """A run's data and tokenizer, loaded once (`load_inputs`) before its plan is made.
+
+    Attributes:
+        tokenizer: the model's tokenizer.
+        train / test: the training and held-out problems (`train` empty for an evaluation).
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    train: list[Problem]
+    test: list[Problem]
+    _by_id: dict[str, Problem] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_id.update((p.id, p) for p in self.train)
+
+    def problem(self, problem_id: str) -> Problem:
+        """The training problem with id `problem_id` (what a rollout row names).
+
+        Raises:
+            DataError: no training problem has that id (the data changed since the rollout was written).
+        """
+        try:
+            return self._by_id[problem_id]
+        except KeyError:
+            raise DataError(
+                f"rollout row names problem {problem_id!r}, which the training data does not have: the data "
+                "changed since the rollouts were written; resume with the run's own data"
+            ) from None
+
+
+def load_inputs(cfg: RunConfig, *, train: bool = True) -> RunInputs:
+    """The tokenizer and the problems (`train=False`: the held-out split alone, for an evaluation), with the
+    gold answers the rewards and the grader need checked (`check_answers`).
+
+    Raises:
+        DataError: a missing dataset, file, split or column, an empty split, a malformed row, missing answers.
+        ModelError: the tokenizer cannot be loaded.
+    """
+    train_problems = build_problems(cfg.data, "train", cfg.run.seed) if train else []
+    test_problems = build_problems(cfg.data, "test", cfg.run.seed)
+    if train:
+        check_answers(cfg, train_problems, test_problems)
+    return RunInputs(load_tokenizer(cfg.model), train_problems, test_problems)
 
 
 def build_problems(cfg: DataConfig, split: Literal["train", "test"], seed: int) -> list[Problem]:
@@ -90,6 +139,6 @@ def check_leaks(
     check_reward_leaks(
         rewards,
         problems,
-        instruction=prompt_instruction(cfg.data, cfg.rollout),
+        instruction=PromptStyle.of(cfg.data, cfg.rollout).instruction,
         tokenize=lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
     )

@@ -1,4 +1,5 @@
-"""The phases of one training step, as functions over a run's components.
+"""The phases of one training step, as functions over a run's components: each reads its input from the run's
+files, calls the step's pure functions (`lora_rl_core.run.step`) and writes its output.
 
     rollout(run, k) -> RolloutStats    sample G completions per prompt with policy version k - 1
     score(run, k)   -> ScoreStats      rewards and group advantages
@@ -18,28 +19,17 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from lora_rl_core.adapters import adapter_name
-from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS, group_has_signal, masked_group_advantages
-from lora_rl_core.data import prompt_instruction, render_prompt, stable_seed
-from lora_rl_core.engines import GenerationRequest, SamplingParams
-from lora_rl_core.errors import EngineError, LoraRLError
+from lora_rl_core.algorithm import ADVANTAGE_ESTIMATORS
+from lora_rl_core.data import stable_seed
+from lora_rl_core.engines import SamplingParams
+from lora_rl_core.errors import LoraRLError
 from lora_rl_core.evaluation import evaluate_run_policy
 from lora_rl_core.faults import maybe_fail
-from lora_rl_core.records import (
-    Rollout,
-    RolloutBatch,
-    RolloutStats,
-    ScoredBatch,
-    ScoredRollout,
-    ScoreStats,
-    TrainBatch,
-    TrainStats,
-)
-from lora_rl_core.rewards import RewardBatch
+from lora_rl_core.records import RolloutBatch, RolloutStats, ScoredBatch, ScoreStats, TrainBatch, TrainStats
 from lora_rl_core.run.components import RunComponents
 from lora_rl_core.run.resume import checkpoint_state, write_checkpoint
+from lora_rl_core.run.step import rollout_batch, rollout_requests, rollout_stats, score_batch, score_stats
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +40,7 @@ def rollout(run: RunComponents, step: int) -> RolloutStats:
     are a function of the step, and the version used is held against retirement until the completions return.
 
     Raises:
-        EngineError: a request was aborted (a group with missing samples would skew its advantages, so the
-            phase fails and a retry redoes it).
+        EngineError: a request was aborted (`step.rollout_batch`).
     """
     maybe_fail("rollout", step, run.run_dir)
     start = time.perf_counter()
@@ -65,90 +54,33 @@ def rollout(run: RunComponents, step: int) -> RolloutStats:
         top_k=r.top_k,
         seed=stable_seed(run.cfg.run.seed, "rollout", step),
     )
-    instruction = prompt_instruction(run.cfg.data, r)
-    prompts = [
-        render_prompt(run.tokenizer, p, system_prompt=r.system_prompt, instruction=instruction) for p in problems
-    ]
+    prompts = [run.prompt.render(run.tokenizer, p) for p in problems]
     # The version current now (async mode: maybe older than the trainer's by the time it trains), held until
     # the completions are back so that a sync meanwhile does not retire it.
     with run.policy.hold() as version:
-        adapter = adapter_name(run.run_id, version)
-        requests = [GenerationRequest(ids, adapter, params) for ids in prompts for _ in range(r.group_size)]
+        requests = rollout_requests(prompts, adapter_name(run.run_id, version), params, r.group_size)
         completions = run.engine.generate(requests, inline=True)  # an embedded engine computes on this thread
-    aborted = [c for c in completions if c.finish_reason == "abort"]
-    if aborted:
-        raise EngineError(f"{len(aborted)} of {len(completions)} rollout requests aborted ({aborted[0].abort_reason})")
-    rows = [
-        Rollout(
-            group=i // r.group_size,
-            problem_id=problems[i // r.group_size].id,
-            answer=problems[i // r.group_size].answer,
-            prompt_ids=c.prompt_ids,
-            completion_ids=c.completion_ids,
-            logprobs=c.logprobs,
-            finish_reason=c.finish_reason,
-            adapter=c.adapter,
-            adapter_version=c.adapter_version,
-        )
-        for i, c in enumerate(completions)
-    ]
-    run.run_dir.write_phase("rollouts", step, RolloutBatch(step=step, sampler=cursor, rows=rows))
-    seconds = time.perf_counter() - start
-    tokens = sum(len(row.completion_ids) for row in rows)
-    return RolloutStats(
-        completions=len(rows),
-        completion_tokens=tokens,
-        rollout_seconds=seconds,
-        completions_per_second=len(rows) / seconds,
-        completion_length=tokens / len(rows),
-        truncated_fraction=sum(row.finish_reason == "length" for row in rows) / len(rows),
-    )
+    batch = rollout_batch(step, problems, completions, r.group_size, cursor)
+    run.run_dir.write_phase("rollouts", step, batch)
+    return rollout_stats(batch, time.perf_counter() - start)
 
 
 def score(run: RunComponents, step: int) -> ScoreStats:
-    """Reward every completion of step `step` with the run's reward functions (TRL's signature, every dataset
-    column by name) and compute group advantages (`algorithm.advantage`); reads `rollouts/step-N.json`, writes
-    `scored/step-N.json`. A completion no function scored is `skipped`: its group's advantages are computed
-    over the group's scored completions alone, its own advantage is 0, and it is not trained on.
+    """Reward every completion of step `step` and compute group advantages (`step.score_batch`); reads
+    `rollouts/step-N.json`, writes `scored/step-N.json`.
 
     Raises:
         RewardError: a reward function raised, timed out or returned bad values (naming it and the rows).
     """
     maybe_fail("score", step, run.run_dir)
     start = time.perf_counter()
-    rows = run.run_dir.read_phase("rollouts", step, RolloutBatch).rows
-    texts = run.tokenizer.batch_decode([row.completion_ids for row in rows], skip_special_tokens=True)
-    problems = [run.problem(row.problem_id) for row in rows]
-    scored = run.rewards.score(RewardBatch.from_problems(problems, texts, [row.completion_ids for row in rows]))
-    group_size = run.cfg.rollout.group_size
-    rewards_NG = torch.tensor(scored.totals, dtype=torch.float32).view(-1, group_size)  # [N, G]
-    skipped_NG = torch.tensor(scored.skipped, dtype=torch.bool).view(-1, group_size)  # [N, G]
+    batch = run.run_dir.read_phase("rollouts", step, RolloutBatch)
+    texts = run.tokenizer.batch_decode([row.completion_ids for row in batch.rows], skip_special_tokens=True)
+    problems = [run.problem(row.problem_id) for row in batch.rows]
     estimator = ADVANTAGE_ESTIMATORS[run.cfg.algorithm.advantage]
-    advantages_NG = masked_group_advantages(rewards_NG, skipped_NG, estimator)  # [N, G]
-    signal_N = group_has_signal(rewards_NG, skipped_NG=skipped_NG)  # [N] bool: its scored rewards differ
-    out = [
-        ScoredRollout(
-            **row.model_dump(),
-            reward=scored.totals[i],
-            rewards={name: values[i] for name, values in scored.terms.items()},
-            skipped=scored.skipped[i],
-            advantage=float(advantages_NG.view(-1)[i]),
-            has_signal=bool(signal_N[row.group]),
-        )
-        for i, row in enumerate(rows)
-    ]
-    run.run_dir.write_phase("scored", step, ScoredBatch(step=step, rows=out))
-    kept = [t for t, skip in zip(scored.totals, scored.skipped, strict=True) if not skip] or [0.0]
-    kept_t = torch.tensor(kept, dtype=torch.float32)
-    return ScoreStats(
-        reward_mean=float(kept_t.mean()),
-        reward_std=float(kept_t.std(unbiased=False)),
-        accuracy=sum(1.0 for t in kept if t >= run.cfg.eval.pass_threshold) / len(rows),
-        groups_with_signal=float(signal_N.float().mean()),
-        reward_terms=scored.term_means(),
-        skipped=sum(scored.skipped),
-        score_seconds=time.perf_counter() - start,
-    )
+    scored = score_batch(batch, texts, problems, run.rewards, estimator, run.cfg.rollout.group_size)
+    run.run_dir.write_phase("scored", step, scored)
+    return score_stats(scored, run.cfg.eval.pass_threshold, time.perf_counter() - start)
 
 
 def train(run: RunComponents, step: int) -> TrainStats:
@@ -221,4 +153,6 @@ def evaluate(run: RunComponents, adapter: str | None) -> dict[str, Any]:
     """Held-out evaluation of `adapter` (None = the base model) with the run's fixed grader, never its reward
     terms: greedy accuracy per grader metric (strict and flexible), and pass@k / mean@n with
     `eval.samples_per_prompt` samples (`lora_rl_core.evaluation`)."""
-    return evaluate_run_policy(run.engine, run.tokenizer, run.test_problems, run.grader, run.cfg, adapter=adapter)
+    return evaluate_run_policy(
+        run.engine, run.tokenizer, run.test_problems, run.grader, run.cfg, adapter=adapter, prompt=run.prompt
+    )

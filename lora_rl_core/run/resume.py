@@ -24,7 +24,8 @@ import torch
 
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import ResumeInfo
-from lora_rl_core.run.components import Restored, RunComponents
+from lora_rl_core.run.components import RunComponents
+from lora_rl_core.run.state import Restored
 from lora_rl_core.run.versions import sync
 
 

@@ -22,11 +22,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from lora_rl_core.adapters import adapter_name
-from lora_rl_core.engines.registry import sync_reads_folder
 from lora_rl_core.errors import EngineError, LoraRLError, StoreError
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import SyncStats
-from lora_rl_core.run.components import PublishedVersion, RunComponents
+from lora_rl_core.run.components import RunComponents
+from lora_rl_core.run.state import PublishedVersion
 from lora_rl_core.store import AdapterRef, PreparedVersion
 from lora_rl_core.subscriber import SyncResult, sync_version
 
@@ -126,7 +126,7 @@ def sync(run: RunComponents, ref: AdapterRef) -> SyncStats:
         return SyncStats(adapter=policy_adapter(run), skipped_older=True)
     pending = run.policy.pending if run.policy.pending and run.policy.pending.ref.name == ref.name else None
     tensor_path = pending is not None and run.cfg.engine.sync == "tensor"
-    if pending is not None and (not tensor_path or sync_reads_folder(run.cfg.engine)):
+    if pending is not None and (not tensor_path or run.plan.engine.sync_reads_folder):
         ref = pending.stored.result()  # complete, sha256 included
     result = _sync_version(run, ref, pending, tensors=tensor_path)
     if not result.ok and pending is not None and tensor_path and not pending.stored.done():

@@ -71,8 +71,8 @@ from lora_rl_core.adapters.names import (  # the naming rules live in lora_rl_co
 from lora_rl_core.store.adapter_store import AdapterStore
 from lora_rl_core.store.io import RetryPolicy, is_transient
 from lora_rl_core.store.layout import DEFAULT_MAX_FILE_BYTES, MAX_JSON_BYTES
-from lora_rl_core.store.records import AdapterManifest, AdapterRef, FileEntry, RetentionPolicy, plan_retention
 from lora_rl_core.store.publish import PreparedVersion
+from lora_rl_core.store.records import AdapterManifest, AdapterRef, FileEntry, RetentionPolicy, plan_retention
 
 __all__ = [
     "CONFIG_FILE",

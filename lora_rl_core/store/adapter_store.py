@@ -24,9 +24,9 @@ from lora_rl_core.adapters.validation import AdapterRules
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store.io import RetryPolicy, StoreIO
 from lora_rl_core.store.layout import DEFAULT_MAX_FILE_BYTES, StoreLayout
-from lora_rl_core.store.records import AdapterManifest, AdapterRef, RetentionPolicy
 from lora_rl_core.store.publish import AdapterPublisher, PreparedVersion
 from lora_rl_core.store.reader import VersionReader
+from lora_rl_core.store.records import AdapterManifest, AdapterRef, RetentionPolicy
 from lora_rl_core.store.retention import Retention
 from lora_rl_core.store.tags import AdapterTags
 from lora_rl_core.store.verify import AdapterVerifier

@@ -35,8 +35,8 @@ from lora_rl_core.adapters.validation import AdapterRules
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store.io import StoreIO
 from lora_rl_core.store.layout import MAX_JSON_BYTES, StoreLayout, json_bytes, json_load, sha256_hex, utc_now
-from lora_rl_core.store.records import AdapterManifest, AdapterRef, FileEntry
 from lora_rl_core.store.reader import VersionReader
+from lora_rl_core.store.records import AdapterManifest, AdapterRef, FileEntry
 
 if TYPE_CHECKING:
     import torch

@@ -12,8 +12,8 @@ from __future__ import annotations
 from lora_rl_core.adapters.names import MANIFEST_FILE, VERSION_DIR_RE
 from lora_rl_core.store.io import StoreIO
 from lora_rl_core.store.layout import StoreLayout
-from lora_rl_core.store.records import RetentionPolicy, plan_retention
 from lora_rl_core.store.reader import VersionReader
+from lora_rl_core.store.records import RetentionPolicy, plan_retention
 from lora_rl_core.store.tags import AdapterTags
 
 

@@ -19,8 +19,8 @@ from lora_rl_core.adapters.validation import AdapterRules
 from lora_rl_core.errors import StoreError
 from lora_rl_core.store.io import StoreIO
 from lora_rl_core.store.layout import StoreLayout, json_load, sha256_hex
-from lora_rl_core.store.records import AdapterManifest
 from lora_rl_core.store.reader import VersionReader
+from lora_rl_core.store.records import AdapterManifest
 
 if TYPE_CHECKING:
     import torch

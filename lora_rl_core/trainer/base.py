@@ -11,7 +11,7 @@ from lora_rl_core.records import TrainBatch
 
 class Trainer(Protocol):
     """What a run needs from its trainer, in-process (`PolicyTrainer`) or sharded over worker processes
-    (`lora_rl_core.trainer_workers.TrainerWorkers`). Built by `lora_rl_core.run.components.build_trainer`."""
+    (`lora_rl_core.trainer.workers.TrainerWorkers`). Built by `lora_rl_core.trainer.build.build_trainer`."""
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One policy update on `batch`; returns the step's metrics (loss, kl, entropy, clip_fraction, ...)."""

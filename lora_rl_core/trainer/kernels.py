@@ -95,17 +95,11 @@ def choose_kernels(requested: bool | Literal["auto"], device: torch.device | str
     raise ConfigError(f"trainer.liger_kernels=true but {problem}; set trainer.liger_kernels=auto or false")
 
 
-def apply_kernels(model: Any, requested: bool | Literal["auto"], device: torch.device | str) -> KernelChoice:
-    """Patch `model` (a transformers model, before LoRA is applied) with Liger's kernels where
-    `trainer.liger_kernels` (`requested`) resolves to on for `device`; returns the choice (logged). Only the
-    instance changes: what Liger rebinds in transformers' module of the family is put back.
-
-    Raises:
-        ConfigError: as `choose_kernels`.
-    """
-    choice = choose_kernels(requested, device, getattr(model.config, "model_type", ""))
-    log.info("trainer kernels: %s", choice.reason)
-    if choice.liger:
+def apply_kernels(model: Any, liger: bool) -> None:
+    """Patch `model` (a transformers model, before LoRA is applied) with Liger's kernels where the run's plan
+    turned `trainer.liger_kernels` on (`choose_kernels` decided it, once). Only the instance changes: what
+    Liger rebinds in transformers' module of the family is put back."""
+    if liger:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         module = sys.modules[type(model).__module__]
@@ -116,4 +110,3 @@ def apply_kernels(model: Any, requested: bool | Literal["auto"], device: torch.d
             for name, value in before.items():
                 if vars(module).get(name) is not value:
                     setattr(module, name, value)
-    return choice

@@ -54,12 +54,12 @@ from lora_rl_core.algorithm import (
     ppo_clip_loss,
     selective_log_softmax,
 )
-from lora_rl_core.config import AlgorithmConfig, RolloutMode, RunConfig, TrainerConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import peft_config_dict, set_input_dtype_casting
 from lora_rl_core.records import TrainBatch
-from lora_rl_core.runtime import choose_lora_compute_dtype
+from lora_rl_core.runtime import DTYPES
 from lora_rl_core.trainer.batching import PackedBatch, dummy_batch, frame, pack, rank_micro_batches, split_even
+from lora_rl_core.trainer.spec import TrainerPlan
 
 _LOSS_KEYS = frozenset({"loss", "pg_loss"})
 _MAX_KEYS = frozenset({"ratio_max", "is_weight_max"})  # combined over micro-batches and ranks by max
@@ -72,59 +72,37 @@ class PolicyTrainer:
     Args:
         model: a PeftModel whose only trainable parameters are the LoRA weights; for sharded training,
             already passed through `distributed.shard_model` (the process group decides rank and world size).
+        plan: the trainer's plan (`TrainerPlan`: the algorithm and trainer sections, every `auto` resolved:
+            the LoRA compute dtype, the micro-batch, gradient checkpointing, the off-policy correction).
+            Gradient checkpointing is applied here for an in-process trainer; sharded ranks get it per decoder
+            layer from `shard_model`.
         pad_id: the tokenizer's pad token id.
-        algorithm / trainer: config sections.
-        temperature: rollout sampling temperature; logits are divided by it so trainer
-            logprobs match the sampling distribution.
-        rollout_mode: `sync` or `async`; resolves `algorithm.off_policy_correction: auto`.
-
-    Raises:
-        ConfigError: `trainer.lora_compute_dtype: bfloat16` over base weights that are not bfloat16.
     """
 
-    def __init__(
-        self,
-        model: PeftModel,
-        *,
-        pad_id: int,
-        algorithm: AlgorithmConfig,
-        trainer: TrainerConfig,
-        temperature: float,
-        rollout_mode: RolloutMode = "sync",
-    ) -> None:
+    def __init__(self, model: PeftModel, plan: TrainerPlan, *, pad_id: int) -> None:
         self.model = model
         self.pad_id = pad_id
-        self.algo = algorithm
-        self.correction = algorithm.correction(rollout_mode)
-        self.cfg = trainer
-        self.temperature = temperature
+        self.plan = plan
+        self.algo = plan.algorithm
+        self.correction = plan.off_policy_correction
+        self.cfg = plan.trainer
+        self.temperature = plan.temperature
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.param_names = [name for name, _ in trainable]
         self.params = [p for _, p in trainable]
         self.rank, self.world_size = distributed.rank_and_world_size()
+        trainer = plan.trainer
         self.optimizer = torch.optim.AdamW(
             self.params, lr=trainer.lr, betas=trainer.betas, weight_decay=trainer.weight_decay
         )
         warmup = max(1, trainer.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        self.compute_dtype = lora_compute_dtype(model, trainer.lora_compute_dtype)
+        self.compute_dtype = DTYPES[plan.lora_compute_dtype]
         if self.compute_dtype != torch.float32:
             set_input_dtype_casting(model, enabled=False)  # autocast casts the float32 LoRA weights instead
-        if trainer.gradient_checkpointing is True:  # `auto`: resolved by the memory plan (build_run), else off
+        if plan.gradient_checkpointing and plan.world_size == 0:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
-
-    @classmethod
-    def from_config(cls, model: PeftModel, cfg: RunConfig, *, pad_id: int) -> PolicyTrainer:
-        """A trainer for `model` with the run's algorithm, trainer and rollout-temperature settings."""
-        return cls(
-            model,
-            pad_id=pad_id,
-            algorithm=cfg.algorithm,
-            trainer=cfg.trainer,
-            temperature=cfg.rollout.temperature,
-            rollout_mode=cfg.rollout.mode,
-        )
 
     @property
     def device(self) -> torch.device:
@@ -169,7 +147,7 @@ class PolicyTrainer:
     def _micro_plan(self, batch: TrainBatch, rows: list[int]) -> list[list[int]]:
         lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
         return rank_micro_batches(
-            lengths, rows, size=self.cfg.micro_batch_size, rank=self.rank, world_size=self.world_size
+            lengths, rows, size=self.plan.micro_batch_size, rank=self.rank, world_size=self.world_size
         )
 
     def _minibatch_update(
@@ -218,6 +196,7 @@ class PolicyTrainer:
             clip_eps_low=self.algo.clip_eps_low,
             clip_eps_high=self.algo.clip_eps_high,
             aggregation=self.algo.loss_aggregation,
+            max_tokens=self.plan.max_new_tokens,  # the constant of `seq-mean-token-sum-norm` (Dr. GRPO)
             importance_weights_BT=weights_BT,
             ref_logprobs_BT=ref_BT,
             kl_coef=self.algo.kl_coef,
@@ -377,18 +356,6 @@ class PolicyTrainer:
                     value.clone() if value.dim() == 0 else distributed.shard_like(self.params[i], value)
                 )
         return {"state": state, "param_groups": [{**groups[0], "params": list(range(len(self.params)))}]}
-
-
-def lora_compute_dtype(model: torch.nn.Module, requested: str) -> torch.dtype:
-    """`trainer.lora_compute_dtype` for `model`: as `build_run` resolved it, or `auto` resolved here from the
-    model's device and the dtype of its frozen (base) weights (`runtime.choose_lora_compute_dtype`).
-
-    Raises:
-        ConfigError: `bfloat16` over base weights that are not bfloat16.
-    """
-    frozen = (p for p in model.parameters() if not p.requires_grad and p.is_floating_point())
-    base = next(frozen, next(model.parameters()))
-    return choose_lora_compute_dtype(requested, base.device, str(base.dtype).removeprefix("torch.")).torch_dtype
 
 
 def _on_rank0(value: Any, what: str) -> Any:

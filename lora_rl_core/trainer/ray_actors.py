@@ -1,9 +1,9 @@
 """The FSDP2 trainer on Ray (`trainer.backend: ray`): one Ray actor per rank, in a placement group.
 
-Same ranks as `trainer_workers.TrainerWorkers` (the spawned-process backend), other transport: each actor
+Same ranks as `workers.TrainerWorkers` (the spawned-process backend), other transport: each actor
 joins the process group by `env://` (rank 0's node address and a free port there, so the ranks may sit on
 several nodes of a Ray cluster), builds its shard with `build_sharded_trainer`, and runs the same commands
-(`trainer_workers.COMMANDS`). A call goes to every rank at once (the collectives need them all); rank 0's
+(`workers.COMMANDS`). A call goes to every rank at once (the collectives need them all); rank 0's
 answer is returned. Ranks are gloo CPU actors (`trainer.device: cpu`, one CPU each) or one GPU each
 (`cuda`, nccl).
 
@@ -19,11 +19,11 @@ Choices made here:
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 from lora_rl_core import distributed
-from lora_rl_core.config import RunConfig
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
+from lora_rl_core.trainer.spec import TrainerPlan
 from lora_rl_core.trainer.workers import (
     COMMANDS,
     RankCommands,
@@ -37,9 +37,9 @@ from lora_rl_core.trainer.workers import (
 class TrainerRank:
     """The body of one rank's actor."""
 
-    def __init__(self, rank: int, world_size: int, config: dict[str, Any], device: str, timeout_s: float) -> None:
-        self.rank, self.world_size, self.device_kind, self.timeout_s = rank, world_size, device, timeout_s
-        self.config = config
+    def __init__(self, rank: int, plan: dict[str, Any], timeout_s: float) -> None:
+        self.plan = TrainerPlan.model_validate(plan)
+        self.rank, self.world_size, self.timeout_s = rank, self.plan.world_size, timeout_s
         self.trainer: Any = None
 
     def address(self) -> tuple[str, int]:
@@ -48,19 +48,18 @@ class TrainerRank:
 
         return ray.util.get_node_ip_address(), distributed.free_port()
 
-    def setup(self, master_addr: str, master_port: int, mixed_precision: bool) -> dict[str, Any]:
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         """Join the process group and build this rank's shard; `{"rank", "pid", "trainable_params"}`."""
         os.environ.update(
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank), WORLD_SIZE=str(self.world_size)
         )
-        device = rank_device(self.device_kind, 0, self.world_size)  # Ray sets CUDA_VISIBLE_DEVICES to our GPU
+        device = rank_device(self.plan.device, 0, self.world_size)  # Ray sets CUDA_VISIBLE_DEVICES to our GPU
         distributed.init_process_group(device, timeout_s=self.timeout_s)
-        cfg = RunConfig.model_validate(self.config)
-        self.trainer = build_sharded_trainer(cfg, device=device, mixed_precision=mixed_precision)
+        self.trainer = build_sharded_trainer(self.plan, device=device)
         return rank_info(self.rank, self.trainer)
 
     def call(self, cmd: str, *args: Any) -> Any:
-        """Run one command (`trainer_workers.COMMANDS`) on this rank."""
+        """Run one command (`workers.COMMANDS`) on this rank."""
         return COMMANDS[cmd](self.trainer, *args)
 
     def close(self) -> None:
@@ -72,11 +71,9 @@ class RayTrainer(RankCommands):
     """`world_size` FSDP2 ranks as Ray actors; the `Trainer` protocol (`RankCommands`), as `TrainerWorkers`.
 
     Args:
-        cfg: the run config.
-        world_size: ranks (actors), >= 1.
-        device: `cpu` (gloo, one CPU per actor) or `cuda` (nccl, `trainer.ray_gpus_per_rank` GPUs per actor).
-        mixed_precision: bf16 compute / fp32 reduction where CUDA supports bf16 (ignored on CPU); `build_trainer`
-            passes False for `trainer.lora_compute_dtype: float32`.
+        plan: the trainer's plan: `world_size` ranks (actors) on `device` (`cpu`: gloo, one CPU per actor;
+            `cuda`: nccl, `ray_gpus_per_rank` GPUs per actor), FSDP2's bf16 compute / fp32 reduction unless
+            the LoRA computes in float32 (`TrainerPlan.mixed_precision`; ignored on CPU).
         timeout_s: deadline of each call and of each collective inside the ranks, seconds.
         start_timeout_s: deadline of the start (placement, model load, sharding), seconds.
 
@@ -86,11 +83,8 @@ class RayTrainer(RankCommands):
 
     def __init__(
         self,
-        cfg: RunConfig,
+        plan: TrainerPlan,
         *,
-        world_size: int,
-        device: Literal["cpu", "cuda"] = "cpu",
-        mixed_precision: bool = True,
         timeout_s: float = 600.0,
         start_timeout_s: float = 900.0,
     ) -> None:
@@ -98,15 +92,16 @@ class RayTrainer(RankCommands):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        world_size = plan.world_size
         super().__init__(world_size, timeout_s)
         acquire_ray()
-        gpus = cfg.trainer.ray_gpus_per_rank if device == "cuda" else 0.0
+        gpus = plan.ray_gpus_per_rank
         bundle = {"GPU": gpus, "CPU": 1.0} if gpus else {"CPU": 1.0}
         self._group = placement_group([bundle] * world_size, strategy="PACK")
         self._actors: list[Any] = []
         try:
             ray.get(self._group.ready(), timeout=start_timeout_s)
-            config = cfg.model_dump(mode="json")
+            config = plan.model_dump(mode="json")
             rank_cls: Any = ray.remote(TrainerRank)  # Ray's stubs: untyped
             for rank in range(world_size):
                 strategy = PlacementGroupSchedulingStrategy(
@@ -114,10 +109,10 @@ class RayTrainer(RankCommands):
                 )
                 options = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0}
                 actor = rank_cls.options(**options, scheduling_strategy=strategy)
-                self._actors.append(actor.remote(rank, world_size, config, device, timeout_s))
+                self._actors.append(actor.remote(rank, config, timeout_s))
             addr, port = ray.get(self._actors[0].address.remote(), timeout=start_timeout_s)
             infos = self._gather(
-                [a.setup.remote(addr, port, mixed_precision) for a in self._actors], "start", start_timeout_s
+                [a.setup.remote(addr, port) for a in self._actors], "start", start_timeout_s
             )
         except TrainerWorkerError:
             raise

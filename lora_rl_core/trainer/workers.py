@@ -1,9 +1,9 @@
 """Persistent FSDP2 trainer processes: load the model once, then serve training steps until closed.
 
-`TrainerWorkers(cfg, world_size=N, device="cpu"|"cuda")` starts N processes
+`TrainerWorkers(plan)` starts `plan.world_size` processes
 (`torch.multiprocessing`, spawn context). Each joins one process group (gloo on
 CPU, nccl on CUDA, 127.0.0.1 and a free port), loads the base model, applies
-LoRA after `torch.manual_seed(cfg.run.seed)` (so every rank, and a single
+LoRA after `torch.manual_seed(plan.seed)` (so every rank, and a single
 process, starts from the same adapter), shards it with FSDP2
 (`distributed.shard_model`) and builds a `PolicyTrainer`. The parent then sends
 commands over one `Pipe` per rank: every rank gets the same command, rank 0's
@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Literal, NoReturn, Self
+from typing import Any, NoReturn, Self
 
 import torch
 import torch.multiprocessing as mp
@@ -50,7 +50,6 @@ from transformers.utils import logging as hf_logging
 
 from lora_rl_core import distributed
 from lora_rl_core.adapters.io import safetensors_bytes
-from lora_rl_core.config import RunConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
@@ -58,29 +57,28 @@ from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import cpu_threads
 from lora_rl_core.trainer.kernels import apply_kernels
 from lora_rl_core.trainer.policy import PolicyTrainer
+from lora_rl_core.trainer.spec import TrainerPlan
 
 
 class TrainerWorkerError(LoraRLError):
     """A trainer worker died, timed out or raised; the workers have been shut down."""
 
 
-def build_sharded_trainer(cfg: RunConfig, *, device: torch.device, mixed_precision: bool = True) -> PolicyTrainer:
+def build_sharded_trainer(plan: TrainerPlan, *, device: torch.device) -> PolicyTrainer:
     """Load the model, apply seeded LoRA, shard it with FSDP2 and wrap it in a `PolicyTrainer`.
 
     Call on every rank after `distributed.init_process_group` (also under torchrun). Activation
-    checkpointing (`trainer.gradient_checkpointing`) is applied per decoder layer by `shard_model`.
+    checkpointing (the plan's `gradient_checkpointing`) is applied per decoder layer by `shard_model`; FSDP2's
+    bfloat16 mixed precision follows the plan's LoRA compute dtype (`TrainerPlan.mixed_precision`).
     """
-    model, tokenizer = load_model(cfg.model.model_copy(update={"device": str(device)}))
-    apply_kernels(model, cfg.trainer.liger_kernels, device)
-    torch.manual_seed(cfg.run.seed)  # the same LoRA init on every rank and in a single process
-    peft_model = apply_lora(model, cfg.lora)
+    model, tokenizer = load_model(plan.model, device=device, dtype=plan.dtype)
+    apply_kernels(model, plan.liger_kernels)
+    torch.manual_seed(plan.seed)  # the same LoRA init on every rank and in a single process
+    peft_model = apply_lora(model, plan.lora)
     distributed.shard_model(
-        peft_model, mixed_precision=mixed_precision, activation_checkpointing=cfg.trainer.gradient_checkpointing is True
+        peft_model, mixed_precision=plan.mixed_precision, activation_checkpointing=plan.gradient_checkpointing
     )
-    unchecked = cfg.trainer.model_copy(update={"gradient_checkpointing": False})  # done by shard_model
-    return PolicyTrainer.from_config(
-        peft_model, cfg.model_copy(update={"trainer": unchecked}), pad_id=tokenizer.pad_token_id
-    )
+    return PolicyTrainer(peft_model, plan, pad_id=tokenizer.pad_token_id)
 
 
 def rank_device(kind: str, cuda_index: int, world_size: int) -> torch.device:
@@ -146,11 +144,9 @@ class TrainerWorkers(RankCommands):
     """`world_size` persistent processes training one FSDP2-sharded LoRA policy.
 
     Args:
-        cfg: the run config (model, lora, algorithm, trainer, rollout.temperature, run.seed are used).
-        world_size: number of processes (one GPU each on CUDA).
-        device: `cpu` (gloo) or `cuda` (nccl; rank r uses `cuda:r` of the visible devices).
-        mixed_precision: bf16 compute / fp32 reduction where CUDA supports bf16 (ignored on CPU); `build_trainer`
-            passes False for `trainer.lora_compute_dtype: float32`.
+        plan: the trainer's plan: `world_size` processes (one GPU each on CUDA) on `device` (`cpu`: gloo;
+            `cuda`: nccl, rank r uses `cuda:r` of the visible devices), FSDP2's bf16 compute / fp32 reduction
+            unless the LoRA computes in float32 (`TrainerPlan.mixed_precision`; ignored on CPU).
         timeout_s: limit for each call, and for each collective inside the workers.
         start_timeout_s: limit for start-up (model load and sharding).
 
@@ -160,23 +156,19 @@ class TrainerWorkers(RankCommands):
 
     def __init__(
         self,
-        cfg: RunConfig,
+        plan: TrainerPlan,
         *,
-        world_size: int = 1,
-        device: Literal["cpu", "cuda"] = "cpu",
-        mixed_precision: bool = True,
         timeout_s: float = 600.0,
         start_timeout_s: float = 900.0,
     ) -> None:
+        world_size = plan.world_size
         super().__init__(world_size, timeout_s)
-        if device == "cuda" and torch.cuda.device_count() < world_size:
+        if plan.device == "cuda" and torch.cuda.device_count() < world_size:
             raise ValueError(f"world_size {world_size} needs {world_size} GPUs, {torch.cuda.device_count()} visible")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         atexit.register(self.close)
-        spec = _WorkerSpec(
-            cfg.model_dump(mode="json"), world_size, distributed.free_port(), device, mixed_precision, timeout_s
-        )
+        spec = _WorkerSpec(plan.model_dump(mode="json"), distributed.free_port(), timeout_s)
         ctx = mp.get_context("spawn")
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -279,11 +271,8 @@ class TrainerWorkers(RankCommands):
 # ---------------------------------------------------------------------- worker side
 @dataclass(frozen=True)
 class _WorkerSpec:
-    config: dict[str, Any]  # RunConfig.model_dump(mode="json")
-    world_size: int
+    plan: dict[str, Any]  # TrainerPlan.model_dump(mode="json")
     port: int
-    device: str
-    mixed_precision: bool
     timeout_s: float
 
 
@@ -319,12 +308,12 @@ def _exit(code: int) -> NoReturn:
 
 
 def _setup(rank: int, spec: _WorkerSpec) -> PolicyTrainer:
-    cfg = RunConfig.model_validate(spec.config)
-    device = rank_device(spec.device, rank, spec.world_size)
+    plan = TrainerPlan.model_validate(spec.plan)
+    device = rank_device(plan.device, rank, plan.world_size)
     distributed.init_process_group(
-        device, rank=rank, world_size=spec.world_size, port=spec.port, timeout_s=spec.timeout_s
+        device, rank=rank, world_size=plan.world_size, port=spec.port, timeout_s=spec.timeout_s
     )
-    return build_sharded_trainer(cfg, device=device, mixed_precision=spec.mixed_precision)
+    return build_sharded_trainer(plan, device=device)
 
 
 def _serve(trainer: PolicyTrainer, conn: Connection) -> None:
@@ -362,7 +351,7 @@ def _load_state_dict(trainer: PolicyTrainer, blob: bytes, meta: dict[str, Any]) 
     trainer.load_state_dict({"tensors": load_tensors(blob), "meta": meta})
 
 
-COMMANDS: dict[str, Callable[..., Any]] = {  # what a rank runs, here and on Ray (`trainer_ray`)
+COMMANDS: dict[str, Callable[..., Any]] = {  # what a rank runs, here and on Ray (`ray_actors`)
     "train_step": PolicyTrainer.train_step,
     "adapter_state": _adapter_state,
     "state_dict": _state_dict,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_rl_core.config import AlgorithmConfig, LoRAConfig, TrainerConfig
+from lora_rl_core.config import LoRAConfig, ModelConfig, TrainerConfig
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.trainer import PolicyTrainer
 from lora_rl_core.trainer.kernels import apply_kernels, liger_model_types
+from lora_rl_testing.plans import trainer_plan
 
 
 def _liger_families() -> frozenset[str]:
@@ -48,14 +49,15 @@ def qwen2_trainer(liger: bool) -> PolicyTrainer:
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    assert apply_kernels(base, liger, "cuda").liger is liger
+    apply_kernels(base, liger)
     torch.manual_seed(1)
     model = apply_lora(base, LoRAConfig(rank=8))
     for name, p in model.named_parameters():  # B = 0 at init would make the first step's A gradients 0
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     trainer = TrainerConfig(lr=1e-3, micro_batch_size=4, lora_compute_dtype="bfloat16")
-    return PolicyTrainer(model, pad_id=0, algorithm=AlgorithmConfig(), trainer=trainer, temperature=1.0)
+    plan = trainer_plan(trainer=trainer, model=ModelConfig(device="cpu", dtype="bfloat16"))  # the plan's sections
+    return PolicyTrainer(model, plan, pad_id=0)
 
 
 def batch() -> TrainBatch:

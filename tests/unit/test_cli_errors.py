@@ -39,7 +39,7 @@ def _write_case(tmp_path: Path, case: str) -> tuple[Path, str, dict[str, str]]:
     return config, culprit, env
 
 
-def _assert_one_error_line(returncode: int, stderr: str, culprit: str) -> None:
+def _assert_one_error_line(returncode: object, stderr: str, culprit: str) -> None:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert returncode == 2, stderr[-2000:]
     assert len(lines) == 1, stderr[-2000:]
@@ -53,10 +53,15 @@ def _run_main(argv: list[str], env: dict[str, str], monkeypatch, capfd) -> tuple
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    for name in ("PREFECT_LOGGING_LEVEL", "PREFECT_SERVER_ANALYTICS_ENABLED", "TOKENIZERS_PARALLELISM"):
-        value = os.environ.get(name)  # main() sets defaults: monkeypatch puts back what this process had
-        monkeypatch.setenv(name, value or "")
-        if value is None:
+    for name in (
+        "PREFECT_LOGGING_LEVEL",
+        "PREFECT_SERVER_ANALYTICS_ENABLED",
+        "TOKENIZERS_PARALLELISM",
+        "OMP_WAIT_POLICY",
+    ):
+        had = os.environ.get(name)  # main() sets defaults: monkeypatch puts back what this process had
+        monkeypatch.setenv(name, had or "")
+        if had is None:
             monkeypatch.delenv(name)
     monkeypatch.setattr(sys, "argv", ["lora-rl", *argv])
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # typer installs its own
@@ -139,6 +144,32 @@ def test_a_reward_that_pays_for_the_restated_prompt_is_one_line_before_anything_
     code, out, err = _run_main(argv, env, monkeypatch, capfd)
     _assert_one_error_line(code, err, "reward 'digit_fraction' gives credit to 128 of 128 held-out prompts")
     assert "reward.leak_check=false" in err and not out.strip()
+
+
+# --------------------------------------------------------------------------- serve on the port of its own SGLang
+SGLANG_LAUNCHED = ["engine.type=sglang", "engine.launch.enabled=true", "engine.launch.python=/nonexistent/python"]
+PORT_CLASH = (
+    "lora-rl serve --port 30000 is the port of the SGLang it launches (engine.launch.port); "
+    "pass another --port (e.g. 30001) or set engine.launch.port"
+)
+
+
+@pytest.mark.parametrize(
+    ("port_args", "culprit"),
+    [
+        (["--port", "30000"], PORT_CLASH),
+        ([], PORT_CLASH),  # serve's default port is SGLang's default too
+        (["--port", "30001"], "'nosuch://x'"),  # another port passes, and the store fails next
+    ],
+    ids=["same-port", "default-port", "other-port"],
+)
+def test_serve_refuses_the_port_of_the_sglang_it_launches(tmp_path, port_args, culprit, monkeypatch, capfd):
+    # Before the store is built and before anything starts: a launch would fail on the missing interpreter.
+    argv = ["serve", *SGLANG_LAUNCHED, "store.uri=nosuch://x", NOWHERE, *port_args]
+    env = {"HF_HUB_OFFLINE": "1", "LORA_RL_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf")}
+    code, out, err = _run_main(argv, env, monkeypatch, capfd)
+    _assert_one_error_line(code, err, culprit)
+    assert not out.strip()  # no "serving ..." line: nothing started
 
 
 # --------------------------------------------------------------------------- usage errors: click's, exit 2

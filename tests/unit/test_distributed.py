@@ -27,8 +27,9 @@ from lora_rl_core.config import RunConfig
 from lora_rl_core.distributed import find_decoder_layers
 from lora_rl_core.lora import adapter_state, apply_lora
 from lora_rl_core.models import load_model
+from lora_rl_core.plan import make_plan
 from lora_rl_core.records import TrainBatch
-from lora_rl_core.trainer import PolicyTrainer, rank_micro_batches
+from lora_rl_core.trainer import PolicyTrainer, TrainerPlan, rank_micro_batches
 from lora_rl_core.trainer.workers import TrainerWorkerError, TrainerWorkers, _serve
 
 
@@ -77,10 +78,18 @@ def make_batch(rows: int, seed: int) -> TrainBatch:
 BATCHES = [make_batch(8, 1), make_batch(8, 2), make_batch(5, 3), make_batch(1, 4)]
 
 
+def ranks(cfg: RunConfig, world_size: int) -> TrainerPlan:
+    """The trainer plan of `cfg` with `world_size` CPU ranks (0: in this process)."""
+    trainer = cfg.trainer.model_copy(update={"world_size": world_size, "device": "cpu"})
+    plan = make_plan(cfg.model_copy(update={"trainer": trainer})).trainer
+    assert plan is not None
+    return plan
+
+
 def inprocess_trainer(cfg: RunConfig) -> PolicyTrainer:
     model, tokenizer = load_model(cfg.model)
     torch.manual_seed(cfg.run.seed)  # as build_sharded_trainer does
-    return PolicyTrainer.from_config(apply_lora(model, cfg.lora), cfg, pad_id=tokenizer.pad_token_id)
+    return PolicyTrainer(apply_lora(model, cfg.lora), ranks(cfg, 0), pad_id=tokenizer.pad_token_id)
 
 
 def assert_adapters_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float) -> None:
@@ -110,7 +119,7 @@ def groups(cfg, initial_state):
     """Worker groups started concurrently (start-up is mostly imports): world sizes 2 and 1."""
     sizes = {"two": 2, "one": 1}
     with ThreadPoolExecutor(len(sizes)) as pool:
-        futures = {name: pool.submit(TrainerWorkers, cfg, world_size=n, timeout_s=120) for name, n in sizes.items()}
+        futures = {name: pool.submit(TrainerWorkers, ranks(cfg, n), timeout_s=120) for name, n in sizes.items()}
     started = {name: f.result() for name, f in futures.items() if f.exception() is None}
     try:
         assert len(started) == len(sizes), [f.exception() for f in futures.values()]
@@ -126,7 +135,7 @@ def workers2(cfg, groups) -> Iterator[TrainerWorkers]:
     if not groups["two"]._closed:
         yield groups["two"]
         return
-    with TrainerWorkers(cfg, world_size=2, timeout_s=120) as workers:
+    with TrainerWorkers(ranks(cfg, 2), timeout_s=120) as workers:
         yield workers
 
 
@@ -240,5 +249,5 @@ def test_worker_start_failure_is_reported(tmp_path, tiny_model_dir):
     cfg = make_config(tiny_model_dir, name_or_path=str(tmp_path / "no-such-model"))
     start = time.monotonic()
     with pytest.raises(TrainerWorkerError, match="(?s)rank 0 failed in 'start'.*ModelError"):
-        TrainerWorkers(cfg, world_size=1, start_timeout_s=60)
+        TrainerWorkers(ranks(cfg, 1), start_timeout_s=60)
     assert time.monotonic() - start < 60

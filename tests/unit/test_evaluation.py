@@ -65,7 +65,8 @@ class ScriptedEngine:
 
 def _evaluate(engine, problems, grader, samples=1):
     from lora_rl_core.config import EvalConfig
-    from lora_rl_core.evaluation import PromptStyle, evaluate_policy
+    from lora_rl_core.data import PromptStyle
+    from lora_rl_core.evaluation import evaluate_policy
 
     return evaluate_policy(
         engine,

@@ -15,7 +15,6 @@ from lora_rl_core.algorithm import (
     off_policy_weights,
     ppo_clip_loss,
     selective_log_softmax,
-    truncated_importance_weights,
 )
 
 LOG_1_5 = math.log(1.5)
@@ -260,16 +259,16 @@ def test_ppo_rejects_bad_shapes_and_coefficients():
 # --- truncated importance weights -------------------------------------------------------
 
 
-def test_truncated_importance_weights():
+def test_token_truncate_weights_are_detached_and_zero_on_padding():
     old_BT = torch.tensor([[0.0, 0.0, 0.0, 0.0]], requires_grad=True)
     # exp(0 - 0) = 1; exp(0 - ln 2) = 0.5; exp(0 - ln 0.1) = 10 -> cap 2; padding -> 0
     inference_BT = torch.tensor([[0.0, math.log(2.0), math.log(0.1), -50.0]])
     mask_BT = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    weights_BT = truncated_importance_weights(old_BT, inference_BT, mask_BT, cap=2.0)
+    weights_BT, _ = off_policy_weights(old_BT, inference_BT, mask_BT, mode="token-truncate", cap=2.0)
     torch.testing.assert_close(weights_BT, torch.tensor([[1.0, 0.5, 2.0, 0.0]]))
     assert not weights_BT.requires_grad
-    with pytest.raises(ValueError, match="cap must be > 0"):
-        truncated_importance_weights(old_BT, inference_BT, mask_BT, cap=0.0)
+    with pytest.raises(ValueError, match="floor < cap"):  # cap <= 0 with the default floor 0
+        off_policy_weights(old_BT, inference_BT, mask_BT, mode="token-truncate", cap=0.0)
 
 
 # --- off-policy corrections ----------------------------------------------------------

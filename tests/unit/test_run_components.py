@@ -7,7 +7,7 @@ import pytest
 
 from lora_rl_core.config import load_config
 from lora_rl_core.errors import EngineError, LoraRLError, StoreError
-from lora_rl_core.run import build_run, components
+from lora_rl_core.run import components, start_run
 from lora_rl_core.run.rundir import RunDir
 from tasks import registry
 from tests.integration.tiny_run import write_tiny_config
@@ -19,11 +19,13 @@ def cfg(tmp_path, tiny_model_dir):
 
 
 def test_build_run_writes_the_snapshot_and_close_stops_the_engine(cfg, tmp_path):
-    run = build_run(cfg, "comp-1")
+    run = start_run(cfg, "comp-1")
     try:
         snapshot = RunDir(cfg.store.uri, "comp-1").read_config()
         assert snapshot is not None and snapshot["lora"]["rank"] == 4
-        assert snapshot["runtime"]["dtype"] == "float32" and snapshot["runtime"]["device"] == "cpu"
+        plan = snapshot["plan"]  # the run plan, written once with the config
+        assert plan["dtype"] == "float32" and plan["device"] == "cpu"
+        assert plan["choices"]["trainer.micro_batch_size"]["value"] == cfg.trainer.micro_batch_size
         assert len(run.train_problems) == 64 and len(run.test_problems) == 4
         assert run.policy.version is None and run.engine.health()["ok"]
     finally:
@@ -46,7 +48,7 @@ def test_a_failing_trainer_build_closes_the_engine(cfg, monkeypatch):
     monkeypatch.setattr(components, "build_engine", spy)
     monkeypatch.setattr(components, "build_trainer", broken)
     with pytest.raises(RuntimeError, match="no trainer today"):
-        build_run(cfg, "comp-2")
+        start_run(cfg, "comp-2")
     assert len(built) == 1
     with pytest.raises(EngineError):
         built[0].engine.generate([])
@@ -54,7 +56,7 @@ def test_a_failing_trainer_build_closes_the_engine(cfg, monkeypatch):
 
 def test_bad_run_id_fails_before_anything_is_built(cfg):
     with pytest.raises(StoreError, match="invalid run id"):
-        build_run(cfg, "../escape")
+        start_run(cfg, "../escape")
 
 
 def test_registry_names_a_run_that_is_not_open():
@@ -68,7 +70,7 @@ def test_a_version_held_by_a_rollout_is_not_retired_until_released(cfg):
     (here 2), but never a held one; the first sync after its release retires it."""
     from lora_rl_core.run import versions
 
-    run = build_run(cfg, "comp-hold")
+    run = start_run(cfg, "comp-hold")
     try:
         versions.sync(run, versions.publish(run, 0))
         listed = lambda: sorted(n for n in run.engine.list_adapters() if n.startswith("comp-hold"))  # noqa: E731
@@ -94,7 +96,7 @@ def test_the_library_loop_trains_a_tiny_run_without_prefect(tmp_path, tiny_model
     from lora_rl_core.run.loop import RunPhases, run_steps
 
     cfg = load_config(write_tiny_config(tmp_path, tiny_model_dir, f"loop-{mode}"), [f"rollout.mode={mode}"])
-    run = build_run(cfg, f"loop-{mode}")
+    run = start_run(cfg, f"loop-{mode}")
     try:
         with RunPhases(run) as phases:
             done = run_steps(phases, steps=2, ahead=cfg.rollouts_ahead())

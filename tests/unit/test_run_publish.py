@@ -22,7 +22,7 @@ from lora_rl_core.engines.registry import sync_reads_folder
 from lora_rl_core.errors import BackgroundWriteError, StoreError
 from lora_rl_core.faults import InjectedFault
 from lora_rl_core.records import TrainStats
-from lora_rl_core.run import build_run, phases, versions
+from lora_rl_core.run import phases, start_run, versions
 from lora_rl_core.run.components import Restored
 from lora_rl_core.run.resume import checkpoint_state, restore, write_checkpoint
 from lora_rl_core.subscriber import SyncResult
@@ -35,7 +35,7 @@ def make_run(tmp_path, tiny_model_dir):
 
     def make(run_id: str = "bg", *overrides: str):
         cfg = load_config(write_tiny_config(tmp_path, tiny_model_dir, run_id), list(overrides))
-        built.append(build_run(cfg, run_id))
+        built.append(start_run(cfg, run_id))
         return built[-1]
 
     yield make
@@ -288,19 +288,26 @@ def test_a_resumed_run_refuses_to_publish_a_missing_version_it_is_past(make_run)
     ],
 )
 def test_which_syncs_wait_for_the_upload(engine, reads):
-    assert sync_reads_folder(EngineConfig(**engine)) is reads
+    from lora_rl_core.config import RunConfig
+    from lora_rl_core.plan import make_plan
+
+    assert make_plan(RunConfig(engine=EngineConfig(**engine)), train=False).engine.sync_reads_folder is reads
 
 
 def test_sglang_launched_on_another_gpu_gets_the_file_transport(monkeypatch):
     """`auto` for a launched SGLang that cannot see the trainer's GPU: a local folder per load (`file`), which
     does not wait for the store write (the published folder, `disk`, waits behind the step's checkpoint)."""
-    from lora_rl_core.run import components
+    from lora_rl_core.memory import sglang_shares_trainer_gpu
+    from lora_rl_core.plan.make import _transport
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     launched = ["engine.type=sglang", "engine.launch.enabled=true"]
     split = load_config(None, [*launched, 'engine.launch.env={"CUDA_VISIBLE_DEVICES": "0"}', "model.device=cuda:1"])
     shared = load_config(None, [*launched, "model.device=cuda:0"])
-    monkeypatch.setattr(components, "trainer_device", lambda cfg: torch.device(cfg.model.device))
-    assert components._transport_for_placement(split).engine.tensor_transport == "file"
-    assert not sync_reads_folder(components._transport_for_placement(split).engine)
-    assert components._transport_for_placement(shared).engine.tensor_transport == "auto"  # ipc on the same GPU
+    chosen = {
+        name: _transport(cfg, torch.device(cfg.model.device), sglang_shares_trainer_gpu(cfg, torch.device(cfg.model.device)))
+        for name, cfg in (("split", split), ("shared", shared))
+    }
+    assert chosen["split"].value == "file"
+    assert not sync_reads_folder(split.engine, "file")
+    assert chosen["shared"].value in ("auto", "ipc")  # ipc on the same GPU (where CUDA is here)

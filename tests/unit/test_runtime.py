@@ -4,6 +4,9 @@ the choice is reported."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +15,12 @@ from lora_rl_core import runtime
 from lora_rl_core.config import ModelConfig, RunConfig, load_config
 from lora_rl_core.errors import ConfigError
 from lora_rl_core.models import model_dtype
+from lora_rl_core.plan import make_plan
 from lora_rl_core.progress import format_runtime
 from lora_rl_core.report import run_summary, summary_markdown
-from lora_rl_core.run.components import runtime_info
+from tests.support import processes
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -89,18 +95,33 @@ def test_configure_threads_sets_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.set_num_threads(before)
 
 
-def test_importing_the_package_makes_openmp_threads_passive_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib
-    import os
+def _last_line_of(code: str, omp_wait_policy: str | None) -> str:
+    """Run `code` in a fresh interpreter with `OMP_WAIT_POLICY` set to `omp_wait_policy` (None: unset); the last
+    line it prints."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # conftest sets it in this process
+    if omp_wait_policy is not None:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
+    proc = processes.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip().splitlines()[-1]
 
-    import lora_rl_core
 
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    importlib.reload(lora_rl_core)
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    importlib.reload(lora_rl_core)
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"  # the user's choice stays
+@pytest.mark.slow  # a fresh interpreter
+def test_importing_the_library_leaves_openmp_waiting_unset() -> None:
+    code = "import os, lora_rl_core, lora_rl_core.runtime; print(os.environ.get('OMP_WAIT_POLICY'))"
+    assert _last_line_of(code, None) == "None"
+
+
+@pytest.mark.slow  # a fresh interpreter
+@pytest.mark.parametrize(("given", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_cli_makes_openmp_threads_passive_unless_set(given: str | None, expected: str) -> None:
+    # main() with its app replaced by a probe: the environment when a command starts, and torch not loaded yet
+    code = (
+        "import os, sys, cli.main as m\n"
+        "m.app = lambda **_: print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+        "m.main()"
+    )
+    assert _last_line_of(code, given) == f"{expected} False"
 
 
 def test_report_names_the_dtype_and_why() -> None:
@@ -134,13 +155,13 @@ def test_lora_compute_dtype_is_a_checked_trainer_field(native_bf16) -> None:
     with pytest.raises(ConfigError, match=r"trainer\.lora_compute_dtype"):
         load_config(None, ["trainer.lora_compute_dtype=float16"])
     cfg = load_config(None, ["model.device=cpu"])
-    info = runtime_info(cfg)
+    info = make_plan(cfg).summary()
     assert (info["lora_compute_dtype"], info["lora_compute_dtype_reason"]) == (
         "float32",
         "auto: float32 base weights on cpu",
     )
     with pytest.raises(ConfigError, match=r"trainer\.lora_compute_dtype=bfloat16"):
-        runtime_info(load_config(None, ["model.device=cpu", "trainer.lora_compute_dtype=bfloat16"]))
+        make_plan(load_config(None, ["model.device=cpu", "trainer.lora_compute_dtype=bfloat16"]))
 
 
 def test_run_log_and_report_name_the_lora_compute_dtype() -> None:

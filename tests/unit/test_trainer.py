@@ -12,11 +12,12 @@ from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.algorithm import selective_log_softmax
-from lora_rl_core.config import AlgorithmConfig, LoRAConfig, TrainerConfig
+from lora_rl_core.config import AlgorithmConfig, LoRAConfig, ModelConfig, TrainerConfig
 from lora_rl_core.errors import ConfigError
 from lora_rl_core.lora import adapter_state, apply_lora
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.trainer import PolicyTrainer, pack
+from lora_rl_testing.plans import trainer_plan
 
 VOCAB = 64  # random token ids stay below this; the tiny tokenizer has 78 tokens
 
@@ -41,7 +42,7 @@ def make_trainer(tiny_model_dir, pad_id):
                 if "lora_B" in name:
                     torch.nn.init.normal_(p, std=0.05)
         trainer = TrainerConfig(lr=lr, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
-        return PolicyTrainer(model, pad_id=pad_id, algorithm=AlgorithmConfig(**algo), trainer=trainer, temperature=1.0)
+        return PolicyTrainer(model, trainer_plan(algorithm=AlgorithmConfig(**algo), trainer=trainer), pad_id=pad_id)
 
     return make
 
@@ -236,11 +237,7 @@ def test_load_state_dict_rejects_another_adapter_shape(make_trainer, tiny_model_
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     other = PolicyTrainer(
-        apply_lora(base, LoRAConfig(rank=4, target_modules=["q_proj"])),
-        pad_id=pad_id,
-        algorithm=AlgorithmConfig(),
-        trainer=TrainerConfig(),
-        temperature=1.0,
+        apply_lora(base, LoRAConfig(rank=4, target_modules=["q_proj"])), trainer_plan(), pad_id=pad_id
     )
     with pytest.raises(ValueError, match="does not fit this model"):
         other.load_state_dict(saved)
@@ -267,7 +264,9 @@ def bf16_base_trainer(tiny_model_dir, pad_id, compute: Literal["auto", "float32"
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)
     trainer = TrainerConfig(lora_compute_dtype=compute)
-    return PolicyTrainer(model, pad_id=pad_id, algorithm=AlgorithmConfig(kl_coef=0.1), trainer=trainer, temperature=1.0)
+    model_cfg = ModelConfig(device="cpu", dtype="bfloat16")
+    plan = trainer_plan(algorithm=AlgorithmConfig(kl_coef=0.1), trainer=trainer, model=model_cfg)
+    return PolicyTrainer(model, plan, pad_id=pad_id)
 
 
 def lora_input_dtypes(trainer: PolicyTrainer) -> set[torch.dtype]:
@@ -316,13 +315,9 @@ def test_auto_lora_compute_is_float32_on_a_cpu(tiny_model_dir, pad_id, make_trai
         assert all(m.cast_input_dtype_enabled for m in trainer.model.modules() if isinstance(m, LoraLayer))
 
 
-def test_bf16_lora_compute_over_a_float32_base_is_a_config_error(tiny_model_dir, pad_id):
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), LoRAConfig(rank=4))
+def test_bf16_lora_compute_over_a_float32_base_is_a_config_error():
+    """Refused when the run is planned, before any model is loaded."""
     with pytest.raises(ConfigError, match=r"trainer\.lora_compute_dtype=bfloat16 needs bfloat16 base weights"):
-        PolicyTrainer(
-            model,
-            pad_id=pad_id,
-            algorithm=AlgorithmConfig(),
-            trainer=TrainerConfig(lora_compute_dtype="bfloat16"),
-            temperature=1.0,
+        trainer_plan(
+            trainer=TrainerConfig(lora_compute_dtype="bfloat16"), model=ModelConfig(device="cpu", dtype="float32")
         )

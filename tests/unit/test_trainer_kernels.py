@@ -95,7 +95,7 @@ def test_only_the_instance_is_patched(tiny_model_dir, liger_installed, monkeypat
     fake = types.ModuleType("liger_kernel.transformers")
     fake._apply_liger_kernel_to_instance = fake_patch  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
-    assert kernels.apply_kernels(model, True, "cuda").liger
+    kernels.apply_kernels(model, True)
     assert {name: getattr(modeling_llama, name) for name in originals} == originals
     assert "forward" in vars(model.model.norm)  # the instance keeps its patch
     assert seen == kernels.PATCHED and not seen["fused_linear_cross_entropy"]
@@ -107,7 +107,8 @@ def test_auto_on_a_cpu_leaves_the_model_unpatched(tiny_model_dir):
     cfg = RunConfig.model_validate({"model": {"name_or_path": str(tiny_model_dir)}})
     model, _ = load_model(cfg.model)
     before = {name: type(m).forward for name, m in model.named_modules()}
-    assert kernels.apply_kernels(model, "auto", "cpu").liger is False
+    assert kernels.choose_kernels("auto", "cpu", model.config.model_type).liger is False
+    kernels.apply_kernels(model, False)
     assert {name: type(m).forward for name, m in model.named_modules()} == before
     assert not any("forward" in vars(m) for m in model.modules())  # no forward bound on an instance
 
@@ -120,10 +121,12 @@ def test_true_on_cpu_workers_is_refused_before_the_run_builds_anything(tmp_path,
             "store": {"uri": f"file://{tmp_path}/store"},
         }
     )
-    monkeypatch.setattr(components, "TrainerWorkers", lambda *a, **k: pytest.fail("a worker was started"))
+    from lora_rl_core.trainer import workers
+
+    monkeypatch.setattr(workers, "TrainerWorkers", lambda *a, **k: pytest.fail("a worker was started"))
     monkeypatch.setattr(components, "build_engine", lambda *a, **k: pytest.fail("an engine was built"))
     with pytest.raises(ConfigError, match="trainer.liger_kernels=true but the trainer is on cpu"):
-        components.build_run(cfg, "liger-cpu")
+        components.start_run(cfg, "liger-cpu")
     assert not (tmp_path / "store").exists()  # not even run.json: nothing written
 
 
@@ -131,10 +134,12 @@ def test_the_run_records_what_it_resolved_and_hands_the_trainer_a_bool(tiny_mode
     cfg = RunConfig.model_validate(
         {"model": {"name_or_path": str(tiny_model_dir)}, "trainer": {"liger_kernels": "auto"}}
     )
-    runtime = components.runtime_info(cfg)
-    assert runtime["liger_kernels"] is False and runtime["liger_kernels_reason"].startswith(
-        "auto: off, the trainer is on cpu"
-    )
+    from lora_rl_core.plan import make_plan
+
+    plan = make_plan(cfg)
+    choice = plan.choices["trainer.liger_kernels"]
+    assert choice.value is False and choice.reason.startswith("auto: off, the trainer is on cpu")
+    assert plan.trainer is not None and plan.trainer.liger_kernels is False
 
 
 def test_off_by_default(liger_installed):

@@ -15,7 +15,13 @@ if TYPE_CHECKING:
 
 
 def build_embedded_engine(
-    engine_cfg: EngineConfig, model_cfg: ModelConfig, store: AdapterStore | None, *, tokenizer: Any = None
+    engine_cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    store: AdapterStore | None,
+    *,
+    tokenizer: Any = None,
+    device: str | None = None,
+    dtype: str | None = None,
 ) -> EmbeddedEngine:
     """An `EmbeddedEngine` on a fresh copy of `model_cfg`'s model with every limit of `engine_cfg`
     (`max_batch_size`, `max_loras_per_batch`, `max_loaded_loras`, `eviction_policy`, `max_lora_rank`,
@@ -24,6 +30,7 @@ def build_embedded_engine(
     Args:
         store: the adapter store, for `store://` adapter names and paths.
         tokenizer: the model's tokenizer if the caller has it already.
+        device / dtype: the model's, as the run's plan resolved them (None: resolved by `load_model`).
 
     Raises:
         ModelError: the model cannot be loaded.
@@ -31,7 +38,7 @@ def build_embedded_engine(
     from lora_rl_core.engines.embedded.engine import EmbeddedEngine
     from lora_rl_core.models import load_model
 
-    model, loaded_tokenizer = load_model(model_cfg)
+    model, loaded_tokenizer = load_model(model_cfg, device=device, dtype=dtype)
     return EmbeddedEngine(
         model,
         tokenizer if tokenizer is not None else loaded_tokenizer,
@@ -54,4 +61,8 @@ def embedded_engine(inputs: EngineInputs) -> BuiltEngine:
     if inputs.model is None:
         raise ConfigError("engine.type embedded needs the model section (EngineInputs.model)")
     store = inputs.store.build() if inputs.store is not None else None
-    return BuiltEngine(build_embedded_engine(inputs.engine, inputs.model, store, tokenizer=inputs.tokenizer))
+    return BuiltEngine(
+        build_embedded_engine(
+            inputs.engine, inputs.model, store, tokenizer=inputs.tokenizer, device=inputs.device, dtype=inputs.dtype
+        )
+    )

@@ -144,7 +144,7 @@ class EmbeddedEngine:
             self._worker.join(timeout_s)
 
     def members(self) -> list[EmbeddedEngine]:
-        """`[self]`: a single engine (`InferenceEngine.members`)."""
+        """`[self]`: a single engine (`ServingEngine.members`)."""
         return [self]
 
     # ----------------------------------------------------------------- adapters

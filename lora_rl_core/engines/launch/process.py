@@ -17,12 +17,12 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import httpx
 
+from lora_rl_core.engines.spec import LaunchPlan, ResolvedLaunch
 from lora_rl_core.errors import EngineError
 
 if TYPE_CHECKING:
@@ -197,14 +197,18 @@ def launch_sglang(
     lora: LoRAConfig,
     log_path: str | Path,
     *,
+    resolved: ResolvedLaunch | None = None,
     plan: LaunchPlan | None = None,
 ) -> SGLangServer:
     """Start the SGLang server `engine.launch` describes, for the run's model, and wait until it is healthy.
-    `auto` settings are resolved first (`resolve.resolve_launch`, after probing the installation with
-    `probe.probe_sglang`); the resolved command and the reasons go to the top of the log.
+    Its `auto` settings come resolved (`resolved`, from the run's plan) or are resolved here against `plan`
+    (`resolve.resolve_launch`, after probing the installation with `probe.probe_sglang`: a Ray replica on
+    its own host); the resolved command and the reasons go to the top of the log.
 
     Args:
-        plan: the rollout batch and the memory plan's fraction and saver (None: SGLang's own defaults).
+        resolved: the flags with every `auto` resolved (the run's plan, `lora_rl_core.plan`).
+        plan: without `resolved`: the rollout batch and the memory plan's fraction and saver (None: SGLang's
+            own defaults).
 
     Raises:
         ModelError: the model folder cannot be had.
@@ -218,12 +222,18 @@ def launch_sglang(
     from lora_rl_core.models import model_folder
 
     launch = engine.launch
-    plan = plan or LaunchPlan()
-    autos = [launch.attention_backend, launch.sampling_backend, launch.cuda_graph_max_bs, launch.memory_saver]
-    env = probe_sglang(launch) if "auto" in autos else SGLangEnvironment()
-    resolved = resolve_launch(
-        launch, env, rollout_batch=plan.rollout_batch, mem_fraction=plan.mem_fraction, memory_saver=plan.memory_saver
-    )
+    env: SGLangEnvironment | str = "flags resolved by the run's plan"
+    if resolved is None:
+        plan = plan or LaunchPlan()
+        autos = [launch.attention_backend, launch.sampling_backend, launch.cuda_graph_max_bs, launch.memory_saver]
+        env = probe_sglang(launch) if "auto" in autos else SGLangEnvironment()
+        resolved = resolve_launch(
+            launch,
+            env,
+            rollout_batch=plan.rollout_batch,
+            mem_fraction=plan.mem_fraction,
+            memory_saver=plan.memory_saver,
+        )
     argv = sglang_server_command(engine, model, lora, str(model_folder(model)), resolved)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,18 +249,3 @@ def launch_sglang(
         memory_saver=resolved.memory_saver,
     )
     return server.start()
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """What the run knows that the launcher resolves `auto` settings with.
-
-    Attributes:
-        rollout_batch: sequences decoded at once (prompts x group size x rollouts in flight); None = unknown.
-        mem_fraction: `--mem-fraction-static` from the run's memory plan; None = SGLang's own.
-        memory_saver: free the KV cache during training (`--enable-memory-saver`).
-    """
-
-    rollout_batch: int | None = None
-    mem_fraction: float | None = None
-    memory_saver: bool = False

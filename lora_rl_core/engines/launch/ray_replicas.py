@@ -1,4 +1,4 @@
-"""Engine replicas as Ray actors: N engines, each built in its own Ray actor, behind one `InferenceEngine`.
+"""Engine replicas as Ray actors: N engines, each built in its own Ray actor, behind one `ServingEngine`.
 
 `start_ray_replicas(build, inputs)` joins the Ray cluster named by `RAY_ADDRESS` (or starts a local one,
 `ray.init()`), starts `engine.ray_replicas` `EngineReplica` actors, each building its engine with `build`
@@ -71,7 +71,7 @@ class EngineReplica:
 
 
 class RayEngine:
-    """`InferenceEngine` over one `EngineReplica` actor. Every method raises `EngineUnavailable` when the
+    """`ServingEngine` over one `EngineReplica` actor. Every method raises `EngineUnavailable` when the
     actor died or did not answer within its deadline, and the engine's own `EngineError`s otherwise.
 
     Args:
@@ -173,21 +173,21 @@ class RayEngine:
         return self._pool.submit(lambda: self.generate([request])[0])
 
     def abort(self, request_id: str | None = None, *, reason: str = "aborted") -> int:
-        """`InferenceEngine.abort` on the replica: how many requests it aborted."""
+        """`ServingEngine.abort` on the replica: how many requests it aborted."""
         return int(self._call("abort", request_id, reason=reason))
 
     def load_adapter(self, name: str, **kwargs: Any) -> None:
-        """`InferenceEngine.load_adapter` on the replica (tensors travel through Ray's object store)."""
+        """`ServingEngine.load_adapter` on the replica (tensors travel through Ray's object store)."""
         self._call("load_adapter", name, **kwargs)
         self._adapters[name] = kwargs
 
     def unload_adapter(self, name: str, **kwargs: Any) -> None:
-        """`InferenceEngine.unload_adapter` on the replica."""
+        """`ServingEngine.unload_adapter` on the replica."""
         self._call("unload_adapter", name, **kwargs)
         self._adapters.pop(name, None)
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
-        """`InferenceEngine.list_adapters` of the replica: name -> info."""
+        """`ServingEngine.list_adapters` of the replica: name -> info."""
         return dict(self._call("list_adapters"))
 
     def pause(self, mode: str = "in_place") -> None:
@@ -256,7 +256,7 @@ def start_ray_replicas(
     cfg = inputs.engine
     on_gpu = inputs.model is not None and inputs.model.device.startswith("cuda")
     actor_inputs = dataclasses.replace(
-        inputs, engine=cfg.model_copy(update={"ray_replicas": 0}), tokenizer=None
+        inputs, engine=cfg.model_copy(update={"ray_replicas": 0}), tokenizer=None, device=None, dtype=None
     )  # a tokenizer object does not travel; each actor loads its own
     acquire_ray()
     gpus = cfg.ray_gpus_per_replica if on_gpu else 0.0

@@ -18,10 +18,10 @@ and the launcher logs the resolved command.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lora_rl_core.engines.launch.probe import SGLangEnvironment
+from lora_rl_core.engines.spec import ResolvedLaunch
 
 if TYPE_CHECKING:
     from lora_rl_core.config import SGLangLaunchConfig
@@ -29,28 +29,6 @@ if TYPE_CHECKING:
 _GIB = 1024**3
 LORA_BACKEND = "triton"
 """`lora_backend: auto` (module docstring): the LoRA kernels that decode a rollout batch fastest, measured."""
-
-
-@dataclass(frozen=True)
-class ResolvedLaunch:
-    """`engine.launch` with no `auto` left. A backend of None means SGLang's own choice (the flag is omitted).
-
-    Attributes:
-        cuda_graph_max_bs: largest decode batch captured as a CUDA graph; None = CUDA graphs off.
-        mem_fraction_static: `--mem-fraction-static`; None = SGLang's own.
-        memory_saver: `--enable-memory-saver`.
-        reasons: for each resolved `auto`, why it became its value.
-    """
-
-    attention_backend: str | None
-    sampling_backend: str | None
-    lora_backend: str | None
-    grammar_backend: str
-    cuda_graph_max_bs: int | None
-    mem_fraction_static: float | None
-    memory_saver: bool
-    extra_args: tuple[str, ...] = ()
-    reasons: dict[str, str] = field(default_factory=dict)
 
 
 def sglang_default_cuda_graph_max_bs(gpu_total_bytes: int | None, tp_size: int = 1) -> int:

@@ -28,9 +28,11 @@ def sglang_engine(inputs: EngineInputs) -> BuiltEngine:
     if inputs.model is None or inputs.lora is None:
         raise ConfigError("engine.launch needs the model and lora sections (EngineInputs)")
     log = (inputs.log_dir or Path.cwd()) / "sglang.log"
-    server = launch_sglang(inputs.engine, inputs.model, inputs.lora, log, plan=inputs.launch_plan)
+    server = launch_sglang(
+        inputs.engine, inputs.model, inputs.lora, log, resolved=inputs.launch, plan=inputs.launch_plan
+    )
     try:
-        built = connect(SGLANG, _at(inputs, [server.url]))
+        built = connect(SGLANG, inputs, [server.url])
     except BaseException:
         server.stop()
         raise
@@ -46,12 +48,7 @@ def sglang_replicas(inputs: EngineInputs) -> BuiltEngine:
     Raises:
         ConfigError / EngineError: as `start_sglang_replicas`.
     """
-    travelling = dataclasses.replace(inputs, tokenizer=None)  # a tokenizer object does not travel to actors
-    return start_sglang_replicas(travelling, lambda urls: connect(SGLANG, _at(inputs, urls)))
+    # a tokenizer object does not travel to actors; each replica resolves its launch flags on its own host
+    travelling = dataclasses.replace(inputs, tokenizer=None, launch=None)
+    return start_sglang_replicas(travelling, lambda urls: connect(SGLANG, inputs, urls))
 
-
-def _at(inputs: EngineInputs, urls: list[str]) -> EngineInputs:
-    """`inputs` pointed at running servers: their URLs, launching off."""
-    launch = inputs.engine.launch.model_copy(update={"enabled": False})
-    engine = inputs.engine.model_copy(update={"urls": urls, "launch": launch, "ray_replicas": 0})
-    return dataclasses.replace(inputs, engine=engine)

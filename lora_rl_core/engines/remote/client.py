@@ -83,7 +83,7 @@ requests it ended early (closing the connection sooner would make SGLang abort t
 
 
 class HTTPEngine(ControlCalls):
-    """`InferenceEngine` over the HTTP API of a real SGLang server or of our engine server.
+    """`ServingEngine` over the HTTP API of a real SGLang server or of our engine server.
 
     Args:
         dialect: which server it is (`remote.dialect.SGLANG`, `remote.dialect.SERVER`).
@@ -175,7 +175,7 @@ class HTTPEngine(ControlCalls):
         self._generation_http.close()
 
     def members(self) -> list[HTTPEngine]:
-        """`[self]`: a single engine (`InferenceEngine.members`)."""
+        """`[self]`: a single engine (`ServingEngine.members`)."""
         return [self]
 
     def __enter__(self) -> HTTPEngine:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from lora_rl_core.engines.base import InferenceEngine
+from lora_rl_core.engines.base import ServingEngine
 from lora_rl_core.engines.multi import MultiEngine
 from lora_rl_core.engines.remote.client import HTTPEngine
 from lora_rl_core.engines.remote.dialect import SGLANG, Dialect
@@ -13,30 +13,32 @@ from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
 from lora_rl_core.errors import EngineError
 
 
-def connect(dialect: Dialect, inputs: EngineInputs) -> BuiltEngine:
-    """HTTP clients of `inputs.engine.urls` in `dialect`, with the Bearer key (`inputs.api_key`, else the
-    environment variable `engine.api_key_env`), the generation deadline `engine.timeout_s` and the tensor
-    settings (`tensor_transport`, `tensor_layout`, `tensor_dtype`); SGLang clients also retire as
-    `engine.sglang_retire` and `engine.sglang_abort` say (our server unloads without hanging).
+def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = None) -> BuiltEngine:
+    """HTTP clients of `urls` (default `inputs.engine.urls`; the servers launched for the engine) in `dialect`,
+    with the Bearer key (`inputs.api_key`, else the environment variable `engine.api_key_env`), the generation
+    deadline `engine.timeout_s` and the tensor settings (`tensor_transport` as the run's plan resolved it,
+    `tensor_layout`, `tensor_dtype`); SGLang clients also retire as `engine.sglang_retire` and
+    `engine.sglang_abort` say (our server unloads without hanging).
 
     Raises:
         EngineError: no URLs, or a malformed URL.
     """
     cfg = inputs.engine
-    if not cfg.urls:
+    urls = urls if urls is not None else cfg.urls
+    if not urls:
         raise EngineError("give at least one engine URL, e.g. http://127.0.0.1:30000")
-    clients: list[InferenceEngine] = [
+    clients: list[ServingEngine] = [
         HTTPEngine(
             dialect,
             url,
             api_key=inputs.api_key or os.environ.get(cfg.api_key_env),
             timeout_s=cfg.timeout_s,
-            tensor_transport=cfg.tensor_transport,
+            tensor_transport=inputs.tensor_transport or cfg.tensor_transport,
             retire=cfg.sglang_retire if dialect is SGLANG else "unload",
             tensor_layout=cfg.tensor_layout,
             tensor_dtype=cfg.tensor_dtype,
             abort=cfg.sglang_abort,
         )
-        for url in cfg.urls
+        for url in urls
     ]
     return BuiltEngine(clients[0] if len(clients) == 1 else MultiEngine(clients))

@@ -231,15 +231,16 @@ def tensor_loader(
     return SGLangTensorLoad(transport, layout, dtype)
 
 
-def sglang_tensor_load_reads_folder(cfg: EngineConfig) -> bool:
-    """Whether SGLang clients of `cfg` load tensor syncs from the published folder: `tensor_transport: disk`,
-    or `auto` unless every server is on this host with CUDA here (then `ipc`); Ray replicas' servers may run
-    on other hosts, so `auto` counts as the folder there. (A server that refuses the tensors falls back to the
-    folder too; `lora_rl_core.run.versions.sync` then tries again once the folder is stored.)"""
+def sglang_tensor_load_reads_folder(cfg: EngineConfig, transport: str) -> bool:
+    """Whether SGLang clients of `cfg` load tensor syncs from the published folder, with `transport` (the
+    run's `engine.tensor_transport`, resolved by its plan): `disk`, or `auto` (left per server) unless every
+    server is on this host with CUDA here (then `ipc`); Ray replicas' servers may run on other hosts, so
+    `auto` counts as the folder there. (A server that refuses the tensors falls back to the folder too;
+    `lora_rl_core.run.versions.sync` then tries again once the folder is stored.)"""
     from lora_rl_core.engines.remote.ipc import pick_transport  # lazy: torch only for tensor loads
 
-    if cfg.tensor_transport != "auto":
-        return cfg.tensor_transport == "disk"
+    if transport != "auto":
+        return transport == "disk"
     if cfg.ray_replicas:
         return True
     urls = cfg.urls or [f"http://{cfg.launch.host}:{cfg.launch.port}"]

@@ -1,4 +1,4 @@
-"""Our SGLang-compatible engine server, `lora-rl serve`: the SGLang HTTP API subset over any `InferenceEngine`.
+"""Our SGLang-compatible engine server, `lora-rl serve`: the SGLang HTTP API subset over any `ServingEngine`.
 
 `app`: the routes (`EngineServer`, `create_app`, `serve`); `api`: request bodies, error answers and output
 shape; `adapters`: the adapter load/unload routes; `names`: adapter references (`RUN@latest`, `RUN@N`,

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Histogram
 
 from lora_rl_core.adapters import load_safetensors, peft_folder
-from lora_rl_core.engines.base import InferenceEngine
+from lora_rl_core.engines.base import ServingEngine
 from lora_rl_core.engines.serve.api import HTTPError, LoadIn, LoadTensorsIn, UnloadIn, error_response, run_blocking
 from lora_rl_core.errors import EngineError, LoraRLError, StoreError
 
@@ -46,7 +46,7 @@ class AdapterRoutes:
     """
 
     def __init__(
-        self, engine: InferenceEngine, *, store: Any, control_timeout_s: float, load_seconds: Histogram
+        self, engine: ServingEngine, *, store: Any, control_timeout_s: float, load_seconds: Histogram
     ) -> None:
         self.engine = engine
         self.store = store

@@ -21,7 +21,7 @@ Choices made here:
   `Authorization: Bearer <api key>` when the server has a key; `check_bind` refuses to bind
   beyond loopback without one.
 * Blocking engine calls run in worker threads under deadlines. Each HTTP request's prompts are
-  submitted to the engine (`InferenceEngine.submit`: batched with other callers' prompts).
+  submitted to the engine (`ServingEngine.submit`: batched with other callers' prompts).
   Prompts unfinished after `request_timeout_s` are aborted and answered with `finish_reason`
   `{"type": "abort", "message": "timeout"}`, as the protocol's `generate` deadline does.
 * `/abort_request` also takes `abort_message` (a field of SGLang's `AbortReq` that SGLang's
@@ -71,8 +71,8 @@ from lora_rl_core.engines.base import (
     PAUSE_MODES,
     Completion,
     GenerationRequest,
-    InferenceEngine,
     SamplingParams,
+    ServingEngine,
 )
 from lora_rl_core.engines.serve.adapters import AdapterRoutes
 from lora_rl_core.engines.serve.api import (
@@ -119,7 +119,7 @@ class EngineServer:
 
     def __init__(
         self,
-        engine: InferenceEngine,
+        engine: ServingEngine,
         *,
         tokenizer: Any = None,
         served_model_name: str,
@@ -389,7 +389,7 @@ class EngineServer:
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(engine: InferenceEngine, **options: Any) -> FastAPI:
+def create_app(engine: ServingEngine, **options: Any) -> FastAPI:
     """The FastAPI app of the engine server over `engine`; `options` are `EngineServer`'s keyword arguments
     (`served_model_name` required; `tokenizer`, `api_key`, `store`, `model_path`, `request_timeout_s`,
     `control_timeout_s`), whose defaults live there."""

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from lora_rl_core.adapters import adapter_run, adapter_version
-from lora_rl_core.engines.base import InferenceEngine
+from lora_rl_core.engines.base import ServingEngine
 
 LOAD_LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -40,7 +40,7 @@ class EngineCollector:
     depth, running requests, paused, batches, unloads, aborted requests by reason.
     """
 
-    def __init__(self, engine: InferenceEngine) -> None:
+    def __init__(self, engine: ServingEngine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -85,7 +85,7 @@ def _active_versions(adapters: dict[str, Any]) -> GaugeMetricFamily:
     return family
 
 
-def server_registry(engine: InferenceEngine) -> tuple[CollectorRegistry, Histogram]:
+def server_registry(engine: ServingEngine) -> tuple[CollectorRegistry, Histogram]:
     """A fresh registry with an `EngineCollector` over `engine`, and the histogram of adapter load wall
     times over HTTP in seconds (`lora_rl_adapter_load_latency_seconds`, label `source`: path or tensors)."""
     registry = CollectorRegistry()

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lora_rl_core.adapters import STORE_URI_PREFIX, adapter_name, parse_adapter_name, parse_adapter_spec
-from lora_rl_core.engines.base import InferenceEngine, unknown_adapter_message
+from lora_rl_core.engines.base import ServingEngine, unknown_adapter_message
 from lora_rl_core.engines.serve.api import HTTPError
 from lora_rl_core.errors import StoreError
 
@@ -62,7 +62,7 @@ class AdapterNames:
         store: an `AdapterStore` for tags and for versions loaded on demand; None = neither.
     """
 
-    def __init__(self, engine: InferenceEngine, *, store: Any = None) -> None:
+    def __init__(self, engine: ServingEngine, *, store: Any = None) -> None:
         self.engine = engine
         self.store = store
 

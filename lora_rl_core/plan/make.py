@@ -1,0 +1,256 @@
+"""`make_plan`: the one caller of the rules that resolve `auto` settings, in one pass, before anything starts.
+
+    model.device, model.dtype              runtime.choose_dtype (models.resolve_device)
+    trainer.backend                        in-process for world_size 0, else trainer.backend
+    trainer.lora_compute_dtype             runtime.choose_lora_compute_dtype
+    trainer.liger_kernels                  trainer.kernels.choose_kernels
+    trainer.gradient_checkpointing,        memory.plan_memory (on a GPU: the model's shape, the batch, the GPU,
+      trainer.micro_batch_size,              and a launched SGLang beside the trainer)
+      engine.launch.mem_fraction_static,
+      engine.launch.memory_saver
+    engine.launch.*_backend,               engines.launch.resolve.resolve_launch, after probing the installed
+      engine.launch.cuda_graph_max_bs        SGLang (engines.launch.probe)
+    engine.tensor_transport                where the servers are (this module, engines.remote.ipc)
+    algorithm.off_policy_correction        AlgorithmConfig.correction (rollout.mode)
+
+A new `auto` setting is one rule function beside what it decides, one call here that records a `Choice`,
+and one field of the plan section its builder reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lora_rl_core.config import RunConfig
+from lora_rl_core.data import Problem, PromptStyle
+from lora_rl_core.engines.launch.probe import SGLangEnvironment, probe_sglang
+from lora_rl_core.engines.launch.process import LaunchPlan
+from lora_rl_core.engines.launch.resolve import ResolvedLaunch, resolve_launch
+from lora_rl_core.engines.registry import sync_reads_folder
+from lora_rl_core.engines.remote.ipc import is_loopback
+from lora_rl_core.memory import MemoryPlan, ModelShape, plan_memory, sglang_shares_trainer_gpu
+from lora_rl_core.models import model_folder, resolve_device
+from lora_rl_core.plan.record import Choice, EnginePlan, RunPlan
+from lora_rl_core.runtime import choose_dtype, choose_lora_compute_dtype, cpu_threads
+from lora_rl_core.trainer.kernels import choose_kernels
+from lora_rl_core.trainer.spec import TrainerPlan
+
+SET = "set in the config"
+
+
+def make_plan(
+    cfg: RunConfig, *, tokenizer: Any = None, problems: Sequence[Problem] = (), train: bool = True
+) -> RunPlan:
+    """Resolve every `auto` setting of `cfg` on this machine (module docstring) and return the run's plan.
+    Nothing is started and nothing is written; on a GPU the trainer's GPU memory is read, and a launched
+    SGLang's installation is probed (a subprocess of `engine.launch.python`).
+
+    Args:
+        cfg: the validated config.
+        tokenizer / problems: the model's tokenizer and the training problems: the memory plan sizes the
+            longest prompt (of the first 256) on a GPU.
+        train: plan a trainer (a training run); False for an evaluation or a server (engine only).
+
+    Raises:
+        ConfigError: a setting that cannot hold here (`trainer.lora_compute_dtype: bfloat16` over other base
+            weights, `trainer.liger_kernels: true` where Liger cannot run), or a run that does not fit the GPU
+            (naming the settings to change).
+        EngineError: a launched SGLang's installation cannot be probed.
+        ModelError: the model's config cannot be read (`trainer.liger_kernels` other than false).
+    """
+    choices: dict[str, Choice] = {}
+    device = resolve_device(cfg.model.device)
+    choices["model.device"] = Choice(str(device), _device_reason(cfg.model.device, device))
+    dtype = choose_dtype(cfg.model.dtype, device)
+    choices["model.dtype"] = Choice(dtype.name, dtype.reason)
+    launch_env = _probe(cfg)
+    trainer: TrainerPlan | None = None
+    memory: MemoryPlan | None = None
+    trainer_device: torch.device | None = None
+    colocated = False
+    if train:
+        trainer_device = resolve_device(cfg.trainer.device if cfg.trainer.world_size else cfg.model.device)
+        colocated = sglang_shares_trainer_gpu(cfg, trainer_device)
+        memory = _memory(cfg, trainer_device, colocated, launch_env, tokenizer, problems)
+        trainer = _trainer(cfg, trainer_device, memory, choices)
+    engine = _engine(cfg, device, dtype.name, memory, trainer_device, colocated, launch_env, choices)
+    if train:
+        mode = cfg.rollout.mode
+        choices["algorithm.off_policy_correction"] = Choice(
+            cfg.algorithm.correction(mode),
+            SET if cfg.algorithm.off_policy_correction != "auto" else f"auto: rollout.mode {mode}",
+        )
+    return RunPlan(
+        config=cfg,
+        device=str(device),
+        trainer=trainer,
+        engine=engine,
+        memory=memory if memory is not None and memory.gpu_total else None,
+        cpu_threads=cpu_threads(),
+        choices=choices,
+    )
+
+
+def _device_reason(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return SET
+    return f"auto: {'cuda is available' if device.type == 'cuda' else 'no cuda here'}"
+
+
+def _launched_here(cfg: RunConfig) -> bool:
+    """This process launches one SGLang server (Ray replicas launch their own on their hosts)."""
+    e = cfg.engine
+    return e.type == "sglang" and e.launch.enabled and not e.ray_replicas
+
+
+def _probe(cfg: RunConfig) -> SGLangEnvironment | None:
+    """What the installed SGLang offers, where this process launches it with an `auto` setting to resolve."""
+    if not _launched_here(cfg):
+        return None
+    launch = cfg.engine.launch
+    autos = [launch.attention_backend, launch.sampling_backend, launch.cuda_graph_max_bs, launch.memory_saver]
+    return probe_sglang(launch) if "auto" in autos else SGLangEnvironment()
+
+
+def _memory(
+    cfg: RunConfig,
+    device: torch.device,
+    colocated: bool,
+    env: SGLangEnvironment | None,
+    tokenizer: Any,
+    problems: Sequence[Problem],
+) -> MemoryPlan:
+    """The GPU memory plan for the trainer's GPU and a launched SGLang beside it; on a CPU only the `auto`
+    values are resolved (gradient checkpointing off)."""
+    if device.type != "cuda":
+        return plan_memory(cfg, None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False)
+    saver = colocated and cfg.engine.launch.memory_saver is not False and env is not None and env.memory_saver
+    style = PromptStyle.of(cfg.data, cfg.rollout)
+    prompt_tokens = max((len(style.render(tokenizer, p)) for p in problems[:256]), default=0)
+    free, total = torch.cuda.mem_get_info(device)
+    return plan_memory(
+        cfg,
+        ModelShape.of(cfg.model, cfg.lora),
+        prompt_tokens=prompt_tokens,
+        gpu_free=free,
+        gpu_total=total,
+        colocated=colocated,
+        saver_available=saver,
+    )
+
+
+def _trainer(cfg: RunConfig, device: torch.device, memory: MemoryPlan, choices: dict[str, Choice]) -> TrainerPlan:
+    t = cfg.trainer
+    backend = "in-process" if t.world_size == 0 else t.backend
+    choices["trainer.backend"] = Choice(
+        backend, "trainer.world_size 0: in this process" if t.world_size == 0 else f"{t.world_size} FSDP2 ranks"
+    )
+    base = choose_dtype(cfg.model.dtype, device)
+    lora = choose_lora_compute_dtype(t.lora_compute_dtype, device, base.name)
+    choices["trainer.lora_compute_dtype"] = Choice(lora.name, lora.reason)
+    kernels = choose_kernels(t.liger_kernels, device, _model_type(cfg) if t.liger_kernels else "")
+    choices["trainer.liger_kernels"] = Choice(kernels.liger, kernels.reason)
+    on_gpu = memory.gpu_total > 0
+    choices["trainer.gradient_checkpointing"] = Choice(
+        memory.gradient_checkpointing,
+        SET
+        if t.gradient_checkpointing != "auto"
+        else "auto: the memory plan"
+        + (
+            ": activations do not fit without recomputation"
+            if memory.gradient_checkpointing
+            else ": activations fit without recomputation"
+        )
+        if on_gpu
+        else f"auto: off on {device.type}",
+    )
+    choices["trainer.micro_batch_size"] = Choice(
+        memory.micro_batch_size,
+        f"the memory plan halved {t.micro_batch_size} to fit the GPU"
+        if memory.micro_batch_size < min(t.micro_batch_size, cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+        else SET,
+    )
+    return TrainerPlan(
+        model=cfg.model,
+        lora=cfg.lora,
+        algorithm=cfg.algorithm,
+        trainer=t,
+        temperature=cfg.rollout.temperature,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=cfg.run.seed,
+        device=str(device) if t.world_size == 0 else t.device,
+        dtype=base.name,
+        lora_compute_dtype=lora.name,  # type: ignore[arg-type]  # choose_lora_compute_dtype: float32 | bfloat16
+        liger_kernels=kernels.liger,
+        gradient_checkpointing=memory.gradient_checkpointing,
+        micro_batch_size=memory.micro_batch_size,
+        off_policy_correction=cfg.algorithm.correction(cfg.rollout.mode),
+        rollout_mode=cfg.rollout.mode,
+        backend=backend,
+        world_size=t.world_size,
+        ray_gpus_per_rank=t.ray_gpus_per_rank if t.device == "cuda" else 0.0,
+    )
+
+
+def _model_type(cfg: RunConfig) -> str:
+    """The model's family (`model_type` of its `config.json`), read without loading weights."""
+    from transformers import AutoConfig
+
+    folder = model_folder(cfg.model)
+    return str(AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code).model_type)
+
+
+def _engine(
+    cfg: RunConfig,
+    device: torch.device,
+    dtype: str,
+    memory: MemoryPlan | None,
+    trainer_device: torch.device | None,
+    colocated: bool,
+    env: SGLangEnvironment | None,
+    choices: dict[str, Choice],
+) -> EnginePlan:
+    e = cfg.engine
+    batch = memory.rollout_batch if memory is not None else None
+    fraction = memory.mem_fraction_static if memory is not None else None
+    saver = memory.memory_saver if memory is not None else False
+    launch: ResolvedLaunch | None = None
+    if env is not None:
+        launch = resolve_launch(e.launch, env, rollout_batch=batch, mem_fraction=fraction, memory_saver=saver)
+        for key, reason in launch.reasons.items():
+            choices[f"engine.launch.{key}"] = Choice(getattr(launch, key), reason)
+    elif e.type == "sglang" and e.launch.enabled:
+        choices["engine.launch"] = Choice("per replica", "each Ray replica resolves its `auto` flags on its host")
+    transport = _transport(cfg, trainer_device, colocated)
+    choices["engine.tensor_transport"] = transport
+    return EnginePlan(
+        device=str(device),
+        dtype=dtype,
+        launch=launch,
+        launch_plan=LaunchPlan(batch, fraction, saver) if e.type == "sglang" and e.ray_replicas else None,
+        tensor_transport=transport.value,
+        sync_reads_folder=sync_reads_folder(e, transport.value),
+    )
+
+
+def _transport(cfg: RunConfig, trainer_device: torch.device | None, colocated: bool) -> Choice:
+    """`engine.tensor_transport` resolved where the servers are known now (`auto` stays per server where not)."""
+    e = cfg.engine
+    if e.type != "sglang":
+        return Choice(e.tensor_transport, f"not used by engine.type {e.type}")
+    if e.tensor_transport != "auto":
+        return Choice(e.tensor_transport, SET)
+    per_server = "auto: per server at load: `ipc` for one on this host with CUDA here, else the published folder"
+    if e.ray_replicas:
+        return Choice("auto", per_server)
+    if e.launch.enabled and trainer_device is not None and trainer_device.type == "cuda" and not colocated:
+        # CUDA IPC handles do not open in a server that cannot see the trainer's GPU; inline data costs seconds
+        # for a 7B adapter (3.2 s per sync on two H100s); the published folder waits for the store write
+        return Choice("file", "auto: SGLang launched on another GPU than the trainer's: a local PEFT folder")
+    urls = e.urls or [f"http://{e.launch.host}:{e.launch.port}"]
+    if torch.cuda.is_available() and all(is_loopback(url) for url in urls):
+        return Choice("ipc", "auto: the servers are on this host and CUDA is here")
+    return Choice("auto", per_server)

@@ -1,0 +1,31 @@
+"""The one place that builds a run's trainer from its plan (`TrainerPlan`, `lora_rl_core.plan`)."""
+
+from __future__ import annotations
+
+from lora_rl_core.lora import apply_lora
+from lora_rl_core.models import load_model
+from lora_rl_core.trainer.base import Trainer
+from lora_rl_core.trainer.kernels import apply_kernels
+from lora_rl_core.trainer.policy import PolicyTrainer
+from lora_rl_core.trainer.spec import TrainerPlan
+
+
+def build_trainer(plan: TrainerPlan, *, pad_id: int) -> Trainer:
+    """The trainer `plan.backend` names: `in-process` (this process: its own copy of the base model with a
+    fresh LoRA, seeded by the caller), `local` (`plan.world_size` spawned FSDP2 processes, `TrainerWorkers`)
+    or `ray` (FSDP2 Ray actors, `RayTrainer`).
+
+    Raises:
+        ModelError: the model cannot be loaded; TrainerWorkerError: ranks did not start.
+    """
+    if plan.backend == "ray":
+        from lora_rl_core.trainer.ray_actors import RayTrainer  # lazy: Ray only when asked for
+
+        return RayTrainer(plan)
+    if plan.backend == "local":
+        from lora_rl_core.trainer.workers import TrainerWorkers
+
+        return TrainerWorkers(plan)
+    model, _ = load_model(plan.model, device=plan.device, dtype=plan.dtype)
+    apply_kernels(model, plan.liger_kernels)
+    return PolicyTrainer(apply_lora(model, plan.lora), plan, pad_id=pad_id)

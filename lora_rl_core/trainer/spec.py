@@ -1,0 +1,61 @@
+"""What the trainer is built from: `TrainerPlan`, every `auto` setting resolved (by the run's plan,
+`lora_rl_core.plan.make_plan`). JSON-safe, so it travels to FSDP2 ranks in other processes and on Ray."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from lora_rl_core.config import AlgorithmConfig, LoRAConfig, ModelConfig, RolloutMode, TrainerConfig
+
+TrainerBackend = Literal["in-process", "local", "ray"]
+"""Where the trainer runs: in this process (`trainer.world_size: 0`), as spawned FSDP2 processes (`local`) or
+as FSDP2 Ray actors (`ray`)."""
+
+
+class TrainerPlan(BaseModel):
+    """What builds the trainer, every `auto` resolved (`lora_rl_core.trainer.build.build_trainer`). Frozen;
+    JSON-safe, so it travels to FSDP2 ranks in other processes and on Ray.
+
+    Attributes:
+        model / lora / algorithm / trainer: the config sections the trainer reads (lr, betas, clip ranges...).
+            Their `auto` fields are not read: the resolved values below are.
+        temperature: the rollout sampling temperature (the trainer divides its logits by it).
+        max_new_tokens: the completion cap, tokens: the constant of `seq-mean-token-sum-norm` aggregation.
+        seed: `run.seed` (the LoRA initialisation, the same on every rank).
+        device: the in-process trainer's device (`cpu`, `cuda`, `cuda:1`), or the ranks' kind (`cpu`, `cuda`).
+        dtype: the base weights' dtype (`model.dtype` resolved on the trainer's device).
+        lora_compute_dtype: `float32` or `bfloat16` (`trainer.lora_compute_dtype` resolved).
+        liger_kernels: Liger's fused kernels patched into the trainer's model.
+        gradient_checkpointing / micro_batch_size: from the memory plan.
+        off_policy_correction: `algorithm.off_policy_correction` resolved for `rollout.mode`.
+        backend / world_size: where the ranks run and how many (0: in this process).
+        ray_gpus_per_rank: GPUs each Ray rank reserves (`trainer.ray_gpus_per_rank`; 0 on a CPU).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelConfig
+    lora: LoRAConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    temperature: float
+    max_new_tokens: int
+    seed: int
+    device: str
+    dtype: str
+    lora_compute_dtype: Literal["float32", "bfloat16"]
+    liger_kernels: bool
+    gradient_checkpointing: bool
+    micro_batch_size: int
+    off_policy_correction: str
+    rollout_mode: RolloutMode
+    backend: TrainerBackend
+    world_size: int
+    ray_gpus_per_rank: float
+
+    @property
+    def mixed_precision(self) -> bool:
+        """FSDP2's bfloat16 mixed precision for sharded ranks: on unless the LoRA computes in float32."""
+        return self.lora_compute_dtype != "float32"
