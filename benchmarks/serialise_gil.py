@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import os
 import statistics
 import sys
 import threading
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, before torch loads
-import lora_rl_core  # noqa: E402, F401
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, as the CLI does (lora_rl_core.runtime)
 
 # isort: split
 import torch  # noqa: E402

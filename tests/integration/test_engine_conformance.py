@@ -1,4 +1,7 @@
-"""One behavioural suite for every `InferenceEngine`: the same tests, run against each implementation.
+"""One behavioural suite for every engine kind, in two parts by protocol: what a training step needs
+(`RolloutEngine`: generate, load/list/unload, is_paused, members, close) and what serving needs besides
+(`ServingEngine`: submit, abort, pause/resume, flush, health, metrics). The same tests run against each
+implementation; each kind implements both protocols (`test_implements_both_protocols`).
 
 Subjects, one per engine kind that can run on a CPU, each doing its work on `EmbeddedEngine`s over the tiny
 random model (`tiny_model_dir`):
@@ -41,7 +44,7 @@ from lora_rl_core.engines import (
     EmbeddedEngine,
     EngineInputs,
     GenerationRequest,
-    InferenceEngine,
+    ServingEngine,
     MultiEngine,
     SamplingParams,
 )
@@ -78,9 +81,9 @@ class Subject:
         members: what `engine.members()` must list.
     """
 
-    engine: InferenceEngine
-    backends: list[InferenceEngine]
-    members: list[InferenceEngine]
+    engine: ServingEngine
+    backends: list[ServingEngine]
+    members: list[ServingEngine]
 
     def queue_depth(self) -> int:
         """Requests waiting in the backends' queues."""
@@ -170,7 +173,19 @@ def queued(subject: Subject, n: int = 1) -> Callable[[], bool]:
     return lambda: subject.queue_depth() >= n
 
 
-# ----------------------------------------------------------------- generation
+# ----------------------------------------------------------------- the protocols
+
+
+def test_implements_both_protocols(subject):
+    """Every kind serves both seams: the step's (`RolloutEngine`) and serving's (`ServingEngine`), and so do
+    the single engines behind it."""
+    from lora_rl_core.engines import RolloutEngine
+
+    for engine in (subject.engine, *subject.engine.members()):
+        assert isinstance(engine, RolloutEngine) and isinstance(engine, ServingEngine), type(engine).__name__
+
+
+# ----------------------------------------------------------------- the step's protocol: generation
 
 
 def test_generate_keeps_order_and_names_adapter_and_version(subject, tokenizer, adapter_dirs):
@@ -204,7 +219,7 @@ def test_unknown_adapter_is_an_error_not_base_output(subject, tokenizer):
     assert subject.base_requests() == 0  # nothing was served by the base model instead
 
 
-# ----------------------------------------------------------------- adapters
+# ----------------------------------------------------------------- the step's protocol: adapters
 
 
 def test_load_list_unload(subject, tokenizer, adapter_dirs):
@@ -226,7 +241,7 @@ def test_load_list_unload(subject, tokenizer, adapter_dirs):
     assert (done.adapter, done.adapter_version) == (V2, 2)
 
 
-# ----------------------------------------------------------------- abort, pause
+# ----------------------------------------------------------------- serving's protocol: submit (above), abort, pause
 
 
 def test_abort_with_reason_ends_the_request(subject, tokenizer):
@@ -276,7 +291,7 @@ def test_pause_abort_ends_queued_requests_as_paused(subject, tokenizer):
     assert [(c.finish_reason, c.abort_reason) for c in done] == [("abort", "paused")] * 2
 
 
-# ----------------------------------------------------------------- the rest of the protocol
+# ----------------------------------------------------------------- serving's protocol: flush, health; members, close
 
 
 def test_flush_health_members_and_close(subject, tokenizer):
