@@ -87,9 +87,7 @@ def format_runtime(runtime: dict[str, Any]) -> str:
     )
     shown = {"model.dtype", "trainer.lora_compute_dtype"}
     lines = [
-        f"  {name} = {c['value']}: {c['reason']}"
-        for name, c in runtime.get("choices", {}).items()
-        if name not in shown
+        f"  {name} = {c['value']}: {c['reason']}" for name, c in runtime.get("choices", {}).items() if name not in shown
     ]
     if runtime.get("memory_plan"):
         lines.append(f"  memory plan (GiB): {runtime['memory_plan']}")

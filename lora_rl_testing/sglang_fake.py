@@ -290,9 +290,7 @@ def _result(future: asyncio.Future) -> Completion | None:
     return None if future.exception() is not None else future.result()
 
 
-def create_sglang_fake_app(
-    engine: ServingEngine, *, served_model_name: str = "fake-sglang", **options: Any
-) -> FastAPI:
+def create_sglang_fake_app(engine: ServingEngine, *, served_model_name: str = "fake-sglang", **options: Any) -> FastAPI:
     """The FastAPI app of the fake SGLang server over `engine` (`input_ids` prompts only: no tokenizer);
     `options` are `SGLangFakeServer`'s keyword arguments (e.g. `unload_wait_s`)."""
     return SGLangFakeServer(engine, served_model_name=served_model_name, **options).app()

@@ -155,9 +155,7 @@ class MultiEngine:
             raise EngineError(f"{self!r} is closed")
 
 
-def _generate_on(
-    engine: ServingEngine, requests: list[GenerationRequest], timeout_s: float | None
-) -> list[Completion]:
+def _generate_on(engine: ServingEngine, requests: list[GenerationRequest], timeout_s: float | None) -> list[Completion]:
     return engine.generate(requests, timeout_s=timeout_s) if requests else []
 
 

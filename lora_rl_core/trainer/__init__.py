@@ -4,8 +4,8 @@ FSDP2 ranks.
 `spec`: `TrainerPlan` (what a trainer is built from, every `auto` resolved by the run's plan); `build`:
 `build_trainer`, the one place a trainer is built; `base`: the `Trainer` protocol; `policy`: `PolicyTrainer`
 (in-process, or one rank of a sharded trainer); `batching`: rows into tensors (`pack`) and rows to ranks
-(`rank_micro_batches`); `workers`: the ranks as spawned processes (`TrainerWorkers`); `ray_actors`: the ranks as Ray actors (`RayTrainer`). The sharding
-itself is `lora_rl_core.distributed`.
+(`rank_micro_batches`); `workers`: the ranks as spawned processes (`TrainerWorkers`); `ray_actors`: the ranks
+as Ray actors (`RayTrainer`). The sharding itself is `lora_rl_core.distributed`.
 """
 
 from lora_rl_core.trainer.base import Trainer

@@ -111,9 +111,7 @@ class RayTrainer(RankCommands):
                 actor = rank_cls.options(**options, scheduling_strategy=strategy)
                 self._actors.append(actor.remote(rank, config, timeout_s))
             addr, port = ray.get(self._actors[0].address.remote(), timeout=start_timeout_s)
-            infos = self._gather(
-                [a.setup.remote(addr, port) for a in self._actors], "start", start_timeout_s
-            )
+            infos = self._gather([a.setup.remote(addr, port) for a in self._actors], "start", start_timeout_s)
         except TrainerWorkerError:
             raise
         except Exception as exc:  # placement timed out, Ray refused the actors

@@ -44,9 +44,9 @@ from lora_rl_core.engines import (
     EmbeddedEngine,
     EngineInputs,
     GenerationRequest,
-    ServingEngine,
     MultiEngine,
     SamplingParams,
+    ServingEngine,
 )
 from lora_rl_core.engines.registry import build_engine
 from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine

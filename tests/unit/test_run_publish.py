@@ -305,7 +305,9 @@ def test_sglang_launched_on_another_gpu_gets_the_file_transport(monkeypatch):
     split = load_config(None, [*launched, 'engine.launch.env={"CUDA_VISIBLE_DEVICES": "0"}', "model.device=cuda:1"])
     shared = load_config(None, [*launched, "model.device=cuda:0"])
     chosen = {
-        name: _transport(cfg, torch.device(cfg.model.device), sglang_shares_trainer_gpu(cfg, torch.device(cfg.model.device)))
+        name: _transport(
+            cfg, torch.device(cfg.model.device), sglang_shares_trainer_gpu(cfg, torch.device(cfg.model.device))
+        )
         for name, cfg in (("split", split), ("shared", shared))
     }
     assert chosen["split"].value == "file"

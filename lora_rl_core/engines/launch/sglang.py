@@ -51,4 +51,3 @@ def sglang_replicas(inputs: EngineInputs) -> BuiltEngine:
     # a tokenizer object does not travel to actors; each replica resolves its launch flags on its own host
     travelling = dataclasses.replace(inputs, tokenizer=None, launch=None)
     return start_sglang_replicas(travelling, lambda urls: connect(SGLANG, inputs, urls))
-

@@ -45,9 +45,7 @@ class AdapterRoutes:
         load_seconds: histogram of load wall times in seconds, label `source` (`path` or `tensors`).
     """
 
-    def __init__(
-        self, engine: ServingEngine, *, store: Any, control_timeout_s: float, load_seconds: Histogram
-    ) -> None:
+    def __init__(self, engine: ServingEngine, *, store: Any, control_timeout_s: float, load_seconds: Histogram) -> None:
         self.engine = engine
         self.store = store
         self.control_timeout_s = control_timeout_s
