@@ -26,7 +26,7 @@ import torch
 
 from lora_rl_core.config import RunConfig
 from lora_rl_core.data import Problem, PromptStyle
-from lora_rl_core.engines.launch.probe import SGLangEnvironment, probe_sglang
+from lora_rl_core.engines.launch.probe import SGLangEnvironment, probe_for_launch
 from lora_rl_core.engines.launch.process import LaunchPlan
 from lora_rl_core.engines.launch.resolve import ResolvedLaunch, resolve_launch
 from lora_rl_core.engines.registry import sync_reads_folder
@@ -110,9 +110,7 @@ def _probe(cfg: RunConfig) -> SGLangEnvironment | None:
     """What the installed SGLang offers, where this process launches it with an `auto` setting to resolve."""
     if not _launched_here(cfg):
         return None
-    launch = cfg.engine.launch
-    autos = [launch.attention_backend, launch.sampling_backend, launch.cuda_graph_max_bs, launch.memory_saver]
-    return probe_sglang(launch) if "auto" in autos else SGLangEnvironment()
+    return probe_for_launch(cfg.engine.launch)
 
 
 def _memory(

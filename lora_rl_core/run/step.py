@@ -23,6 +23,7 @@ from lora_rl_core.engines import Completion, GenerationRequest, SamplingParams
 from lora_rl_core.errors import EngineError
 from lora_rl_core.records import Rollout, RolloutBatch, RolloutStats, ScoredBatch, ScoredRollout, ScoreStats
 from lora_rl_core.rewards import RewardBatch, RewardSet
+from lora_rl_core.rewards.score import ScoredRewards
 
 
 def rollout_requests(
@@ -126,18 +127,14 @@ def score_stats(scored: ScoredBatch, pass_threshold: float, seconds: float) -> S
     kept = [r.reward for r in rows if not r.skipped] or [0.0]
     kept_t = torch.tensor(kept, dtype=torch.float32)
     groups: dict[int, bool] = {r.group: r.has_signal for r in rows}
-    terms: dict[str, list[float]] = {}
-    for r in rows:
-        for name, value in r.rewards.items():
-            terms.setdefault(name, [])
-            if value is not None:
-                terms[name].append(value)
+    terms = {name: [r.rewards.get(name) for r in rows] for name in (rows[0].rewards if rows else {})}
+    values = ScoredRewards(totals=[r.reward for r in rows], terms=terms, skipped=[r.skipped for r in rows])
     return ScoreStats(
         reward_mean=float(kept_t.mean()),
         reward_std=float(kept_t.std(unbiased=False)),
         accuracy=sum(1.0 for t in kept if t >= pass_threshold) / len(rows),
         groups_with_signal=sum(groups.values()) / max(1, len(groups)),
-        reward_terms={name: sum(v) / len(v) for name, v in terms.items() if v},
+        reward_terms=values.term_means(),
         skipped=sum(r.skipped for r in rows),
         score_seconds=seconds,
     )

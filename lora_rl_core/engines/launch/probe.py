@@ -105,6 +105,17 @@ class SGLangEnvironment:
         )
 
 
+def probe_for_launch(launch: SGLangLaunchConfig) -> SGLangEnvironment:
+    """What resolving `launch`'s `auto` flags needs: `probe_sglang` when any of the flags the probe decides is
+    `auto`, else an empty environment (nothing is run).
+
+    Raises:
+        EngineError: as `probe_sglang`.
+    """
+    autos = [launch.attention_backend, launch.sampling_backend, launch.cuda_graph_max_bs, launch.memory_saver]
+    return probe_sglang(launch) if "auto" in autos else SGLangEnvironment()
+
+
 def probe_sglang(launch: SGLangLaunchConfig, timeout_s: float = 180.0) -> SGLangEnvironment:
     """Ask `launch.python` (with `launch.env`) what its SGLang installation and GPU offer. Cached per
     interpreter and environment for the life of this process.

@@ -217,7 +217,7 @@ def launch_sglang(
             message).
     """
     from lora_rl_core.engines.launch.command import render, sglang_server_command
-    from lora_rl_core.engines.launch.probe import SGLangEnvironment, probe_sglang
+    from lora_rl_core.engines.launch.probe import SGLangEnvironment, probe_for_launch
     from lora_rl_core.engines.launch.resolve import resolve_launch
     from lora_rl_core.models import model_folder
 
@@ -225,8 +225,7 @@ def launch_sglang(
     env: SGLangEnvironment | str = "flags resolved by the run's plan"
     if resolved is None:
         plan = plan or LaunchPlan()
-        autos = [launch.attention_backend, launch.sampling_backend, launch.cuda_graph_max_bs, launch.memory_saver]
-        env = probe_sglang(launch) if "auto" in autos else SGLangEnvironment()
+        env = probe_for_launch(launch)
         resolved = resolve_launch(
             launch,
             env,
