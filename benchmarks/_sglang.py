@@ -36,7 +36,7 @@ def launch_small_sglang(
     Raises:
         EngineError: the server did not become healthy (the log's tail is in the message).
     """
-    from lora_rl_core.config import config_from_dict
+    from lora_rl_core.config import config_from_dict, sglang_section
     from lora_rl_core.engines.launch.process import launch_sglang
 
     launch: dict[str, Any] = {"enabled": True, "port": port, "python": python, "mem_fraction_static": mem_fraction}
@@ -54,7 +54,7 @@ def launch_small_sglang(
             "engine": {"type": "sglang", "max_loras_per_batch": max_loras_per_batch, "launch": launch},
         }
     )
-    return launch_sglang(cfg.engine, cfg.model, cfg.lora, log_path)
+    return launch_sglang(sglang_section(cfg.engine, "this benchmark"), cfg.model, cfg.lora, log_path)
 
 
 @contextlib.contextmanager

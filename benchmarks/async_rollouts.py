@@ -132,17 +132,15 @@ class VersionCheck:
     whole benchmark (`engine.type: embedded` on the config's device), the versions loaded from the store."""
 
     def __init__(self, args: argparse.Namespace, store: str) -> None:
-        from lora_rl_core.config import load_config
+        from lora_rl_core.config import EmbeddedEngineConfig, load_config
         from lora_rl_core.engines.embedded.build import build_embedded_engine
         from lora_rl_core.models import load_tokenizer
 
-        self.cfg = load_config(
-            args.config,
-            [*args.set, f"store.uri={store}", "engine.type=embedded", "engine.urls=[]", "engine.max_batch_size=512"],
-        )
+        self.cfg = load_config(args.config, [*args.set, f"store.uri={store}"])
         self.store = self.cfg.store.build()
         self.tokenizer = load_tokenizer(self.cfg.model)
-        self.engine = build_embedded_engine(self.cfg.engine, self.cfg.model, self.store, tokenizer=self.tokenizer)
+        embedded = EmbeddedEngineConfig(max_batch_size=512)  # whatever engine the runs use
+        self.engine = build_embedded_engine(embedded, self.cfg.model, self.store, tokenizer=self.tokenizer)
 
     def accuracies(self, run_id: str, seed: int | None, versions: list[int]) -> dict[str, float]:
         """`{version: greedy accuracy}` on the run's held-out problems (the seed's split, as the flow's)."""
@@ -197,11 +195,13 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     try:
         if args.launch_sglang:
-            from lora_rl_core.config import load_config
+            from lora_rl_core.config import load_config, sglang_section
             from lora_rl_core.engines.launch.process import launch_sglang
 
             cfg = load_config(args.config, [*args.set, "engine.launch.enabled=true"])
-            server = launch_sglang(cfg.engine, cfg.model, cfg.lora, work / "sglang.log")
+            server = launch_sglang(
+                sglang_section(cfg.engine, "this benchmark"), cfg.model, cfg.lora, work / "sglang.log"
+            )
             args.set = [*args.set, "engine.launch.enabled=false", f"engine.urls=[{server.url}]"]
         if args.check_versions:
             check = VersionCheck(args, store)

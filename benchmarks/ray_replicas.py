@@ -27,7 +27,7 @@ from typing import Any
 import _common
 from _common import RESULTS, machine_info, print_table, write_json
 
-from lora_rl_core.config import EngineConfig, ModelConfig
+from lora_rl_core.config import EmbeddedEngineConfig, ModelConfig
 from lora_rl_core.engines import EngineInputs, GenerationRequest, SamplingParams, ServingEngine
 from lora_rl_core.engines.embedded.build import build_embedded_engine, embedded_engine
 from lora_rl_core.engines.launch.ray_replicas import start_ray_replicas
@@ -60,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     cores = os.cpu_count() or 2
     model_cfg = ModelConfig(name_or_path=args.model, device=args.device)
-    engine_cfg = EngineConfig(max_batch_size=args.prompts * args.group)
+    engine_cfg = EmbeddedEngineConfig(max_batch_size=args.prompts * args.group)
     tokenizer = load_tokenizer(model_cfg)
     texts = [f"What is {13 * i % 90 + 10} + {7 * i % 90 + 10}? Give the final answer after ####." for i in range(64)]
     prompts = [tokenizer(t)["input_ids"] for t in texts[: args.prompts]]

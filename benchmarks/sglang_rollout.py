@@ -41,7 +41,7 @@ import httpx
 import torch
 from _common import ALL_LINEAR, RESULTS, machine_info, print_table, write_json
 
-from lora_rl_core.config import config_from_dict
+from lora_rl_core.config import config_from_dict, sglang_section
 from lora_rl_core.engines import GenerationRequest, SamplingParams
 from lora_rl_core.engines.launch.command import render, sglang_server_command
 from lora_rl_core.engines.launch.probe import probe_sglang
@@ -241,9 +241,10 @@ def main() -> None:
             "engine": {"type": "sglang", "launch": {"enabled": True, "python": args.sglang_python, "port": args.port}},
         }
     )
-    launch = cfg.engine.launch.model_copy(update={"env": {"PYTHONPATH": args.sglang_pythonpath or ""}})
+    engine = sglang_section(cfg.engine, "this benchmark")
+    launch = engine.launch.model_copy(update={"env": {"PYTHONPATH": args.sglang_pythonpath or ""}})
     resolved = resolve_launch(launch, probe_sglang(launch), rollout_batch=batch)
-    base = sglang_server_command(cfg.engine, cfg.model, cfg.lora, str(args.model_dir), resolved)
+    base = sglang_server_command(engine, cfg.model, cfg.lora, str(args.model_dir), resolved)
     record: dict[str, Any] = {
         "benchmark": "sglang_rollout",
         "model": args.model_dir.name,

@@ -44,7 +44,7 @@ from _common import ALL_LINEAR, RESULTS, machine_info, print_table, write_json
 from multi_adapter import MODES, bench_case, requests_for, timed_generate
 from safetensors.torch import save_file
 
-from lora_rl_core.config import config_from_dict
+from lora_rl_core.config import config_from_dict, sglang_section
 from lora_rl_core.engines import EmbeddedEngine, SamplingParams, ServingEngine
 from lora_rl_core.engines.launch.process import launch_sglang
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
@@ -136,7 +136,7 @@ def sglang_results(args: argparse.Namespace, folders: dict[str, str], counts: li
         }
     )
     log = Path(tempfile.mkdtemp(prefix="sglang-bench-")) / "server.log"
-    server = launch_sglang(cfg.engine, cfg.model, cfg.lora, log)
+    server = launch_sglang(sglang_section(cfg.engine, "this benchmark"), cfg.model, cfg.lora, log)
     try:
         with HTTPEngine(SGLANG, server.url, timeout_s=1800, max_batch_requests=args.batch) as engine:
             cases = run_cases(engine, folders, counts, prompts, args, repeats=args.repeats)

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cli import reaper, shutdown
 from cli.adapters import adapters_app
 from lora_rl_core import progress
-from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_DEFAULT_PORT, RunConfig
+from lora_rl_core.config import SGLANG_DEFAULT_PORT, SGLANG_DEFAULTS, RemoteEngine, RunConfig, SGLangEngineConfig
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.subscriber import ENGINE_KIND, KEEP_VERSIONS, POLL_INTERVAL_S
 
@@ -32,7 +32,7 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="LoRA RL fine-tuning of LLMs (GRPO) as a Prefect flow."
 )
 app.add_typer(adapters_app, name="adapters", help="List and pull adapter versions from a store.")
-API_KEY_ENV = ENGINE_DEFAULTS.api_key_env  # the config's default, for commands without one
+API_KEY_ENV = SGLANG_DEFAULTS.api_key_env  # the config's default, for commands without one
 PREFECT_STARTUP_TIMEOUT_S = 180  # for Prefect's temporary API server (Prefect's default: 20 s)
 console = Console(soft_wrap=True)  # step lines stay whole when output is a file
 
@@ -154,8 +154,10 @@ def _check_port_is_not_sglangs(cfg: RunConfig, port: int) -> None:
     first (on 127.0.0.1, which any of our hosts overlaps), and then uvicorn fails with `address already in use`."""
     from lora_rl_core.errors import ConfigError
 
+    if not isinstance(cfg.engine, SGLangEngineConfig):
+        return
     launch = cfg.engine.launch
-    if cfg.engine.type == "sglang" and launch.enabled and launch.port == port:
+    if launch.enabled and launch.port == port:
         other = port + 1 if port < 65535 else port - 1
         raise ConfigError(
             f"lora-rl serve --port {port} is the port of the SGLang it launches (engine.launch.port); "
@@ -201,14 +203,14 @@ def serve(
 
     cfg = load_config(config, overrides or [])
     _check_port_is_not_sglangs(cfg, port)
-    api_key = api_key or os.environ.get(cfg.engine.api_key_env)
+    api_key = api_key or os.environ.get(cfg.engine.api_key_env if isinstance(cfg.engine, RemoteEngine) else API_KEY_ENV)
     check_bind(host, api_key)
     store = cfg.store.build()  # a bad store URI: one line before the model loads
     reaper.watch()  # nothing started from here on outlives this process, even on SIGKILL
     configure_threads()  # before loading the model
     model = cfg.model.name_or_path
     console.print(f"serving {model} on http://{host}:{port} (control endpoints {'need a key' if api_key else 'open'})")
-    if cfg.engine.type == "sglang":
+    if isinstance(cfg.engine, SGLangEngineConfig):
         console.print(f"in front of SGLang at {cfg.engine.urls or 'a server launched here'}", markup=False)
     plan = make_plan(cfg, train=False)  # the engine's `auto` settings, resolved once
     if cfg.engine.type != "sglang":

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from lora_rl_core.config import LoRAConfig, ModelConfig, RunConfig
+from lora_rl_core.config import LoRAConfig, ModelConfig, RunConfig, SGLangEngineConfig, SGLangLaunchConfig
 from lora_rl_core.errors import ConfigError
 
 GIB = 1024**3
@@ -222,8 +222,9 @@ def plan_memory(
             micro_batch_size=cfg.trainer.micro_batch_size,
             rollout_batch=batch,
         )
-    r, t, launch = cfg.rollout, cfg.trainer, cfg.engine.launch
-    world = max(1, t.world_size)
+    r, t = cfg.rollout, cfg.trainer
+    launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
+    world = max(1, t.ranks())
     seq = prompt_tokens + r.max_new_tokens
     resident = shape.weight_bytes() // world + shape.lora_params * 16 + CUDA_CONTEXT_BYTES
     budget = gpu_free - SAFETY_BYTES
@@ -237,7 +238,7 @@ def plan_memory(
         engine_fixed = shape.weight_bytes() + lora_pool + ENGINE_OVERHEAD_BYTES + prefill
         # the KV cache can be released only while SGLang is idle (sync rollouts) and from one trainer process
         saver_allowed = launch.memory_saver is True or (
-            launch.memory_saver == "auto" and saver_available and r.mode == "sync" and t.world_size == 0
+            launch.memory_saver == "auto" and saver_available and r.mode == "sync" and t.ranks() == 0
         )
     room = budget - resident - engine_fixed  # for the KV cache and the activations
     kv_min = 0
@@ -341,7 +342,7 @@ def _does_not_fit(
             "lower or unset engine.launch.mem_fraction_static, set rollout.mode: sync (frees the KV cache while "
             "training), or put SGLang on another GPU (engine.launch.env: {CUDA_VISIBLE_DEVICES: '1'})"
             if colocated
-            else "or use more GPUs (trainer.world_size)"
+            else "or use more GPUs (trainer.backend.world_size)"
         )
     )
 
@@ -356,13 +357,13 @@ def physical_gpu(device: torch.device, visible: str | None) -> str:
 def sglang_shares_trainer_gpu(cfg: RunConfig, trainer_device: torch.device) -> bool:
     """A launched SGLang (one server, tensor parallel 1) runs on the trainer's GPU: its first visible GPU
     (`engine.launch.env`'s `CUDA_VISIBLE_DEVICES`, else this process's) is the trainer's (FSDP ranks: any of
-    `cuda:0 .. world_size - 1`)."""
+    `cuda:0 .. trainer.backend.world_size - 1`)."""
     e = cfg.engine
-    if trainer_device.type != "cuda" or e.type != "sglang" or not e.launch.enabled or e.ray_replicas:
+    if trainer_device.type != "cuda" or not isinstance(e, SGLangEngineConfig) or not e.launch.enabled or e.ray_replicas:
         return False
     ours = os.environ.get("CUDA_VISIBLE_DEVICES")
     server = physical_gpu(torch.device("cuda", 0), e.launch.env.get("CUDA_VISIBLE_DEVICES", ours))
-    ranks = range(max(1, cfg.trainer.world_size)) if cfg.trainer.world_size else [trainer_device.index or 0]
+    ranks = range(cfg.trainer.ranks()) if cfg.trainer.ranks() else [trainer_device.index or 0]
     return any(physical_gpu(torch.device("cuda", i), ours) == server for i in ranks)
 
 

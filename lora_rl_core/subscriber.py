@@ -382,14 +382,15 @@ def open_subscriber(
         EngineError: no URLs or a malformed URL.
         StoreError: a bad store URI; LoraRLError: a bad run id or keep.
     """
-    from lora_rl_core.config import EngineConfig
+    from lora_rl_core.config import ServerEngineConfig, SGLangEngineConfig
     from lora_rl_core.engines.registry import build_engine  # lazy: keeps httpx out of in-process use
     from lora_rl_core.engines.spec import EngineInputs
 
     if engine_kind not in REMOTE_ENGINE_KINDS:
         raise ConfigError(f"engine kind must be one of {list(REMOTE_ENGINE_KINDS)}, got {engine_kind!r}")
     kind = cast(RemoteEngineKind, engine_kind)
-    engine_cfg = EngineConfig.model_construct(type=kind, urls=list(engine_urls))  # no urls: connect says so
+    section = ServerEngineConfig if kind == "server" else SGLangEngineConfig
+    engine_cfg = section.model_construct(urls=list(engine_urls))  # no urls: connect says so
     built = build_engine(EngineInputs(engine_cfg, api_key=api_key))
     try:
         store = AdapterStore(store_uri)

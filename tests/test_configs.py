@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from lora_rl_core.config import RunConfig, load_config
+from lora_rl_core.config import (
+    EmbeddedEngineConfig,
+    InProcessBackend,
+    MaskCorrection,
+    RayBackend,
+    RunConfig,
+    TruncateCorrection,
+    load_config,
+)
 from lora_rl_core.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
@@ -85,13 +93,86 @@ def test_async_rollouts_need_a_staleness_window():
     with pytest.raises(ConfigError, match=r"rollout.mode=async needs algorithm.max_staleness >= 1"):
         load_config(None, ["rollout.mode=async", "algorithm.max_staleness=0"])
     cfg = load_config(None, ["rollout.mode=async"])
-    assert cfg.algorithm.correction(cfg.rollout.mode) == "token-truncate"  # `auto` in async mode
+    assert cfg.algorithm.correction(cfg.rollout.mode) == TruncateCorrection(type="token-truncate", is_cap=2.0)
     assert cfg.rollouts_ahead() == 1 and load_config(None, []).rollouts_ahead() == 0
-    assert load_config(None, []).algorithm.correction("sync") == "none"
+    assert load_config(None, []).algorithm.correction("sync").type == "none"
     chosen = load_config(None, ["rollout.mode=async", "algorithm.off_policy_correction=sequence-mask"])
-    assert chosen.algorithm.correction("async") == "sequence-mask"
+    assert chosen.algorithm.correction("async") == MaskCorrection(type="sequence-mask", is_cap=2.0, is_floor=0.0)
 
 
 def test_the_old_tis_cap_names_its_replacement():
-    with pytest.raises(ConfigError, match=r"off_policy_correction=token-truncate and algorithm.is_cap=2.0"):
+    with pytest.raises(ConfigError, match=r"set algorithm.off_policy_correction=\{type: token-truncate, is_cap: 2.0\}"):
         load_config(None, ["algorithm.tis_cap=2.0"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["engine.launch.enabled=true"],
+            "engine.launch: not an option of engine.type embedded (an option of engine.type sglang)",
+        ),
+        (
+            ["engine.type=server", "engine.urls=[http://127.0.0.1:8000]", "engine.tensor_transport=ipc"],
+            "engine.tensor_transport: not an option of engine.type server (an option of engine.type sglang)",
+        ),
+        (
+            ["engine.type=sglang", "engine.urls=[http://127.0.0.1:30000]", "engine.max_batch_size=8"],
+            "engine.max_batch_size: not an option of engine.type sglang (an option of engine.type embedded)",
+        ),
+        (
+            ["engine.type=server", "engine.ray_replicas=2", "engine.urls=[http://h:1]"],
+            "engine.ray_replicas: not an option of engine.type server (an option of engine.type embedded / sglang)",
+        ),
+        (["engine.type=vllm"], "does not match any of the expected tags: 'embedded', 'server', 'sglang'"),
+        (["engine.type=server"], "engine (engine.type server): Value error, engine.type server needs engine.urls"),
+        (
+            ["algorithm.off_policy_correction=token-truncate", "algorithm.off_policy_correction.is_floor=0.5"],
+            "algorithm.off_policy_correction.is_floor: not an option of algorithm.off_policy_correction.type "
+            "token-truncate (an option of algorithm.off_policy_correction.type sequence-mask / token-mask)",
+        ),
+        (
+            ["algorithm.off_policy_correction.is_cap=3"],
+            "algorithm.off_policy_correction.is_cap: not an option of algorithm.off_policy_correction.type auto",
+        ),
+        (
+            ["trainer.backend.world_size=2"],
+            "trainer.backend.world_size: not an option of trainer.backend.type in-process (an option of "
+            "trainer.backend.type local / ray)",
+        ),
+        (
+            ["trainer.backend=local", "trainer.backend.gpus_per_rank=0.5"],
+            "trainer.backend.gpus_per_rank: not an option of trainer.backend.type local (an option of "
+            "trainer.backend.type ray)",
+        ),
+        (
+            ["algorithm.is_cap=3"],
+            "algorithm.is_cap moved into the correction it bounds: set "
+            "algorithm.off_policy_correction={type: token-truncate, is_cap: 3}",
+        ),
+        (
+            ["trainer.world_size=2"],
+            "trainer.world_size moved into the backend it belongs to: set trainer.backend={type: local, world_size: 2}",
+        ),
+    ],
+)
+def test_an_option_of_another_kind_is_an_error_naming_the_kind(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_type_keyed_sections_take_a_bare_kind_a_mapping_or_their_default():
+    cfg = load_config(
+        None, ["trainer.backend=ray", "trainer.backend.world_size=2", "trainer.backend.gpus_per_rank=0.5"]
+    )
+    assert cfg.trainer.backend == RayBackend(world_size=2, gpus_per_rank=0.5) and cfg.trainer.ranks() == 2
+    assert load_config(None, []).trainer.backend == InProcessBackend() and load_config(None, []).trainer.ranks() == 0
+    masked = load_config(None, ["algorithm.off_policy_correction={type: token-mask, is_cap: 3, is_floor: 0.5}"])
+    assert masked.algorithm.correction("sync") == MaskCorrection(type="token-mask", is_cap=3.0, is_floor=0.5)
+    assert masked.algorithm.correction("sync").weight_args() == {"cap": 3.0, "floor": 0.5}
+    # an engine mapping without `type` is the default kind, and its own options are kept
+    assert load_config(None, ["engine.max_batch_size=8"]).engine == EmbeddedEngineConfig(max_batch_size=8)
+    # a round trip through the snapshot (run.json) gives the same config back
+    sglang = load_config(None, ["engine.type=sglang", "engine.launch.enabled=true", "engine.tensor_transport=file"])
+    assert RunConfig.model_validate(sglang.model_dump()) == sglang

@@ -1,7 +1,12 @@
 """Typed run configuration: one pydantic model per component, loaded from YAML.
 
-Modules: `base` (`Section`, the allowed values of choice fields), `engine` (the `engine` section),
-`sections` (the other sections and `RunConfig`), `load` (YAML and overrides into a `RunConfig`).
+Modules: `base` (`Section`, the allowed values of choice fields, `keyed_by_type`), `engine` (the `engine`
+section), `algorithm` (the `algorithm` section), `trainer` (the `trainer` section), `sections` (the other
+sections and `RunConfig`), `load` (YAML and overrides into a `RunConfig`).
+
+Where a choice brings its own options, the section is keyed by `type` (`engine`,
+`algorithm.off_policy_correction`, `trainer.backend`): each kind has only its own fields, an option of
+another kind is an error naming the kind, and a bare kind (`trainer.backend=ray`) takes its defaults.
 
 `RunConfig` has the sections model, lora, algorithm, rollout, engine, store,
 trainer, data, reward and run. Every field has a default, so YAML files stay
@@ -12,10 +17,19 @@ Overrides use dotted paths (`lora.rank=32`, `rollout.temperature=0.7`); the
 value is parsed as YAML, so `lora.target_modules=[q_proj,v_proj]` gives a list.
 """
 
+from lora_rl_core.config.algorithm import (
+    AlgorithmConfig,
+    AutoCorrection,
+    GeometricMaskCorrection,
+    MaskCorrection,
+    NoCorrection,
+    OffPolicyCorrectionConfig,
+    ResolvedCorrection,
+    TruncateCorrection,
+)
 from lora_rl_core.config.base import (
     EVICTION_POLICIES,
     IPC_LAYOUTS,
-    OFF_POLICY_CORRECTIONS,
     REMOTE_ENGINE_KINDS,
     SGLANG_DEFAULT_PORT,
     SGLANG_RETIRE_POLICIES,
@@ -24,7 +38,6 @@ from lora_rl_core.config.base import (
     EngineKind,
     EvictionPolicy,
     IpcLayout,
-    OffPolicyCorrection,
     RemoteEngineKind,
     RolloutMode,
     Section,
@@ -35,8 +48,17 @@ from lora_rl_core.config.base import (
 )
 from lora_rl_core.config.engine import (
     ENGINE_DEFAULTS,
+    SGLANG_DEFAULTS,
+    EmbeddedEngineConfig,
     EngineConfig,
+    EngineLimits,
+    RayReplicas,
+    RemoteEngine,
+    ServerEngineConfig,
+    SGLangEngineConfig,
     SGLangLaunchConfig,
+    ray_replicas,
+    sglang_section,
 )
 from lora_rl_core.config.load import (
     apply_override,
@@ -44,7 +66,6 @@ from lora_rl_core.config.load import (
     load_config,
 )
 from lora_rl_core.config.sections import (
-    AlgorithmConfig,
     DataConfig,
     EvalConfig,
     LoRAConfig,
@@ -55,11 +76,39 @@ from lora_rl_core.config.sections import (
     RunConfig,
     RunSection,
     StoreConfig,
+)
+from lora_rl_core.config.trainer import (
+    InProcessBackend,
+    LocalBackend,
+    RankedBackend,
+    RayBackend,
+    TrainerBackendConfig,
     TrainerConfig,
 )
 
 __all__ = [
     "AlgorithmConfig",
+    "AutoCorrection",
+    "EmbeddedEngineConfig",
+    "EngineLimits",
+    "GeometricMaskCorrection",
+    "InProcessBackend",
+    "LocalBackend",
+    "MaskCorrection",
+    "NoCorrection",
+    "OffPolicyCorrectionConfig",
+    "RankedBackend",
+    "RayBackend",
+    "RayReplicas",
+    "RemoteEngine",
+    "ResolvedCorrection",
+    "SGLANG_DEFAULTS",
+    "SGLangEngineConfig",
+    "ServerEngineConfig",
+    "TrainerBackendConfig",
+    "TruncateCorrection",
+    "ray_replicas",
+    "sglang_section",
     "DataConfig",
     "EvalConfig",
     "ENGINE_DEFAULTS",
@@ -71,8 +120,6 @@ __all__ = [
     "IpcLayout",
     "LoRAConfig",
     "ModelConfig",
-    "OFF_POLICY_CORRECTIONS",
-    "OffPolicyCorrection",
     "REMOTE_ENGINE_KINDS",
     "RemoteEngineKind",
     "RewardConfig",

@@ -3,9 +3,9 @@ fields, each a `Literal` checked once, by pydantic, when a config is loaded."""
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 EngineKind = Literal["embedded", "server", "sglang"]
 """`engine.type`: each value is one entry of the engine registry (`lora_rl_core.engines.registry.ENGINE_KINDS`)."""
@@ -24,10 +24,6 @@ IpcLayout = Literal["per-tensor", "packed", "host"]
 IPC_LAYOUTS: tuple[str, ...] = get_args(IpcLayout)
 TensorDtype = Literal["bfloat16", "float16", "float32", "keep"]
 TENSOR_DTYPES: tuple[str, ...] = get_args(TensorDtype)
-OffPolicyCorrection = Literal[
-    "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask", "geometric-mask"
-]
-OFF_POLICY_CORRECTIONS: tuple[str, ...] = get_args(OffPolicyCorrection)
 RolloutMode = Literal["sync", "async"]
 SGLANG_DEFAULT_PORT = 30000
 """The port SGLang and `lora-rl serve` listen on unless told otherwise (SGLang's `--port` default)."""
@@ -39,3 +35,20 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
     """Unknown keys are errors, values are validated on assignment, and each field's attribute docstring is
     its `description` (in the JSON schema, for tooling; tests/unit/test_config_docs.py requires one)."""
+
+
+def keyed_by_type(default: str) -> BeforeValidator:
+    """The input rule of a `type`-keyed section (a union of `Section`s told apart by their `type` field,
+    `Field(discriminator="type")`): a bare string is the `type` with that kind's defaults
+    (`off_policy_correction: token-mask` = `{type: token-mask}`), and a mapping without `type` is of the
+    `default` kind. Each kind has only its own fields, so an option of another kind is a validation error
+    that `config.load` names with the kind (`engine.launch: not an option of engine.type embedded ...`)."""
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, str):
+            return {"type": value}
+        if isinstance(value, dict) and "type" not in value:
+            return {"type": default, **value}
+        return value
+
+    return BeforeValidator(fill)

@@ -1,16 +1,20 @@
 """The `engine` section: which inference engine makes the rollouts, its limits, and the SGLang server a run
-may launch (`engine.launch`)."""
+may launch (`engine.launch`).
+
+The section is keyed by `engine.type`: `embedded` (`EmbeddedEngineConfig`), `server`
+(`ServerEngineConfig`) and `sglang` (`SGLangEngineConfig`) each carry the shared limits
+(`EngineLimits`) and only their own options, so `engine.launch` with `type: embedded` is a config error
+naming the kind (`config.base.keyed_by_type`)."""
 
 from __future__ import annotations
 
 import sys
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from lora_rl_core.config.base import (
     SGLANG_DEFAULT_PORT,
-    EngineKind,
     EvictionPolicy,
     IpcLayout,
     Section,
@@ -18,6 +22,7 @@ from lora_rl_core.config.base import (
     SGLangRetire,
     TensorDtype,
     TensorTransport,
+    keyed_by_type,
 )
 
 
@@ -82,17 +87,35 @@ class SGLangLaunchConfig(Section):
         return self.python or sys.executable
 
 
-class EngineConfig(Section):
-    """Inference engine(s) that produce rollouts."""
+class EngineLimits(Section):
+    """What every engine kind has: the generation deadline, the adapter limits (SGLang's names) and how a new
+    version reaches the engines."""
 
-    type: EngineKind = "embedded"
-    """`embedded`: in-process transformers + PEFT; `server`: our engine server; `sglang`: a real SGLang server."""
-    urls: list[str] = []
-    """Engine URLs for `server`/`sglang`; requests are spread across them."""
-    api_key_env: str = "LORA_RL_API_KEY"
-    """Environment variable holding the engines' Bearer key (never stored in the config snapshot)."""
     timeout_s: float = Field(600.0, gt=0)
     """Deadline of one generate call, seconds."""
+    max_loras_per_batch: int = Field(8, ge=1)
+    """Distinct adapters in one forward batch, the base model counted (SGLang `--max-loras-per-batch`)."""
+    max_loaded_loras: int | None = Field(None, ge=1)
+    """Resident adapter cap; None = unlimited (SGLang `--max-loaded-loras`)."""
+    eviction_policy: EvictionPolicy = "lru"
+    """Which resident adapter is evicted when `max_loaded_loras` are resident and another is needed: `lru`
+    the least recently loaded or used by an admitted request, `fifo` the one resident longest. Pinned
+    adapters are never evicted; no effect while `max_loaded_loras` is None (SGLang `--lora-eviction-policy`)."""
+    max_lora_rank: int | None = Field(None, ge=1)
+    """Reject adapters of a higher rank (SGLang `--max-lora-rank`)."""
+    sync: Literal["tensor", "store"] = "tensor"
+    """How a new adapter version reaches the engines: in-memory tensors, or read back from the store."""
+
+    @model_validator(mode="after")
+    def _caps(self) -> EngineLimits:
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError("engine.max_loaded_loras must be >= engine.max_loras_per_batch")
+        return self
+
+
+class RayReplicas(Section):
+    """The kinds that can run as Ray engine replicas (`embedded`, and `sglang` with `launch.enabled`)."""
+
     ray_replicas: int = Field(0, ge=0)
     """0 runs the engine in this process (or talks to `urls`); N >= 1 runs N engine replicas as Ray actors,
     joining the cluster of `RAY_ADDRESS` or starting a local one: `embedded` replicas (one CPU each,
@@ -106,20 +129,44 @@ class EngineConfig(Section):
     """With `ray_replicas`: a replica whose actor died is replaced by a new actor, which reloads the adapters
     the dead one held (same names, same weights), and the failed call is retried there once; False = the
     call fails with `EngineUnavailable` naming the replica (the step fails; resume the run)."""
+
+
+class EmbeddedEngineConfig(EngineLimits, RayReplicas):
+    """`engine.type: embedded` (the default): transformers + PEFT in this process, or in Ray replicas."""
+
+    type: Literal["embedded"] = "embedded"
+    """The kind: in-process transformers + PEFT (`lora_rl_core/engines/embedded`)."""
     max_batch_size: int = Field(64, ge=1)
-    """Embedded engine: sequences per forward batch."""
-    max_loras_per_batch: int = Field(8, ge=1)
-    """Distinct adapters in one forward batch, the base model counted (SGLang `--max-loras-per-batch`)."""
-    max_loaded_loras: int | None = Field(None, ge=1)
-    """Resident adapter cap; None = unlimited (SGLang `--max-loaded-loras`)."""
-    eviction_policy: EvictionPolicy = "lru"
-    """Which resident adapter is evicted when `max_loaded_loras` are resident and another is needed: `lru`
-    the least recently loaded or used by an admitted request, `fifo` the one resident longest. Pinned
-    adapters are never evicted; no effect while `max_loaded_loras` is None (SGLang `--lora-eviction-policy`)."""
-    max_lora_rank: int | None = Field(None, ge=1)
-    """Reject adapters of a higher rank (SGLang `--max-lora-rank`)."""
-    sync: Literal["tensor", "store"] = "tensor"
-    """How a new adapter version reaches the engines: in-memory tensors, or read back from the store."""
+    """Sequences per forward batch."""
+
+
+class RemoteEngine(EngineLimits):
+    """What the HTTP kinds share: the servers' URLs and their Bearer key."""
+
+    urls: list[str] = []
+    """Engine URLs; requests are spread across them."""
+    api_key_env: str = "LORA_RL_API_KEY"
+    """Environment variable holding the engines' Bearer key (never stored in the config snapshot)."""
+
+
+class ServerEngineConfig(RemoteEngine):
+    """`engine.type: server`: clients of running lora-rl engine servers (`lora-rl serve`) at `urls`."""
+
+    type: Literal["server"] = "server"
+    """The kind: HTTP clients of our engine servers (`lora_rl_core/engines/serve`)."""
+
+    @model_validator(mode="after")
+    def _has_urls(self) -> ServerEngineConfig:
+        if not self.urls:
+            raise ValueError("engine.type server needs engine.urls, e.g. [http://127.0.0.1:8000]")
+        return self
+
+
+class SGLangEngineConfig(RemoteEngine, RayReplicas):
+    """`engine.type: sglang`: clients of real SGLang servers, at `urls` or launched by the run (`launch`)."""
+
+    type: Literal["sglang"] = "sglang"
+    """The kind: HTTP clients of SGLang servers (docs/SGLANG.md)."""
     tensor_transport: TensorTransport = "auto"
     """`sglang` with `sync: tensor`: how the tensors reach SGLang's `/load_lora_adapter_from_tensors`. `ipc`:
     CUDA IPC handles (the server on this host, CUDA here); `inline`: the data in the request (any host);
@@ -157,21 +204,47 @@ class EngineConfig(Section):
     """Start a local SGLang server for this run (`engine.type: sglang`)."""
 
     @model_validator(mode="after")
-    def _consistent(self) -> EngineConfig:
-        if self.launch.enabled:
-            if self.type != "sglang" or self.urls:
-                raise ValueError("engine.launch.enabled needs engine.type: sglang and no engine.urls")
-        elif (self.type == "embedded") == bool(self.urls):
-            raise ValueError("engine.urls must be set exactly when engine.type is server or sglang")
-        if self.ray_replicas and not (self.type == "embedded" or (self.type == "sglang" and self.launch.enabled)):
+    def _one_source(self) -> SGLangEngineConfig:
+        if self.launch.enabled == bool(self.urls):
             raise ValueError(
-                "engine.ray_replicas needs engine.type: embedded, or engine.type: sglang with launch.enabled "
-                "(each replica launches its own server)"
+                "engine.type sglang needs engine.urls (servers already running) or engine.launch.enabled: true "
+                "(the run starts one), not both"
             )
-        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
-            raise ValueError("engine.max_loaded_loras must be >= engine.max_loras_per_batch")
+        if self.ray_replicas and not self.launch.enabled:
+            raise ValueError(
+                "engine.ray_replicas with engine.type sglang needs engine.launch.enabled (each "
+                "replica launches its own server)"
+            )
         return self
 
 
-ENGINE_DEFAULTS = EngineConfig()
-"""The engine section's defaults, for the engine classes' own keyword defaults (one source: this file)."""
+EngineConfig = Annotated[
+    EmbeddedEngineConfig | ServerEngineConfig | SGLangEngineConfig,
+    Field(discriminator="type"),
+    keyed_by_type("embedded"),
+]
+"""The `engine` section, keyed by `engine.type` (a mapping without `type` is `embedded`)."""
+
+ENGINE_DEFAULTS = EmbeddedEngineConfig()
+"""The shared engine options' defaults, for the engine classes' own keyword defaults (one source: this file)."""
+SGLANG_DEFAULTS = SGLangEngineConfig.model_construct()
+"""The `sglang` kind's defaults (tensor transport, layout, dtype, retire, abort) for the HTTP client's keyword
+defaults; built without validation (it has neither `urls` nor `launch`)."""
+
+
+def ray_replicas(engine: EngineConfig) -> int:
+    """`engine.ray_replicas`, 0 for a kind without replicas (`server`)."""
+    return engine.ray_replicas if isinstance(engine, RayReplicas) else 0
+
+
+def sglang_section(engine: EngineConfig, needed_by: str) -> SGLangEngineConfig:
+    """`engine` as the `sglang` kind, for code that only an SGLang engine reaches.
+
+    Raises:
+        ConfigError: `engine.type` is another kind (naming `needed_by`, what asked).
+    """
+    if not isinstance(engine, SGLangEngineConfig):
+        from lora_rl_core.errors import ConfigError  # lazy: errors is not a config module
+
+        raise ConfigError(f"{needed_by} needs engine.type: sglang, not {engine.type}")
+    return engine

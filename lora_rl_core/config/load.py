@@ -5,23 +5,67 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from lora_rl_core.config.sections import RunConfig
 from lora_rl_core.errors import ConfigError
 
 
+def _kinds(annotation: Any) -> dict[str, type[BaseModel]] | type[BaseModel] | None:
+    """What a field holds, for walking an error's location: a section class, the kinds of a `type`-keyed
+    section (tag -> class), or None (a plain value)."""
+    if get_origin(annotation) is list:
+        (annotation,) = get_args(annotation) or (None,)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    members = [m for m in get_args(annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
+    if not members or any("type" not in m.model_fields for m in members):
+        return None
+    return {tag: m for m in members for tag in get_args(m.model_fields["type"].annotation)}
+
+
+def _describe_error(e: ErrorDetails) -> str:
+    """One pydantic error as `path: reason`, the path in config keys: a `type`-keyed section's kind, which
+    pydantic puts in the location (`engine.embedded.launch`), is said in words instead
+    (`engine.launch: not an option of engine.type embedded (an option of engine.type sglang)`)."""
+    where: Any = RunConfig
+    parts: list[str] = []
+    kind: tuple[str, str, dict[str, type[BaseModel]]] | None = None
+    for item in e["loc"]:
+        if isinstance(where, dict) and item in where:
+            kind = (".".join(parts), str(item), where)
+            where = where[str(item)]
+            continue
+        if (
+            isinstance(where, type)
+            and issubclass(where, BaseModel)
+            and isinstance(item, str)
+            and item in where.model_fields
+        ):
+            where = _kinds(where.model_fields[item].annotation)
+        elif not (isinstance(item, int) and isinstance(where, type)):  # a list index keeps the item's class
+            where = None
+        parts.append(str(item))
+    path = ".".join(parts) or "<root>"
+    if kind is None:
+        if e["type"] == "extra_forbidden":
+            return f"{path}: unknown key (not a field of this section)"
+        return f"{path}: {e['msg']} (got {e.get('input')!r})"
+    section, tag, kinds = kind
+    if e["type"] == "extra_forbidden":
+        key = parts[-1]
+        others = sorted({t for t, cls in kinds.items() if key in cls.model_fields and kinds[t] is not kinds[tag]})
+        where_else = f"an option of {section}.type {' / '.join(others)}" if others else "unknown key"
+        return f"{path}: not an option of {section}.type {tag} ({where_else})"
+    return f"{path} ({section}.type {tag}): {e['msg']} (got {e.get('input')!r})"
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
-    parts = []
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = "unknown key (not a field of this section)" if e["type"] == "extra_forbidden" else e["msg"]
-        shown = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
-        parts.append(f"{path}: {msg}{shown}")
-    return f"invalid config {source}: " + "; ".join(parts)
+    return f"invalid config {source}: " + "; ".join(_describe_error(e) for e in err.errors())
 
 
 def _describe_yaml_error(exc: yaml.YAMLError) -> str:
@@ -53,6 +97,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
+        if isinstance(child, str):  # a bare kind of a `type`-keyed section, e.g. `off_policy_correction: token-mask`
+            child = node[part] = {"type": child}
         if not isinstance(child, dict):
             raise ConfigError(f"bad override {override!r}: {part} is not a section")
         node = child

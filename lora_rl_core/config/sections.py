@@ -1,5 +1,5 @@
-"""The sections of a run besides the engine (model, lora, algorithm, rollout, store, trainer, data, reward,
-run) and `RunConfig`, which holds them all."""
+"""The sections of a run besides the engine, algorithm and trainer (model, lora, rollout, store, data, reward,
+eval, run) and `RunConfig`, which holds them all."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lora_rl_core.config.base import OffPolicyCorrection, RolloutMode, Section
-from lora_rl_core.config.engine import EngineConfig
+from lora_rl_core.config.algorithm import AlgorithmConfig
+from lora_rl_core.config.base import RolloutMode, Section
+from lora_rl_core.config.engine import EmbeddedEngineConfig, EngineConfig
+from lora_rl_core.config.trainer import TrainerConfig
 
 
 class ModelConfig(Section):
@@ -52,73 +54,6 @@ class LoRAConfig(Section):
         if isinstance(value, list) and not value:
             raise ValueError("must name at least one module, or be 'all-linear'")
         return value
-
-
-class AlgorithmConfig(Section):
-    """GRPO-family policy optimisation settings."""
-
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
-    """Advantage estimator: group-normalised (GRPO), mean-centred (Dr. GRPO), leave-one-out (RLOO)."""
-    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """How per-token losses are reduced to a scalar."""
-    clip_eps_low: float = Field(0.2, gt=0, lt=1)
-    """PPO clip range below 1 for the importance ratio."""
-    clip_eps_high: float = Field(0.28, gt=0)
-    """PPO clip range above 1 (DAPO's clip-higher)."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the k3 KL penalty to the reference (the base model, adapter disabled). 0 = off."""
-    off_policy_correction: OffPolicyCorrection = "auto"
-    """Importance weights on the policy-gradient term for rollouts sampled by another policy than the trainer's
-    (an older version in `rollout.mode: async`, and always the engine's numerics); the ratio is trainer over
-    engine log-probs (`lora_rl_core.algorithm.losses.off_policy_weights`). `token-truncate`: min(r_t, is_cap)
-    (TIS, Yao et al. 2025); `token-mask`: r_t, 0 outside [is_floor, is_cap] (IcePop; TRL `token_mask`);
-    `sequence-truncate` / `sequence-mask`: the product of a sequence's ratios, truncated or masked the same
-    way (TRL `sequence_truncate` / `sequence_mask`); `geometric-mask`: weight 1, and 0 for a sequence whose
-    geometric-mean ratio is outside [geo_mask_low, geo_mask_high] (SkyRL's geometric sequence mask).
-    `auto`: `token-truncate` in async mode, `none` in sync mode. Measured with lag 1 on the arithmetic task
-    (H100, 20 seeds; benchmarks/results/gpu-async): `token-truncate` ends 0.5 points below sync on average,
-    `none` 2.9 and `sequence-mask` (cap 2) 12.5, two of its eight runs collapsing."""
-    is_cap: float = Field(2.0, gt=0)
-    """Upper bound of the importance weight: the truncation C of the `*-truncate` modes, the largest kept
-    ratio of `token-mask` and `sequence-mask` (TRL's `vllm_importance_sampling_cap`)."""
-    is_floor: float = Field(0.0, ge=0)
-    """Smallest kept ratio of `token-mask` and `sequence-mask`; 0 = no lower bound."""
-    geo_mask_low: float = Field(0.99, gt=0)
-    """`geometric-mask`: sequences whose geometric-mean ratio is below this are masked (SkyRL's fully async
-    example uses 0.99)."""
-    geo_mask_high: float = Field(1.01, gt=0)
-    """`geometric-mask`: sequences whose geometric-mean ratio is above this are masked (SkyRL example: 1.01)."""
-    skip_uniform_groups: bool = True
-    """Train only on groups whose rewards differ (others have zero advantage)."""
-    num_minibatches: int = Field(1, ge=1)
-    """Optimizer steps per training step; 1 keeps training on-policy."""
-    max_staleness: int = Field(1, ge=0)
-    """Policy versions a rollout may lag behind the trainer; older completions are dropped. Also how many
-    versions stay loaded (`max_staleness + 1`), and in `rollout.mode: async` how many steps ahead rollouts
-    run (verl `staleness_threshold`, SkyRL `max_staleness_steps`, TRL `max_staleness`)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "tis_cap" in data:
-            raise ValueError(
-                "algorithm.tis_cap was replaced: set algorithm.off_policy_correction=token-truncate and "
-                f"algorithm.is_cap={data['tis_cap']}"
-            )
-        return data
-
-    @model_validator(mode="after")
-    def _geo_range(self) -> AlgorithmConfig:
-        if self.geo_mask_low >= self.geo_mask_high or self.is_floor >= self.is_cap:
-            raise ValueError("need geo_mask_low < geo_mask_high and is_floor < is_cap")
-        return self
-
-    def correction(self, mode: RolloutMode) -> str:
-        """The off-policy correction in effect for a rollout mode (`auto` resolved): one of
-        `OFF_POLICY_CORRECTIONS` except `auto`."""
-        if self.off_policy_correction != "auto":
-            return self.off_policy_correction
-        return "token-truncate" if mode == "async" else "none"
 
 
 class RolloutConfig(Section):
@@ -168,77 +103,6 @@ class StoreConfig(Section):
         from lora_rl_core.store import AdapterStore
 
         return AdapterStore(self.uri, storage_options=self.storage_options or None)
-
-
-class TrainerConfig(Section):
-    """Optimisation of the LoRA parameters."""
-
-    steps: int = Field(30, ge=1)
-    """Training steps (one rollout batch and one adapter version each)."""
-    lr: float = Field(3e-4, gt=0)
-    """AdamW learning rate (LoRA wants ~10x the full fine-tuning rate)."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW's decoupled weight decay on the LoRA parameters (per optimizer step, times the lr); 0 = none,
-    the default (TRL/transformers `weight_decay`, verl `optim.weight_decay`)."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW's (beta1, beta2) moment decay rates; the default is PyTorch's (transformers `adam_beta1/2`)."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warmup, in training steps: the lr is `lr * min(1, (step + 1) / warmup_steps)`,
-    then constant (no decay). 0 (the default) and 1 both start at the full lr (TRL `warmup_steps`)."""
-    max_grad_norm: float = Field(1.0, gt=0)
-    """Clip the global L2 norm of the LoRA gradients to this before each optimizer step (across ranks when
-    sharded); the pre-clip norm is logged as `grad_norm` (TRL `max_grad_norm`, verl `actor.grad_clip`)."""
-    micro_batch_size: int = Field(16, ge=1)
-    """Sequences per forward/backward pass (gradient accumulation over the rest)."""
-    gradient_checkpointing: bool | Literal["auto"] = "auto"
-    """Recompute activations in the backward pass instead of keeping them: less memory for about one more
-    forward per micro-batch; with `world_size` >= 1 it is applied per decoder layer (TRL/transformers
-    `gradient_checkpointing`, verl `model.enable_gradient_checkpointing`). `auto`: on where the run's memory
-    plan (`lora_rl_core.memory`) says a micro-batch's activations would not fit the GPU beside what else it
-    holds even at a quarter of `micro_batch_size` (the plan first halves the micro-batch, down to 4: cheaper
-    than recomputing every layer); off on a CPU."""
-    liger_kernels: bool | Literal["auto"] = False
-    """Fuse each decoder layer's RMSNorm and SwiGLU MLP into one Triton kernel each (Liger Kernel, forward
-    and backward) in the trainer's copy of the model: fewer kernel launches and activations;
-    the logits stay as they are (TRL `use_liger_kernel`, verl `model.use_liger`). Off by default: its speed
-    on this trainer has not been measured yet (`benchmarks/gpu_scale.py --override trainer.liger_kernels=true`
-    measures it; `tests/gpu/test_liger_kernels.py` checks its numerics). `auto`: on for a trainer on CUDA
-    where `liger-kernel` is installed (the `gpu` extra) and the model is a llama, mistral, qwen2 or qwen3,
-    off otherwise;
-    `true` where that does not hold is a config error (`lora_rl_core.trainer.kernels`)."""
-    lora_compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Dtype the LoRA branches compute in; the LoRA weights, their gradients and the AdamW state stay float32
-    (master weights) either way, and logprobs and the loss are computed in float32 from the logits.
-    `bfloat16`: the trainer's forward passes (policy, reference, old logprobs) run under `torch.autocast` and
-    PEFT's cast of each LoRA input up to the adapter's float32 is off, so LoRA runs in the base model's
-    bfloat16 (no float32 copy of every adapted layer's input); with `world_size` >= 1 FSDP2's mixed precision
-    is on (bfloat16 parameters, float32 gradient reduction), off with `float32`. Needs bfloat16 base weights
-    (`model.dtype`); on a CPU it uses CPU autocast (slow without native bfloat16). `auto` (the default):
-    bfloat16 on CUDA with bfloat16 base weights, float32 otherwise, so a CPU run computes as before
-    (`lora_rl_core.runtime.choose_lora_compute_dtype`; transformers `bf16`, verl `fsdp_config.mixed_precision`)."""
-    world_size: int = Field(0, ge=0)
-    """0: train in this process; N >= 1: N persistent FSDP2 worker processes (gloo on CPU, NCCL on GPUs)."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """Device of the FSDP2 workers (world_size >= 1)."""
-    ray_gpus_per_rank: float = Field(1.0, gt=0, le=1)
-    """`backend: ray` with `device: cuda`: GPUs each rank reserves; a fraction shares a GPU with an engine
-    replica (`engine.ray_gpus_per_replica`)."""
-    backend: Literal["local", "ray"] = "local"
-    """Where the `world_size` >= 1 FSDP2 ranks run: `local` spawned processes on this machine, or `ray` Ray
-    actors in a placement group (one CPU or GPU each), joining `RAY_ADDRESS` or a local Ray
-    (`lora_rl_core/trainer/ray_actors.py`). No effect with world_size 0."""
-    checkpoint_every: int = Field(1, ge=1)
-    """Save a checkpoint (LoRA weights, optimizer, scheduler, RNG states) every this many steps. The prompts
-    of a step are a function of `run.seed` and the step, so no data cursor is saved."""
-    keep_checkpoints: int = Field(2, ge=1)
-    """Checkpoints kept in the store; older ones are deleted."""
-    background_publish: bool = True
-    """Write each step's adapter version and checkpoint to the store on a background thread while the next
-    rollout runs (the engines take the new version from memory at once: `engine.sync: tensor`; a sync that
-    reads the store waits for its version). The snapshot is taken at once; one thread writes in step order,
-    at most one step behind; a failed write fails the run at the next step, naming the version or checkpoint,
-    and a resume redoes it (docs/DESIGN.md, "Publish and checkpoint in the background"). False writes them
-    inside the train and publish phases."""
 
 
 class DataConfig(Section):
@@ -390,7 +254,7 @@ class RunConfig(Section):
     """The policy-gradient objective: advantage estimator, clipping, KL, staleness."""
     rollout: RolloutConfig = RolloutConfig()
     """Sampling for training: prompts per step, group size, length and sampling parameters."""
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = EmbeddedEngineConfig()
     """The inference engine(s) that sample rollouts and how adapter versions reach them."""
     store: StoreConfig = StoreConfig()
     """The adapter store that versions and checkpoints are published to."""
@@ -412,7 +276,7 @@ class RunConfig(Section):
                 "rollout.mode=async needs algorithm.max_staleness >= 1 (how many steps rollouts may run ahead); "
                 "with 0 use rollout.mode=sync"
             )
-        if self.rollout.mode == "async" and self.algorithm.correction("async") == "none":
+        if self.rollout.mode == "async" and self.algorithm.correction("async").type == "none":
             warnings.warn(
                 "rollout.mode=async with algorithm.off_policy_correction=none trains on stale completions "
                 "without importance weights",

@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lora_rl_core.config import EngineConfig
+from lora_rl_core.config import EngineConfig, ray_replicas
 from lora_rl_core.engines.embedded.build import embedded_engine
 from lora_rl_core.engines.launch.ray_replicas import start_ray_replicas
 from lora_rl_core.engines.launch.sglang import sglang_engine, sglang_replicas
@@ -72,7 +72,7 @@ def build_engine(inputs: EngineInputs) -> BuiltEngine:
         EngineError: a malformed engine URL, or a launched server that did not start.
     """
     kind = ENGINE_KINDS[inputs.engine.type]
-    if not inputs.engine.ray_replicas:
+    if not ray_replicas(inputs.engine):
         return kind.build(inputs)
     if kind.replicate is None:
         raise ConfigError(f"engine.ray_replicas: engine.type {inputs.engine.type} has no Ray replicas")

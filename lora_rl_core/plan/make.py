@@ -1,7 +1,7 @@
 """`make_plan`: the one caller of the rules that resolve `auto` settings, in one pass, before anything starts.
 
     model.device, model.dtype              runtime.choose_dtype (models.resolve_device)
-    trainer.backend                        in-process for world_size 0, else trainer.backend
+    trainer.backend                        as set (`trainer.backend.type`; recorded so the log names it)
     trainer.lora_compute_dtype             runtime.choose_lora_compute_dtype
     trainer.liger_kernels                  trainer.kernels.choose_kernels
     trainer.gradient_checkpointing,        memory.plan_memory (on a GPU: the model's shape, the batch, the GPU,
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lora_rl_core.config import RunConfig
+from lora_rl_core.config import AutoCorrection, RankedBackend, RayBackend, RunConfig, SGLangEngineConfig, sglang_section
 from lora_rl_core.data import Problem, PromptStyle
 from lora_rl_core.engines.launch.probe import SGLangEnvironment, probe_for_launch
 from lora_rl_core.engines.launch.process import LaunchPlan
@@ -72,16 +72,20 @@ def make_plan(
     trainer_device: torch.device | None = None
     colocated = False
     if train:
-        trainer_device = resolve_device(cfg.trainer.device if cfg.trainer.world_size else cfg.model.device)
+        backend = cfg.trainer.backend
+        trainer_device = resolve_device(backend.device if isinstance(backend, RankedBackend) else cfg.model.device)
         colocated = sglang_shares_trainer_gpu(cfg, trainer_device)
         memory = _memory(cfg, trainer_device, colocated, launch_env, tokenizer, problems)
         trainer = _trainer(cfg, trainer_device, memory, choices)
     engine = _engine(cfg, device, dtype.name, memory, trainer_device, colocated, launch_env, choices)
     if train:
         mode = cfg.rollout.mode
+        correction = cfg.algorithm.correction(mode)
         choices["algorithm.off_policy_correction"] = Choice(
-            cfg.algorithm.correction(mode),
-            SET if cfg.algorithm.off_policy_correction != "auto" else f"auto: rollout.mode {mode}",
+            correction.model_dump(),
+            SET
+            if not isinstance(cfg.algorithm.off_policy_correction, AutoCorrection)
+            else f"auto: rollout.mode {mode}",
         )
     return RunPlan(
         config=cfg,
@@ -103,14 +107,14 @@ def _device_reason(requested: str, device: torch.device) -> str:
 def _launched_here(cfg: RunConfig) -> bool:
     """This process launches one SGLang server (Ray replicas launch their own on their hosts)."""
     e = cfg.engine
-    return e.type == "sglang" and e.launch.enabled and not e.ray_replicas
+    return isinstance(e, SGLangEngineConfig) and e.launch.enabled and not e.ray_replicas
 
 
 def _probe(cfg: RunConfig) -> SGLangEnvironment | None:
     """What the installed SGLang offers, where this process launches it with an `auto` setting to resolve."""
     if not _launched_here(cfg):
         return None
-    return probe_for_launch(cfg.engine.launch)
+    return probe_for_launch(sglang_section(cfg.engine, "launching SGLang").launch)
 
 
 def _memory(
@@ -125,7 +129,14 @@ def _memory(
     values are resolved (gradient checkpointing off)."""
     if device.type != "cuda":
         return plan_memory(cfg, None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False)
-    saver = colocated and cfg.engine.launch.memory_saver is not False and env is not None and env.memory_saver
+    e = cfg.engine
+    saver = (
+        colocated
+        and isinstance(e, SGLangEngineConfig)
+        and e.launch.memory_saver is not False
+        and env is not None
+        and env.memory_saver
+    )
     style = PromptStyle.of(cfg.data, cfg.rollout)
     prompt_tokens = max((len(style.render(tokenizer, p)) for p in problems[:256]), default=0)
     free, total = torch.cuda.mem_get_info(device)
@@ -142,9 +153,9 @@ def _memory(
 
 def _trainer(cfg: RunConfig, device: torch.device, memory: MemoryPlan, choices: dict[str, Choice]) -> TrainerPlan:
     t = cfg.trainer
-    backend = "in-process" if t.world_size == 0 else t.backend
+    backend = t.backend
     choices["trainer.backend"] = Choice(
-        backend, "trainer.world_size 0: in this process" if t.world_size == 0 else f"{t.world_size} FSDP2 ranks"
+        backend.type, f"{backend.world_size} FSDP2 ranks" if isinstance(backend, RankedBackend) else SET
     )
     base = choose_dtype(cfg.model.dtype, device)
     lora = choose_lora_compute_dtype(t.lora_compute_dtype, device, base.name)
@@ -179,7 +190,7 @@ def _trainer(cfg: RunConfig, device: torch.device, memory: MemoryPlan, choices: 
         temperature=cfg.rollout.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=cfg.run.seed,
-        device=str(device) if t.world_size == 0 else t.device,
+        device=backend.device if isinstance(backend, RankedBackend) else str(device),
         dtype=base.name,
         lora_compute_dtype=lora.name,  # type: ignore[arg-type]  # choose_lora_compute_dtype: float32 | bfloat16
         liger_kernels=kernels.liger,
@@ -187,9 +198,11 @@ def _trainer(cfg: RunConfig, device: torch.device, memory: MemoryPlan, choices: 
         micro_batch_size=memory.micro_batch_size,
         off_policy_correction=cfg.algorithm.correction(cfg.rollout.mode),
         rollout_mode=cfg.rollout.mode,
-        backend=backend,
-        world_size=t.world_size,
-        ray_gpus_per_rank=t.ray_gpus_per_rank if t.device == "cuda" else 0.0,
+        backend=backend.type,
+        world_size=t.ranks(),
+        ray_gpus_per_rank=backend.gpus_per_rank
+        if isinstance(backend, RayBackend) and backend.device == "cuda"
+        else 0.0,
     )
 
 
@@ -217,10 +230,16 @@ def _engine(
     saver = memory.memory_saver if memory is not None else False
     launch: ResolvedLaunch | None = None
     if env is not None:
-        launch = resolve_launch(e.launch, env, rollout_batch=batch, mem_fraction=fraction, memory_saver=saver)
+        launch = resolve_launch(
+            sglang_section(e, "launching SGLang").launch,
+            env,
+            rollout_batch=batch,
+            mem_fraction=fraction,
+            memory_saver=saver,
+        )
         for key, reason in launch.reasons.items():
             choices[f"engine.launch.{key}"] = Choice(getattr(launch, key), reason)
-    elif e.type == "sglang" and e.launch.enabled:
+    elif isinstance(e, SGLangEngineConfig) and e.launch.enabled:
         choices["engine.launch"] = Choice("per replica", "each Ray replica resolves its `auto` flags on its host")
     transport = _transport(cfg, trainer_device, colocated)
     choices["engine.tensor_transport"] = transport
@@ -228,7 +247,9 @@ def _engine(
         device=str(device),
         dtype=dtype,
         launch=launch,
-        launch_plan=LaunchPlan(batch, fraction, saver) if e.type == "sglang" and e.ray_replicas else None,
+        launch_plan=LaunchPlan(batch, fraction, saver)
+        if isinstance(e, SGLangEngineConfig) and e.ray_replicas
+        else None,
         tensor_transport=transport.value,
         sync_reads_folder=sync_reads_folder(e, transport.value),
     )
@@ -237,8 +258,8 @@ def _engine(
 def _transport(cfg: RunConfig, trainer_device: torch.device | None, colocated: bool) -> Choice:
     """`engine.tensor_transport` resolved where the servers are known now (`auto` stays per server where not)."""
     e = cfg.engine
-    if e.type != "sglang":
-        return Choice(e.tensor_transport, f"not used by engine.type {e.type}")
+    if not isinstance(e, SGLangEngineConfig):
+        return Choice("auto", f"not used by engine.type {e.type}")
     if e.tensor_transport != "auto":
         return Choice(e.tensor_transport, SET)
     per_server = "auto: per server at load: `ipc` for one on this host with CUDA here, else the published folder"

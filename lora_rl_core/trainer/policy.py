@@ -176,17 +176,13 @@ class PolicyTrainer:
         old_BT = logprobs_BT.detach() if old is None else frame(old, packed.mask_BT)
         ref_BT = self._ref_logprobs(packed) if self.algo.kl_coef > 0 else None
         weights_BT, is_metrics = None, dict[str, float]()
-        if self.correction != "none":
-            a = self.algo
+        if self.correction.type != "none":
             weights_BT, is_metrics = off_policy_weights(
                 old_BT,
                 packed.inference_logprobs_BT,
                 packed.mask_BT,
-                mode=self.correction,
-                cap=a.is_cap,
-                floor=a.is_floor,
-                geo_low=a.geo_mask_low,
-                geo_high=a.geo_mask_high,
+                mode=self.correction.type,
+                **self.correction.weight_args(),  # the kind's own bounds (cap, floor, geo_low / geo_high)
             )
         loss, m = ppo_clip_loss(
             logprobs_BT,

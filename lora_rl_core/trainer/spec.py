@@ -7,11 +7,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from lora_rl_core.config import AlgorithmConfig, LoRAConfig, ModelConfig, RolloutMode, TrainerConfig
+from lora_rl_core.config import AlgorithmConfig, LoRAConfig, ModelConfig, ResolvedCorrection, RolloutMode, TrainerConfig
 
 TrainerBackend = Literal["in-process", "local", "ray"]
-"""Where the trainer runs: in this process (`trainer.world_size: 0`), as spawned FSDP2 processes (`local`) or
-as FSDP2 Ray actors (`ray`)."""
+"""Where the trainer runs (`trainer.backend.type`): in this process, as spawned FSDP2 processes (`local`) or as
+FSDP2 Ray actors (`ray`)."""
 
 
 class TrainerPlan(BaseModel):
@@ -29,9 +29,9 @@ class TrainerPlan(BaseModel):
         lora_compute_dtype: `float32` or `bfloat16` (`trainer.lora_compute_dtype` resolved).
         liger_kernels: Liger's fused kernels patched into the trainer's model.
         gradient_checkpointing / micro_batch_size: from the memory plan.
-        off_policy_correction: `algorithm.off_policy_correction` resolved for `rollout.mode`.
-        backend / world_size: where the ranks run and how many (0: in this process).
-        ray_gpus_per_rank: GPUs each Ray rank reserves (`trainer.ray_gpus_per_rank`; 0 on a CPU).
+        off_policy_correction: `algorithm.off_policy_correction` resolved for `rollout.mode` (never `auto`).
+        backend / world_size: where the ranks run and how many (0: in this process; `trainer.backend`).
+        ray_gpus_per_rank: GPUs each Ray rank reserves (`trainer.backend.gpus_per_rank`; 0 on a CPU).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -49,7 +49,7 @@ class TrainerPlan(BaseModel):
     liger_kernels: bool
     gradient_checkpointing: bool
     micro_batch_size: int
-    off_policy_correction: str
+    off_policy_correction: ResolvedCorrection
     rollout_mode: RolloutMode
     backend: TrainerBackend
     world_size: int

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from lora_rl_core.config import config_from_dict
+from lora_rl_core.config import config_from_dict, sglang_section
 from lora_rl_core.engines import GenerationRequest, SamplingParams
 from lora_rl_core.engines.launch.process import launch_sglang
 from lora_rl_core.engines.remote import SGLANG, HTTPEngine
@@ -79,7 +79,7 @@ def url(tmp_path_factory):
     )
     log = tmp_path_factory.mktemp("sglang") / "server.log"
     start = time.monotonic()
-    server = launch_sglang(cfg.engine, cfg.model, cfg.lora, log)
+    server = launch_sglang(sglang_section(cfg.engine, "this test"), cfg.model, cfg.lora, log)
     OBSERVED["launch_seconds"] = round(time.monotonic() - start, 1)
     OBSERVED["argv"] = server.argv
     try:

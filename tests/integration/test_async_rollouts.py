@@ -96,9 +96,7 @@ def test_a_masking_correction_reports_what_it_masked(tmp_path, tiny_model_dir):
             tmp_path,
             tiny_model_dir,
             "masked",
-            off_policy_correction="geometric-mask",
-            geo_mask_low=5.0,
-            geo_mask_high=6.0,
+            off_policy_correction={"type": "geometric-mask", "geo_mask_low": 5.0, "geo_mask_high": 6.0},
         )  # fmt: skip
     )
     history = json.loads((tmp_path / "runs" / "masked" / "history.json").read_text())

@@ -154,7 +154,10 @@ def test_train_stops_trainer_workers_and_prefect_server(command, tiny_model_dir,
         tiny_model_dir,
         "sig",
         run={"eval_before_after": False},
-        trainer={"steps": 1000, "world_size": 2},  # never finishes: interrupted while training
+        trainer={
+            "steps": 1000,
+            "backend": {"type": "local", "world_size": 2},
+        },  # never finishes: interrupted while training
     )
     cmd = command("train", "-c", str(config), "--run-id", "sig")
     cmd.wait_until(cmd.printed("step 1/"), "the line of step 1")
@@ -234,7 +237,7 @@ def test_train_sigkilled_leaves_no_process(command, tiny_model_dir, tmp_path):
     for split, part in (("train", rows[:30]), ("test", rows[30:])):
         (tmp_path / f"roots-{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     sections: dict[str, Any] = {
-        "trainer": {"steps": 1000, "world_size": 2},
+        "trainer": {"steps": 1000, "backend": {"type": "local", "world_size": 2}},
         "engine": {"type": "sglang", "sync": "store", "launch": fake_launch()},
         "data": {
             "source": "dataset",

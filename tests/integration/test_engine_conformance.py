@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.adapters import adapter_version
-from lora_rl_core.config import EngineConfig, ModelConfig
+from lora_rl_core.config import EmbeddedEngineConfig, ModelConfig
 from lora_rl_core.engines import (
     EmbeddedEngine,
     EngineInputs,
@@ -150,7 +150,7 @@ def subject(request, tiny_model_dir, tokenizer) -> Iterator[Subject]:
 def _ray_subject(tiny_model_dir) -> Iterator[Subject]:
     """The registry's Ray replicas: one replica actor, its engine answering health and metrics itself."""
     model_cfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32", device="cpu")
-    built = build_engine(EngineInputs(EngineConfig(ray_replicas=1, max_batch_size=8, timeout_s=30), model_cfg))
+    built = build_engine(EngineInputs(EmbeddedEngineConfig(ray_replicas=1, max_batch_size=8, timeout_s=30), model_cfg))
     try:
         replicas = list(built.engine.members())
         yield Subject(built.engine, replicas, replicas)

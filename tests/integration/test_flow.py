@@ -65,14 +65,14 @@ def test_two_steps_publish_two_distinct_loadable_versions(flow_config, tiny_mode
 
 
 def test_flow_with_two_fsdp2_workers_matches_in_process(flow_config, tmp_path):
-    """trainer.world_size=2 runs the same flow on two persistent gloo FSDP2 workers, shut down at the end."""
+    """trainer.backend local, world_size 2: the same flow on two persistent gloo FSDP2 workers, shut down at the end."""
     import psutil
 
     from flows.grpo_lora import train
 
     path, tmp = flow_config
     train(config_path=str(path), run_id="it-solo")
-    train(config_path=str(path), run_id="it-fsdp", overrides=["trainer.world_size=2"])
+    train(config_path=str(path), run_id="it-fsdp", overrides=["trainer.backend=local", "trainer.backend.world_size=2"])
     store = AdapterStore(f"file://{tmp / 'store'}")
     solo, _ = store.load_tensors("it-solo", 2)
     fsdp, _ = store.load_tensors("it-fsdp", 2)

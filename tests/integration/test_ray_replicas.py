@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lora_rl_core.config import EngineConfig, ModelConfig
+from lora_rl_core.config import EmbeddedEngineConfig, ModelConfig
 from lora_rl_core.engines import EngineInputs, GenerationRequest, SamplingParams
 from lora_rl_core.engines.embedded.build import build_embedded_engine
 from lora_rl_core.engines.registry import build_engine
@@ -59,14 +59,14 @@ def _run(engine, tensors, config, requests) -> list[list[int]]:
 
 def test_two_replicas_generate_what_one_and_the_in_process_engine_generate(local_ray, setup):
     model_cfg, tensors, config, requests = setup
-    with build_embedded_engine(EngineConfig(), model_cfg, None) as local:
+    with build_embedded_engine(EmbeddedEngineConfig(), model_cfg, None) as local:
         want = _run(local, tensors, config, requests)
-    one = build_engine(EngineInputs(EngineConfig(ray_replicas=1), model_cfg))  # the registry's Ray replicas
+    one = build_engine(EngineInputs(EmbeddedEngineConfig(ray_replicas=1), model_cfg))  # the registry's Ray replicas
     try:
         assert _run(one.engine, tensors, config, requests) == want
     finally:
         one.close()
-    two = build_engine(EngineInputs(EngineConfig(ray_replicas=2), model_cfg))
+    two = build_engine(EngineInputs(EmbeddedEngineConfig(ray_replicas=2), model_cfg))
     try:
         assert _run(two.engine, tensors, config, requests) == want
         assert all(NAME in m.list_adapters() for m in two.engine.members())  # the load reached every replica
@@ -78,7 +78,7 @@ def test_two_replicas_generate_what_one_and_the_in_process_engine_generate(local
 
 def test_a_killed_replica_is_replaced_with_its_adapters_and_the_call_goes_through(local_ray, setup):
     model_cfg, tensors, config, requests = setup
-    built = build_engine(EngineInputs(EngineConfig(ray_replicas=2), model_cfg))
+    built = build_engine(EngineInputs(EmbeddedEngineConfig(ray_replicas=2), model_cfg))
     engines = built.engine
     try:
         want = _run(engines, tensors, config, requests)
@@ -100,7 +100,7 @@ def test_a_killed_replica_is_replaced_with_its_adapters_and_the_call_goes_throug
 
 def test_a_killed_replica_fails_the_call_naming_it_without_replacement(local_ray, setup):
     model_cfg, tensors, config, requests = setup
-    built = build_engine(EngineInputs(EngineConfig(ray_replicas=2, ray_replace_dead=False), model_cfg))
+    built = build_engine(EngineInputs(EmbeddedEngineConfig(ray_replicas=2, ray_replace_dead=False), model_cfg))
     engines = built.engine
     try:
         engines.load_adapter(NAME, tensors=tensors, config=config)
@@ -133,7 +133,7 @@ def test_flow_with_two_engine_replicas_on_ray(local_ray, tiny_model_dir, tmp_pat
 
 
 def test_flow_with_two_trainer_ranks_on_ray_matches_in_process(local_ray, tiny_model_dir, tmp_path):
-    """trainer.world_size=2, trainer.backend=ray: two gloo FSDP2 ranks as Ray actors end with the adapter of
+    """trainer.backend: {type: ray, world_size: 2}: two gloo FSDP2 ranks as Ray actors end with the adapter of
     the in-process run (within 1e-5); their actors and placement group are gone afterwards."""
     from flows.grpo_lora import train
     from lora_rl_core.store import AdapterStore
@@ -141,7 +141,9 @@ def test_flow_with_two_trainer_ranks_on_ray_matches_in_process(local_ray, tiny_m
 
     path = write_tiny_config(tmp_path, tiny_model_dir, "ray-trainer")
     train(config_path=str(path), run_id="it-solo")
-    train(config_path=str(path), run_id="it-ray-fsdp", overrides=["trainer.world_size=2", "trainer.backend=ray"])
+    train(
+        config_path=str(path), run_id="it-ray-fsdp", overrides=["trainer.backend=ray", "trainer.backend.world_size=2"]
+    )
     store = AdapterStore(f"file://{tmp_path / 'store'}")
     solo, _ = store.load_tensors("it-solo", 2)
     ranks, _ = store.load_tensors("it-ray-fsdp", 2)
@@ -183,7 +185,7 @@ def test_sglang_replicas_on_ray_own_their_servers(local_ray, tiny_model_dir, tmp
     from lora_rl_testing.adapters import write_peft_folder
 
     model_cfg, tensors, config, requests = setup
-    with build_embedded_engine(EngineConfig(), model_cfg, None) as local:
+    with build_embedded_engine(EmbeddedEngineConfig(), model_cfg, None) as local:
         want = _run(local, tensors, config, requests)
     folder = write_peft_folder(tensors, config, tmp_path / "adapter")
     run = start_run(load_config(_sglang_replicas_config(tmp_path, tiny_model_dir, "ray-sgl")), "ray-sgl")

@@ -23,7 +23,7 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict
 
-from lora_rl_core.config import RunConfig
+from lora_rl_core.config import InProcessBackend, LocalBackend, RunConfig
 from lora_rl_core.distributed import find_decoder_layers
 from lora_rl_core.lora import adapter_state, apply_lora
 from lora_rl_core.models import load_model
@@ -52,8 +52,7 @@ def make_config(model_dir, **model) -> RunConfig:
                 "algorithm": {
                     "num_minibatches": 2,
                     "kl_coef": 0.05,
-                    "off_policy_correction": "token-truncate",
-                    "is_cap": 2.0,
+                    "off_policy_correction": {"type": "token-truncate", "is_cap": 2.0},
                 },
                 "trainer": {"lr": 1e-2, "micro_batch_size": 1, "warmup_steps": 2, "max_grad_norm": 0.02},
                 "run": {"seed": 3},
@@ -80,7 +79,8 @@ BATCHES = [make_batch(8, 1), make_batch(8, 2), make_batch(5, 3), make_batch(1, 4
 
 def ranks(cfg: RunConfig, world_size: int) -> TrainerPlan:
     """The trainer plan of `cfg` with `world_size` CPU ranks (0: in this process)."""
-    trainer = cfg.trainer.model_copy(update={"world_size": world_size, "device": "cpu"})
+    backend = LocalBackend(world_size=world_size, device="cpu") if world_size else InProcessBackend()
+    trainer = cfg.trainer.model_copy(update={"backend": backend})
     plan = make_plan(cfg.model_copy(update={"trainer": trainer})).trainer
     assert plan is not None
     return plan

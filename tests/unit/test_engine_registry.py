@@ -1,4 +1,4 @@
-"""`build_engine` (the registry of engine kinds): every engine is built from `EngineConfig`, and `lora-rl eval`
+"""`build_engine` (the registry of engine kinds): every engine is built from the `engine` section, and `lora-rl eval`
 builds through it.
 
 The embedded engine gets every limit of the config (here: the rank cap refuses a larger adapter, the pool
@@ -98,13 +98,16 @@ def test_every_engine_type_has_a_kind_and_replicas_only_where_the_config_allows_
 
     from lora_rl_core.config import EngineConfig
 
-    assert set(ENGINE_KINDS) == set(get_args(EngineConfig.model_fields["type"].annotation))
+    kinds = get_args(get_args(EngineConfig)[0])  # the section's kinds (a `type`-keyed union)
+    assert set(ENGINE_KINDS) == {get_args(kind.model_fields["type"].annotation)[0] for kind in kinds}
     assert {k for k, kind in ENGINE_KINDS.items() if kind.replicate is not None} == {"embedded", "sglang"}
 
 
-def test_ray_replicas_need_the_embedded_engine():
-    with pytest.raises(ConfigError, match="ray_replicas needs engine.type: embedded, or engine.type: sglang with"):
+def test_ray_replicas_need_the_embedded_engine_or_a_launched_sglang():
+    with pytest.raises(ConfigError, match=r"engine.ray_replicas: not an option of engine.type server \(an option of"):
         load_config(None, ["engine.type=server", "engine.urls=[http://127.0.0.1:1]", "engine.ray_replicas=2"])
+    with pytest.raises(ConfigError, match="engine.ray_replicas with engine.type sglang needs engine.launch.enabled"):
+        load_config(None, ["engine.type=sglang", "engine.urls=[http://127.0.0.1:1]", "engine.ray_replicas=2"])
 
 
 def test_eval_cli_uses_the_engine_config_and_a_stored_version(tiny_model_dir, lora, tmp_path):
@@ -131,7 +134,7 @@ def test_closing_sglang_replicas_stops_every_actor_before_giving_back_ray(monkey
     import sys
     import types
 
-    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig, SGLangLaunchConfig
+    from lora_rl_core.config import LoRAConfig, ModelConfig, SGLangEngineConfig, SGLangLaunchConfig
     from lora_rl_core.engines import BuiltEngine
     from lora_rl_core.engines.launch import ray_sglang
 
@@ -166,7 +169,7 @@ def test_closing_sglang_replicas_stops_every_actor_before_giving_back_ray(monkey
         def close(self):
             events.append("close clients")
 
-    engine = EngineConfig(type="sglang", ray_replicas=2, launch=SGLangLaunchConfig(enabled=True))
+    engine = SGLangEngineConfig(ray_replicas=2, launch=SGLangLaunchConfig(enabled=True))
     inputs = EngineInputs(engine, ModelConfig(), LoRAConfig())
     built = ray_sglang.start_sglang_replicas(inputs, lambda urls: BuiltEngine(Clients()))  # type: ignore[arg-type]
     assert events == ["acquire"] and len(built.actors) == 2

@@ -7,11 +7,9 @@ import shlex
 
 import pytest
 
-from lora_rl_core.config import EngineConfig, config_from_dict
+from lora_rl_core.config import config_from_dict, sglang_section
 from lora_rl_core.engines.launch.command import render, sglang_launch_command, sglang_launch_command_from_config
 from lora_rl_core.errors import ConfigError
-
-POOL_FIELDS = {"max_loras_per_batch", "max_loaded_loras", "eviction_policy", "max_lora_rank"}
 
 
 def flag(argv: list[str], name: str) -> list[str]:
@@ -80,7 +78,7 @@ def test_refuses_what_sglang_refuses(kwargs, message):
 
 
 def test_an_eviction_policy_sglang_refuses_is_refused_by_the_config():
-    """The allowed policies are checked once, by `EngineConfig` (the launch command trusts it)."""
+    """The allowed policies are checked once, by the engine config (`EngineLimits`; the launch command trusts it)."""
     with pytest.raises(ConfigError, match="lru"):
         config_from_dict({"engine": {"eviction_policy": "random"}})
 
@@ -93,7 +91,6 @@ def test_three_pinned_of_four_slots_is_allowed():
     assert len(flag(argv, "--lora-paths")) == 3
 
 
-@pytest.mark.skipif(not POOL_FIELDS <= set(EngineConfig.model_fields), reason="EngineConfig pool fields not added yet")
 def test_from_config_uses_model_lora_and_engine_sections():
     cfg = config_from_dict(
         {
@@ -184,20 +181,25 @@ def test_server_command_runs_the_launch_interpreter_on_the_local_folder():
     from lora_rl_core.engines.launch.probe import SGLangEnvironment
     from lora_rl_core.engines.launch.resolve import resolve_launch
 
-    resolved = resolve_launch(cfg.engine.launch, SGLangEnvironment(), mem_fraction=0.25)
-    argv = sglang_server_command(cfg.engine, cfg.model, cfg.lora, "/models/smollm2", resolved)
+    engine = sglang_section(cfg.engine, "this test")
+    resolved = resolve_launch(engine.launch, SGLangEnvironment(), mem_fraction=0.25)
+    argv = sglang_server_command(engine, cfg.model, cfg.lora, "/models/smollm2", resolved)
     assert argv[:3] == ["/opt/py", "-m", "sglang.launch_server"]
     assert flag(argv, "--model-path") == ["/models/smollm2"] and flag(argv, "--port") == ["31234"]
     assert flag(argv, "--max-lora-rank") == ["8"] and flag(argv, "--mem-fraction-static") == ["0.250"]
 
 
 @pytest.mark.parametrize(
-    "engine",
+    ("engine", "message"),
     [
-        {"type": "embedded", "launch": {"enabled": True}},
-        {"type": "sglang", "sync": "store", "urls": ["http://127.0.0.1:30000"], "launch": {"enabled": True}},
+        ({"type": "embedded", "launch": {"enabled": True}}, r"engine.launch: not an option of engine.type embedded"),
+        (
+            {"type": "sglang", "sync": "store", "urls": ["http://127.0.0.1:30000"], "launch": {"enabled": True}},
+            r"engine.type sglang needs engine.urls \(servers already running\) or engine.launch.enabled: true",
+        ),
+        ({"type": "sglang"}, r"engine.type sglang needs engine.urls"),
     ],
 )
-def test_launch_needs_an_sglang_engine_without_urls(engine):
-    with pytest.raises(ConfigError, match="engine.launch.enabled needs engine.type: sglang and no engine.urls"):
+def test_launch_needs_an_sglang_engine_without_urls(engine, message):
+    with pytest.raises(ConfigError, match=message):
         config_from_dict({"engine": engine})

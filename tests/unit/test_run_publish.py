@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lora_rl_core.adapters import safetensors_bytes
-from lora_rl_core.config import EngineConfig, load_config
+from lora_rl_core.config import load_config
 from lora_rl_core.engines.registry import sync_reads_folder
 from lora_rl_core.errors import BackgroundWriteError, StoreError
 from lora_rl_core.faults import InjectedFault
@@ -291,7 +291,7 @@ def test_which_syncs_wait_for_the_upload(engine, reads):
     from lora_rl_core.config import RunConfig
     from lora_rl_core.plan import make_plan
 
-    assert make_plan(RunConfig(engine=EngineConfig(**engine)), train=False).engine.sync_reads_folder is reads
+    assert make_plan(RunConfig.model_validate({"engine": engine}), train=False).engine.sync_reads_folder is reads
 
 
 def test_sglang_launched_on_another_gpu_gets_the_file_transport(monkeypatch):

@@ -117,7 +117,7 @@ def test_true_on_cpu_workers_is_refused_before_the_run_builds_anything(tmp_path,
     cfg = RunConfig.model_validate(
         {
             "model": {"name_or_path": str(tiny_model_dir)},
-            "trainer": {"world_size": 2, "device": "cpu", "liger_kernels": True},
+            "trainer": {"backend": {"type": "local", "world_size": 2, "device": "cpu"}, "liger_kernels": True},
             "store": {"uri": f"file://{tmp_path}/store"},
         }
     )

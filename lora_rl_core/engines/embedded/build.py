@@ -35,6 +35,7 @@ def build_embedded_engine(
     Raises:
         ModelError: the model cannot be loaded.
     """
+    from lora_rl_core.config import ENGINE_DEFAULTS, EmbeddedEngineConfig
     from lora_rl_core.engines.embedded.engine import EmbeddedEngine
     from lora_rl_core.models import load_model
 
@@ -42,7 +43,9 @@ def build_embedded_engine(
     return EmbeddedEngine(
         model,
         tokenizer if tokenizer is not None else loaded_tokenizer,
-        max_batch_size=engine_cfg.max_batch_size,
+        max_batch_size=engine_cfg.max_batch_size
+        if isinstance(engine_cfg, EmbeddedEngineConfig)
+        else ENGINE_DEFAULTS.max_batch_size,
         max_loras_per_batch=engine_cfg.max_loras_per_batch,
         max_loaded_loras=engine_cfg.max_loaded_loras,
         eviction_policy=engine_cfg.eviction_policy,

@@ -24,7 +24,7 @@ from lora_rl_core.config import ENGINE_DEFAULTS, SGLANG_DEFAULT_PORT
 from lora_rl_core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig
+    from lora_rl_core.config import EngineLimits, LoRAConfig, ModelConfig, SGLangEngineConfig
     from lora_rl_core.engines.launch.resolve import ResolvedLaunch
 
 
@@ -126,7 +126,7 @@ def _render_path(path: LoraPath) -> str:
 
 
 def sglang_launch_command_from_config(
-    engine: EngineConfig,
+    engine: EngineLimits,
     model: ModelConfig,
     lora: LoRAConfig,
     *,
@@ -209,7 +209,7 @@ def launch_flags(launch: ResolvedLaunch) -> list[str]:
 
 
 def sglang_server_command(
-    engine: EngineConfig, model: ModelConfig, lora: LoRAConfig, model_path: str, resolved: ResolvedLaunch
+    engine: SGLangEngineConfig, model: ModelConfig, lora: LoRAConfig, model_path: str, resolved: ResolvedLaunch
 ) -> list[str]:
     """The argv `engine.launch` starts: `sglang_launch_command_from_config` for the local model folder
     `model_path`, with `engine.launch`'s interpreter and address and the `resolved` flags (`launch_flags`).

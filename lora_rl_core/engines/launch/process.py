@@ -26,7 +26,7 @@ from lora_rl_core.engines.spec import LaunchPlan, ResolvedLaunch
 from lora_rl_core.errors import EngineError
 
 if TYPE_CHECKING:
-    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig
+    from lora_rl_core.config import LoRAConfig, ModelConfig, SGLangEngineConfig
 
 _POLL_S = 1.0
 _log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 def launch_sglang(
-    engine: EngineConfig,
+    engine: SGLangEngineConfig,
     model: ModelConfig,
     lora: LoRAConfig,
     log_path: str | Path,

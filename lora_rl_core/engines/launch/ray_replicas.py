@@ -36,10 +36,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from lora_rl_core.config import RayReplicas
 from lora_rl_core.engines.base import Completion, GenerationRequest
 from lora_rl_core.engines.multi import MultiEngine
 from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
-from lora_rl_core.errors import EngineError, EngineUnavailable
+from lora_rl_core.errors import ConfigError, EngineError, EngineUnavailable
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,8 @@ def start_ray_replicas(
     import ray
 
     cfg = inputs.engine
+    if not isinstance(cfg, RayReplicas):
+        raise ConfigError(f"engine.ray_replicas: engine.type {cfg.type} has no Ray replicas")
     on_gpu = inputs.model is not None and inputs.model.device.startswith("cuda")
     actor_inputs = dataclasses.replace(
         inputs, engine=cfg.model_copy(update={"ray_replicas": 0}), tokenizer=None, device=None, dtype=None

@@ -4,10 +4,10 @@ through `HTTPEngine` clients (dialect `SGLANG`) behind one `MultiEngine` (`engin
 
 `start_sglang_replicas(inputs, connect)` joins the Ray cluster of `RAY_ADDRESS` (or starts a local one),
 starts `engine.ray_replicas` `SGLangReplica` actors, each reserving `engine.ray_gpus_per_replica` GPUs (a
-fraction shares a GPU, e.g. with a trainer rank of `trainer.ray_gpus_per_rank`) and launching the server `engine.launch`
-describes on port `launch.port + i` (`lora_rl_core.engines.launch.process.launch_sglang`; Ray gives the actor,
-and so the server, its GPU through `CUDA_VISIBLE_DEVICES`). Generation, loads and retirement then go over
-HTTP as with one launched server: the samples of a prompt stay on one replica, versions load into every
+fraction shares a GPU, e.g. with a trainer rank of `trainer.backend.gpus_per_rank`) and launching the server
+`engine.launch` describes on port `launch.port + i` (`lora_rl_core.engines.launch.process.launch_sglang`; Ray
+gives the actor, and so the server, its GPU through `CUDA_VISIBLE_DEVICES`). Generation, loads and retirement
+then go over HTTP as with one launched server: the samples of a prompt stay on one replica, versions load into every
 replica (tensor path by CUDA IPC when the server is on this host, `engine.tensor_transport: auto`).
 
 Choices made here:
@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lora_rl_core.config import sglang_section
 from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
 from lora_rl_core.errors import ConfigError, EngineError
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
@@ -82,8 +83,9 @@ class SGLangReplica:
         from lora_rl_core.engines.launch.process import launch_sglang
 
         assert inputs.model is not None and inputs.lora is not None  # start_sglang_replicas checked
-        launch = inputs.engine.launch.model_copy(update={"port": inputs.engine.launch.port + index})
-        engine = inputs.engine.model_copy(update={"launch": launch})
+        section = sglang_section(inputs.engine, "an SGLang replica")
+        launch = section.launch.model_copy(update={"port": section.launch.port + index})
+        engine = section.model_copy(update={"launch": launch})
         self.host = launch.host
         self.server: SGLangServer = launch_sglang(
             engine, inputs.model, inputs.lora, Path(log_dir) / f"sglang-{index}.log", plan=inputs.launch_plan
@@ -140,7 +142,7 @@ def start_sglang_replicas(inputs: EngineInputs, connect: Callable[[list[str]], B
 
     if inputs.model is None or inputs.lora is None:
         raise ConfigError("launching SGLang replicas needs the model and lora sections (EngineInputs)")
-    engine = inputs.engine
+    engine = sglang_section(inputs.engine, "SGLang replicas")
     log_dir = str(inputs.log_dir or Path.cwd())
     acquire_ray()
     options = {"num_cpus": 1, "num_gpus": engine.ray_gpus_per_replica, "max_restarts": 0}

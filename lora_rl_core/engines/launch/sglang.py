@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from lora_rl_core.config import sglang_section
 from lora_rl_core.engines.launch.process import launch_sglang
 from lora_rl_core.engines.launch.ray_sglang import start_sglang_replicas
 from lora_rl_core.engines.remote.connect import connect
@@ -23,14 +24,13 @@ def sglang_engine(inputs: EngineInputs) -> BuiltEngine:
         ConfigError: launching without the model or lora section.
         ModelError / EngineError: the model folder cannot be had, or the server did not become healthy.
     """
-    if not inputs.engine.launch.enabled:
+    engine = sglang_section(inputs.engine, "the sglang engine")
+    if not engine.launch.enabled:
         return connect(SGLANG, inputs)
     if inputs.model is None or inputs.lora is None:
         raise ConfigError("engine.launch needs the model and lora sections (EngineInputs)")
     log = (inputs.log_dir or Path.cwd()) / "sglang.log"
-    server = launch_sglang(
-        inputs.engine, inputs.model, inputs.lora, log, resolved=inputs.launch, plan=inputs.launch_plan
-    )
+    server = launch_sglang(engine, inputs.model, inputs.lora, log, resolved=inputs.launch, plan=inputs.launch_plan)
     try:
         built = connect(SGLANG, inputs, [server.url])
     except BaseException:

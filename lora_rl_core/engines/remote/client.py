@@ -54,7 +54,15 @@ from typing import Any
 import httpx
 
 from lora_rl_core.adapters import adapter_version
-from lora_rl_core.config import ENGINE_DEFAULTS, IpcLayout, SGLangAbort, SGLangRetire, TensorDtype, TensorTransport
+from lora_rl_core.config import (
+    ENGINE_DEFAULTS,
+    SGLANG_DEFAULTS,
+    IpcLayout,
+    SGLangAbort,
+    SGLangRetire,
+    TensorDtype,
+    TensorTransport,
+)
 from lora_rl_core.engines.base import ABORT_REASONS, Completion, GenerationRequest, aborted_completion
 from lora_rl_core.engines.remote.coalesce import FreshCall
 from lora_rl_core.engines.remote.control import ControlCalls
@@ -118,11 +126,11 @@ class HTTPEngine(ControlCalls):
         control_timeout_s: float = 60.0,
         max_batch_requests: int = 256,
         max_concurrency: int = 4,
-        tensor_transport: TensorTransport = ENGINE_DEFAULTS.tensor_transport,
-        retire: SGLangRetire = ENGINE_DEFAULTS.sglang_retire,
-        tensor_layout: IpcLayout = ENGINE_DEFAULTS.tensor_layout,
-        tensor_dtype: TensorDtype = ENGINE_DEFAULTS.tensor_dtype,
-        abort: SGLangAbort = ENGINE_DEFAULTS.sglang_abort,
+        tensor_transport: TensorTransport = SGLANG_DEFAULTS.tensor_transport,
+        retire: SGLangRetire = SGLANG_DEFAULTS.sglang_retire,
+        tensor_layout: IpcLayout = SGLANG_DEFAULTS.tensor_layout,
+        tensor_dtype: TensorDtype = SGLANG_DEFAULTS.tensor_dtype,
+        abort: SGLangAbort = SGLANG_DEFAULTS.sglang_abort,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise EngineError(f"engine URL {url!r} must start with http:// or https://")

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 
+from lora_rl_core.config import SGLANG_DEFAULTS, RemoteEngine, SGLangEngineConfig
 from lora_rl_core.engines.base import ServingEngine
 from lora_rl_core.engines.multi import MultiEngine
 from lora_rl_core.engines.remote.client import HTTPEngine
 from lora_rl_core.engines.remote.dialect import SGLANG, Dialect
 from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
-from lora_rl_core.errors import EngineError
+from lora_rl_core.errors import ConfigError, EngineError
 
 
 def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = None) -> BuiltEngine:
@@ -24,6 +25,9 @@ def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = Non
         EngineError: no URLs, or a malformed URL.
     """
     cfg = inputs.engine
+    if not isinstance(cfg, RemoteEngine):
+        raise ConfigError(f"engine.type {cfg.type} has no engine URLs to connect to")
+    sglang = cfg if isinstance(cfg, SGLangEngineConfig) else SGLANG_DEFAULTS  # our server: no tensor options
     urls = urls if urls is not None else cfg.urls
     if not urls:
         raise EngineError("give at least one engine URL, e.g. http://127.0.0.1:30000")
@@ -33,11 +37,11 @@ def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = Non
             url,
             api_key=inputs.api_key or os.environ.get(cfg.api_key_env),
             timeout_s=cfg.timeout_s,
-            tensor_transport=inputs.tensor_transport or cfg.tensor_transport,
-            retire=cfg.sglang_retire if dialect is SGLANG else "unload",
-            tensor_layout=cfg.tensor_layout,
-            tensor_dtype=cfg.tensor_dtype,
-            abort=cfg.sglang_abort,
+            tensor_transport=inputs.tensor_transport or sglang.tensor_transport,
+            retire=sglang.sglang_retire if dialect is SGLANG else "unload",
+            tensor_layout=sglang.tensor_layout,
+            tensor_dtype=sglang.tensor_dtype,
+            abort=sglang.sglang_abort,
         )
         for url in urls
     ]

@@ -56,12 +56,12 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's ForkingPickler reductions (CUDA IPC handles)
 from torch.multiprocessing import reductions
 
-from lora_rl_core.config import ENGINE_DEFAULTS, IpcLayout, TensorTransport
+from lora_rl_core.config import SGLANG_DEFAULTS, IpcLayout, TensorTransport
 from lora_rl_core.errors import EngineError
 
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 _DEVICE_ARG = 6  # index of the device in `reduce_tensor`'s CUDA rebuild args (SGLang's _REDUCE_TENSOR_ARG_DEVICE_INDEX)
-DEFAULT_IPC_LAYOUT = ENGINE_DEFAULTS.tensor_layout
+DEFAULT_IPC_LAYOUT = SGLANG_DEFAULTS.tensor_layout
 
 
 def is_loopback(url: str) -> bool:

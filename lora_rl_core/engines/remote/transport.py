@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lora_rl_core.adapters import CONFIG_FILE, MODEL_FILE, safetensors_bytes
-from lora_rl_core.config import ENGINE_DEFAULTS, EngineConfig, IpcLayout, TensorDtype, TensorTransport
+from lora_rl_core.config import SGLANG_DEFAULTS, EngineConfig, IpcLayout, TensorDtype, TensorTransport, sglang_section
 from lora_rl_core.engines.remote.wire import json_safe
 from lora_rl_core.errors import EngineError, EngineUnavailable
 
@@ -108,9 +108,9 @@ class SGLangTensorLoad:
 
     def __init__(
         self,
-        transport: TensorTransport = ENGINE_DEFAULTS.tensor_transport,
-        layout: IpcLayout = ENGINE_DEFAULTS.tensor_layout,
-        dtype: TensorDtype = ENGINE_DEFAULTS.tensor_dtype,
+        transport: TensorTransport = SGLANG_DEFAULTS.tensor_transport,
+        layout: IpcLayout = SGLANG_DEFAULTS.tensor_layout,
+        dtype: TensorDtype = SGLANG_DEFAULTS.tensor_dtype,
     ) -> None:
         self.transport, self.layout, self.dtype = transport, layout, dtype
         self.fallback: str | None = None
@@ -221,9 +221,9 @@ class SGLangTensorLoad:
 def tensor_loader(
     upload: str,
     *,
-    transport: TensorTransport = ENGINE_DEFAULTS.tensor_transport,
-    layout: IpcLayout = ENGINE_DEFAULTS.tensor_layout,
-    dtype: TensorDtype = ENGINE_DEFAULTS.tensor_dtype,
+    transport: TensorTransport = SGLANG_DEFAULTS.tensor_transport,
+    layout: IpcLayout = SGLANG_DEFAULTS.tensor_layout,
+    dtype: TensorDtype = SGLANG_DEFAULTS.tensor_dtype,
 ) -> TensorLoader:
     """The loader for a dialect's `tensor_upload` (`safetensors` or `sglang`)."""
     if upload == "safetensors":
@@ -231,7 +231,7 @@ def tensor_loader(
     return SGLangTensorLoad(transport, layout, dtype)
 
 
-def sglang_tensor_load_reads_folder(cfg: EngineConfig, transport: str) -> bool:
+def sglang_tensor_load_reads_folder(engine: EngineConfig, transport: str) -> bool:
     """Whether SGLang clients of `cfg` load tensor syncs from the published folder, with `transport` (the
     run's `engine.tensor_transport`, resolved by its plan): `disk`, or `auto` (left per server) unless every
     server is on this host with CUDA here (then `ipc`); Ray replicas' servers may run on other hosts, so
@@ -241,6 +241,7 @@ def sglang_tensor_load_reads_folder(cfg: EngineConfig, transport: str) -> bool:
 
     if transport != "auto":
         return transport == "disk"
+    cfg = sglang_section(engine, "an SGLang tensor load")
     if cfg.ray_replicas:
         return True
     urls = cfg.urls or [f"http://{cfg.launch.host}:{cfg.launch.port}"]

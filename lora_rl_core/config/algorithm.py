@@ -1,0 +1,154 @@
+"""The `algorithm` section: the policy-gradient objective, and its off-policy correction, a section keyed by
+`type` (`algorithm.off_policy_correction`: each kind carries only its own bounds)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from lora_rl_core.config.base import RolloutMode, Section, keyed_by_type
+
+
+class NoCorrection(Section):
+    """`off_policy_correction: none`: no importance weights."""
+
+    type: Literal["none"] = "none"
+    """The kind: train on the rollouts as sampled."""
+
+    def weight_args(self) -> dict[str, float]:
+        """Keyword arguments of `algorithm.losses.off_policy_weights` for this kind (its bounds)."""
+        return {}
+
+
+class AutoCorrection(Section):
+    """`off_policy_correction: auto` (the default): `token-truncate` with `is_cap` 2 in `rollout.mode: async`,
+    `none` in sync mode (resolved by the run's plan, `AlgorithmConfig.correction`)."""
+
+    type: Literal["auto"] = "auto"
+    """The kind: picked from `rollout.mode`."""
+
+
+class TruncateCorrection(Section):
+    """`token-truncate`: `min(r_t, is_cap)` per token (TIS, Yao et al. 2025; TRL `token_truncate`);
+    `sequence-truncate`: the product of a sequence's ratios, truncated the same way (TRL `sequence_truncate`)."""
+
+    type: Literal["token-truncate", "sequence-truncate"]
+    """The kind: per token or per sequence."""
+    is_cap: float = Field(2.0, gt=0)
+    """The truncation C: the largest importance weight (TRL's `vllm_importance_sampling_cap`)."""
+
+    def weight_args(self) -> dict[str, float]:
+        """Keyword arguments of `algorithm.losses.off_policy_weights` for this kind (its bounds)."""
+        return {"cap": self.is_cap}
+
+
+class MaskCorrection(Section):
+    """`token-mask`: `r_t`, 0 outside `[is_floor, is_cap]` (IcePop; TRL `token_mask`); `sequence-mask`: the
+    product of a sequence's ratios, the whole sequence masked the same way (TRL `sequence_mask`)."""
+
+    type: Literal["token-mask", "sequence-mask"]
+    """The kind: per token or per sequence."""
+    is_cap: float = Field(2.0, gt=0)
+    """The largest kept ratio."""
+    is_floor: float = Field(0.0, ge=0)
+    """The smallest kept ratio; 0 = no lower bound."""
+
+    @model_validator(mode="after")
+    def _range(self) -> MaskCorrection:
+        if self.is_floor >= self.is_cap:
+            raise ValueError(f"need is_floor < is_cap, got {self.is_floor} and {self.is_cap}")
+        return self
+
+    def weight_args(self) -> dict[str, float]:
+        """Keyword arguments of `algorithm.losses.off_policy_weights` for this kind (its bounds)."""
+        return {"cap": self.is_cap, "floor": self.is_floor}
+
+
+class GeometricMaskCorrection(Section):
+    """`geometric-mask`: weight 1, and 0 for a sequence whose geometric-mean ratio is outside
+    `[geo_mask_low, geo_mask_high]` (SkyRL's geometric sequence mask; verl's geometric rejection sampling)."""
+
+    type: Literal["geometric-mask"] = "geometric-mask"
+    """The kind: sequence rejection without reweighting."""
+    geo_mask_low: float = Field(0.99, gt=0)
+    """Sequences whose geometric-mean ratio is below this are masked (SkyRL's fully async example: 0.99)."""
+    geo_mask_high: float = Field(1.01, gt=0)
+    """Sequences whose geometric-mean ratio is above this are masked (SkyRL example: 1.01)."""
+
+    @model_validator(mode="after")
+    def _range(self) -> GeometricMaskCorrection:
+        if self.geo_mask_low >= self.geo_mask_high:
+            raise ValueError(f"need geo_mask_low < geo_mask_high, got {self.geo_mask_low} and {self.geo_mask_high}")
+        return self
+
+    def weight_args(self) -> dict[str, float]:
+        """Keyword arguments of `algorithm.losses.off_policy_weights` for this kind (its bounds)."""
+        return {"geo_low": self.geo_mask_low, "geo_high": self.geo_mask_high}
+
+
+OffPolicyCorrectionConfig = Annotated[
+    AutoCorrection | NoCorrection | TruncateCorrection | MaskCorrection | GeometricMaskCorrection,
+    Field(discriminator="type"),
+    keyed_by_type("auto"),
+]
+"""`algorithm.off_policy_correction`, keyed by `type`; a bare kind (`token-mask`) takes that kind's defaults."""
+ResolvedCorrection = NoCorrection | TruncateCorrection | MaskCorrection | GeometricMaskCorrection
+"""An off-policy correction with `auto` resolved (`AlgorithmConfig.correction`)."""
+
+_MOVED = ("is_cap", "is_floor", "geo_mask_low", "geo_mask_high", "tis_cap")
+
+
+class AlgorithmConfig(Section):
+    """GRPO-family policy optimisation settings."""
+
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """Advantage estimator: group-normalised (GRPO), mean-centred (Dr. GRPO), leave-one-out (RLOO)."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses are reduced to a scalar."""
+    clip_eps_low: float = Field(0.2, gt=0, lt=1)
+    """PPO clip range below 1 for the importance ratio."""
+    clip_eps_high: float = Field(0.28, gt=0)
+    """PPO clip range above 1 (DAPO's clip-higher)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL penalty to the reference (the base model, adapter disabled). 0 = off."""
+    off_policy_correction: OffPolicyCorrectionConfig = AutoCorrection()
+    """Importance weights on the policy-gradient term for rollouts sampled by another policy than the trainer's
+    (an older version in `rollout.mode: async`, and always the engine's numerics); the ratio is trainer over
+    engine log-probs (`lora_rl_core.algorithm.losses.off_policy_weights`). Keyed by `type`, each kind with its
+    own bounds: `{type: token-truncate, is_cap: 2}` (TIS), `{type: token-mask, is_cap, is_floor}` (IcePop),
+    `sequence-truncate` / `sequence-mask` (TRL), `{type: geometric-mask, geo_mask_low, geo_mask_high}`
+    (SkyRL), `none`, or `auto` (the default: `token-truncate` in async mode, `none` in sync mode); a bare kind
+    (`off_policy_correction: token-mask`) takes its defaults. Measured with lag 1 on the arithmetic task
+    (H100, 20 seeds; benchmarks/results/gpu-async): `token-truncate` ends 0.5 points below sync on average,
+    `none` 2.9 and `sequence-mask` (cap 2) 12.5, two of its eight runs collapsing."""
+    skip_uniform_groups: bool = True
+    """Train only on groups whose rewards differ (others have zero advantage)."""
+    num_minibatches: int = Field(1, ge=1)
+    """Optimizer steps per training step; 1 keeps training on-policy."""
+    max_staleness: int = Field(1, ge=0)
+    """Policy versions a rollout may lag behind the trainer; older completions are dropped. Also how many
+    versions stay loaded (`max_staleness + 1`), and in `rollout.mode: async` how many steps ahead rollouts
+    run (verl `staleness_threshold`, SkyRL `max_staleness_steps`, TRL `max_staleness`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        moved = [key for key in _MOVED if isinstance(data, dict) and key in data]
+        if moved:
+            key = moved[0]
+            kind = {"is_floor": "token-mask", "geo_mask_low": "geometric-mask", "geo_mask_high": "geometric-mask"}
+            field = "is_cap" if key == "tis_cap" else key
+            raise ValueError(
+                f"algorithm.{key} moved into the correction it bounds: set algorithm.off_policy_correction="
+                f"{{type: {kind.get(key, 'token-truncate')}, {field}: {data[key]}}}"
+            )
+        return data
+
+    def correction(self, mode: RolloutMode) -> ResolvedCorrection:
+        """The off-policy correction in effect for a rollout mode: `auto` resolved to `token-truncate` (cap 2)
+        in async mode and `none` in sync mode."""
+        c = self.off_policy_correction
+        if not isinstance(c, AutoCorrection):
+            return c
+        return TruncateCorrection(type="token-truncate") if mode == "async" else NoCorrection()
