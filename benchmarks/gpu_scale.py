@@ -1,4 +1,5 @@
-"""Real model sizes on GPUs: the main job's step time for Qwen2.5-1.5B and -7B shapes (issue 22).
+"""Real model sizes on GPUs: the main job's step time for Qwen2.5-1.5B to -32B shapes on 1 to N GPUs (issues 22,
+33).
 
 Random weights in the published shapes (`benchmarks/model_configs/qwen2.5-<shape>.json`; speed and memory
 need no trained weights), the default config plus only the model path and the batch shape (16 prompts x 8
@@ -8,20 +9,23 @@ Random weights score 0 on every problem, so `algorithm.skip_uniform_groups=false
 on all 128 rows as a learning run would.
 
     one GPU, trainer and SGLang colocated:   python benchmarks/gpu_scale.py --shape 7b
-    two GPUs, SGLang on GPU 0, trainer on GPU 1, async rollouts:   ... --gpus 2
+    N GPUs, a trainer rank and an SGLang data-parallel worker on each:   ... --gpus N --placement colocated
+    N GPUs, SGLang on half, the trainer on the rest, async rollouts:     ... --gpus N --placement split
 
 On the offline GPU host (docs/SGLANG.md, "GPU host"): `--sglang-pythonpath /tmp/sglsite` and a tokenizer
 folder `--tokenizer /tmp/models/meta` (SmolLM2's: random weights make any tokenizer right). Writes
-`benchmarks/results/gpu_scale/<shape>-<gpus>gpu.json` and prints a table.
+`benchmarks/results/gpu_scale/<shape>-1gpu.json` or `<shape>-<gpus>gpu-<placement>.json` and prints a table.
 
 Physical limit (`physical_limit_seconds`): decoding reads every bf16 weight once per new token for the whole
 batch, and training runs at the GPU's dense bf16 peak:
 
-    limit = max_new_tokens x weight_bytes / HBM bandwidth + 6 x params x trained_tokens / peak_flops
+    limit = max_new_tokens x weight_bytes / HBM bandwidth + 6 x params x trained_tokens / (peak_flops x gpus)
 
-(trained tokens: prompt + completion of every row). `mfu` is `6 x params x trained_tokens / train_seconds /
-peak_flops` (the usual 6N per token; LoRA skips the frozen weights' gradients and checkpointing recomputes,
-so the GPU does about 4N-8N). Peaks: H100 SXM 989 TFLOP/s and 3.35 TB/s, H200 989 TFLOP/s and 4.8 TB/s.
+(trained tokens: prompt + completion of every row; on N GPUs every data-parallel SGLang worker still reads the
+whole model once per new token, while training divides over the GPUs). `mfu` is `6 x params x trained_tokens /
+train_seconds / (peak_flops x trainer GPUs)` (the usual 6N per token; LoRA skips the frozen weights' gradients
+and checkpointing recomputes, so the GPU does about 4N-8N). Peaks: H100 SXM 989 TFLOP/s and 3.35 TB/s, H200
+989 TFLOP/s and 4.8 TB/s.
 """
 
 from __future__ import annotations
@@ -122,8 +126,9 @@ class GpuMemory:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=["0.5b", "1.5b", "7b"], default="1.5b")
-    p.add_argument("--gpus", type=int, default=1, choices=[1, 2])
+    p.add_argument("--shape", choices=["0.5b", "1.5b", "7b", "14b", "32b"], default="1.5b")
+    p.add_argument("--gpus", type=int, default=1, choices=[1, 2, 4, 8])
+    p.add_argument("--placement", choices=["colocated", "split"], default="colocated", help="with --gpus > 1")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--tokenizer", type=Path, default=Path("/tmp/models/meta"))
     p.add_argument("--models", type=Path, default=Path("/tmp/models"))
@@ -141,8 +146,6 @@ def main() -> None:
     model_dir = build_model(args.shape, args.tokenizer, args.models / f"qwen2.5-{args.shape}-random")
     work = Path(tempfile.mkdtemp(prefix="gpu-scale-"))
     env = {"PYTHONPATH": args.sglang_pythonpath} if args.sglang_pythonpath else {}
-    if args.gpus == 2:
-        env["CUDA_VISIBLE_DEVICES"] = "0"
     overrides = [
         f"model.name_or_path={model_dir}",
         "rollout.prompts_per_step=16",
@@ -153,8 +156,13 @@ def main() -> None:
         "engine.launch.enabled=true",
         "algorithm.skip_uniform_groups=false",
     ]
-    if args.gpus == 2:  # SGLang on GPU 0, the trainer on GPU 1, rollouts one step ahead of training
-        overrides += ["model.device=cuda:1", "rollout.mode=async"]
+    gpus = list(range(args.gpus))
+    if args.gpus == 1:  # one GPU of the machine, trainer and SGLang on it
+        overrides += ["placement=manual"]
+    elif args.placement == "split":  # SGLang on the first half, the trainer on the rest, rollouts one step ahead
+        overrides += [f"placement={{type: split, gpus: {gpus}}}", "rollout.mode=async"]
+    else:  # a trainer rank and an SGLang data-parallel worker on every GPU
+        overrides += [f"placement={{type: colocated, gpus: {gpus}}}"]
     overrides += args.override
     shown = [o for o in overrides if not o.startswith("model.name_or_path")]
     plumbing = [f"run.output_dir={work}", f"store.uri=file://{work}/store", f"engine.launch.env={json.dumps(env)}"]
@@ -193,30 +201,42 @@ def main() -> None:
 
                 run_steps(timed, steps=args.steps, ahead=cfg.rollouts_ahead(), on_step=on_step)
             plan = run.runtime.get("memory_plan")
-            trainer_device = torch.device(str(run.runtime["device"]))
-            trainer_peak = torch.cuda.max_memory_reserved(trainer_device) if trainer_device.type == "cuda" else 0
+            trainer_plan = run.plan.trainer
+            assert trainer_plan is not None
+            in_process = trainer_plan.world_size == 0 and trainer_plan.device.startswith("cuda")
+            trainer_peak = torch.cuda.max_memory_reserved(torch.device(trainer_plan.device)) if in_process else None
             sglang_log = (run.workdir / "sglang.log").read_text(errors="replace").splitlines()
         finally:
             run.close()
     command = next((ln for ln in sglang_log if ln.startswith("[lora-rl] command:")), "")
+    args.trainer_gpus = max(1, trainer_plan.world_size)  # the MFU's denominator
     record = summarize(args, steps, shown, memory.peak, model_dir)
+    launch = run.plan.engine.launch
     record.update(
+        placement=run.plan.choices["placement"].value,
+        placement_reason=run.plan.choices["placement"].reason,
+        rollout_mode=cfg.rollout.mode,
+        trainer_ranks=trainer_plan.world_size,
+        sglang_dp=launch.servers if launch is not None else 1,  # one server per GPU (data parallel)
+        sglang_tp=1,
         setup_seconds=setup_s,
         memory_plan=plan,
-        trainer_peak_reserved_gib=round(trainer_peak / 1024**3, 2),
-        trainer_kernels=run.runtime["liger_kernels_reason"],
+        trainer_peak_reserved_gib=round(trainer_peak / 1024**3, 2) if trainer_peak is not None else None,
+        trainer_kernels=run.plan.choices["trainer.liger_kernels"].reason,
+        plan_choices={name: {"value": c.value, "reason": c.reason} for name, c in run.plan.choices.items()},
         sglang_command=command,
         steps=steps,
         machine=machine_info("cuda"),
     )
-    out = args.out or RESULTS / "gpu_scale" / f"{args.shape}-{args.gpus}gpu.json"
+    name = f"{args.shape}-1gpu" if args.gpus == 1 else f"{args.shape}-{args.gpus}gpu-{args.placement}"
+    out = args.out or RESULTS / "gpu_scale" / f"{name}.json"
     write_json(record, out)
     if isinstance(timed, ProfiledTrain) and timed.table:
         Path(str(out).removesuffix(".json") + ".train-profile.txt").write_text(timed.table)
         print(timed.table)
     ph = record["phases"]
     print_table(
-        f"{args.shape} on {args.gpus} x {record['gpu']}: median of steps 2..{args.steps}",
+        f"{args.shape} on {args.gpus} x {record['gpu']} ({record['placement']}): median of steps 2..{args.steps}",
         ["step s", *ph.keys(), "rollout tok/s", "train tok/s", "MFU", "peak GiB", "limit s", "ratio"],
         [
             [
@@ -245,7 +265,7 @@ def summarize(
     params = sum(v for v in _param_count(model_dir).values())
     weight_bytes = 2 * params
     trained = med([s["trained_tokens"] for s in timed])
-    limit = 256 * weight_bytes / bandwidth + 6 * params * trained / flops
+    limit = 256 * weight_bytes / bandwidth + 6 * params * trained / (flops * args.gpus)
     step_s = med([s["step_seconds"] for s in timed])
     train_s = phases["train"]
     return {
@@ -260,9 +280,8 @@ def summarize(
         "median_step_seconds": step_s,
         "phases": phases,
         "rollout_tokens_per_second": med([s["completion_tokens"] / s["seconds"]["rollout"] for s in timed]),
-        "rollout_mode": "async" if args.gpus == 2 else "sync",
         "train_tokens_per_second": trained / train_s if train_s else None,
-        "mfu": 6 * params * trained / train_s / flops if train_s else None,
+        "mfu": 6 * params * trained / train_s / (flops * args.trainer_gpus) if train_s else None,
         "peak_gpu_memory_gib": [round(b / 1024**3, 2) for b in peak],
         "physical_limit_seconds": limit,
         "limit_ratio": step_s / limit,

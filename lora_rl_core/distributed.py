@@ -130,7 +130,9 @@ def mixed_precision_policy(device: torch.device) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard_model(model: nn.Module, *, mixed_precision: bool, activation_checkpointing: bool) -> nn.Module:
+def shard_model(
+    model: nn.Module, *, mixed_precision: bool, activation_checkpointing: bool, device: torch.device | None = None
+) -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer, then the root; gradients are SUMMED over ranks.
 
     Call after `apply_lora` (LoRA params are created unsharded and identically seeded on every rank) and
@@ -138,14 +140,16 @@ def shard_model(model: nn.Module, *, mixed_precision: bool, activation_checkpoin
     the mesh is all ranks, on the device type of the model's parameters.
 
     Args:
-        model: the (PEFT) model, already on its device.
+        model: the (PEFT) model, on `device` or on the CPU: `fully_shard` moves each layer's weights to the
+            mesh's device as it shards them, so a GPU holds its shard plus one layer, never the whole model.
         mixed_precision: bf16 params / fp32 reduction where CUDA supports bf16 (ignored on CPU).
         activation_checkpointing: recompute each decoder layer's activations in backward.
+        device: the rank's device; None = where the model's parameters are.
 
     Returns:
         The same module object (its class is now also an `FSDPModule`).
     """
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = mixed_precision_policy(device) if mixed_precision else MixedPrecisionPolicy()
     for layer in find_decoder_layers(model):

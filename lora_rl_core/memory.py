@@ -200,16 +200,22 @@ def plan_memory(
     gpu_total: int,
     colocated: bool,
     saver_available: bool,
+    ranks: int | None = None,
+    dp_size: int = 1,
 ) -> MemoryPlan:
-    """The run's memory plan (module docstring); pure arithmetic, no GPU touched.
+    """The run's memory plan (module docstring), per GPU; pure arithmetic, no GPU touched.
 
     Args:
         cfg: the run (trainer, rollout, engine sections).
         shape: the model's sizes; None when the trainer is on a CPU (then only `auto` values are resolved).
         prompt_tokens: the longest rendered prompt, tokens.
         gpu_free / gpu_total: the trainer's GPU before anything of this run is on it, bytes.
-        colocated: a launched SGLang shares the trainer's GPU.
+        colocated: a launched SGLang shares the trainer's GPU (each of the trainer's GPUs).
         saver_available: the installed SGLang has `torch_memory_saver`.
+        ranks: FSDP2 ranks, one per GPU, each holding 1/ranks of the base weights (0: the trainer in this
+            process); None = `trainer.backend`'s.
+        dp_size: SGLang servers (data-parallel replicas), one per GPU: each holds the whole model and the KV
+            cache of 1/dp_size of the rollout batch.
 
     Raises:
         ConfigError: the trainer (and SGLang beside it) cannot fit, naming the settings to change.
@@ -224,11 +230,11 @@ def plan_memory(
         )
     r, t = cfg.rollout, cfg.trainer
     launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
-    world = max(1, t.ranks())
+    world = max(1, t.ranks() if ranks is None else ranks)
     seq = prompt_tokens + r.max_new_tokens
     resident = shape.weight_bytes() // world + shape.lora_params * 16 + CUDA_CONTEXT_BYTES
     budget = gpu_free - SAFETY_BYTES
-    kv_needed = batch * seq * shape.kv_bytes_per_token()
+    kv_needed = -(-batch // dp_size) * seq * shape.kv_bytes_per_token()  # a server's share of the batch
     engine_fixed = 0
     saver_allowed = False
     fraction: float | None = None
@@ -236,9 +242,10 @@ def plan_memory(
         prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2
         lora_pool = cfg.engine.max_loras_per_batch * shape.lora_params * 2
         engine_fixed = shape.weight_bytes() + lora_pool + ENGINE_OVERHEAD_BYTES + prefill
-        # the KV cache can be released only while SGLang is idle (sync rollouts) and from one trainer process
+        # the KV cache can be released only while SGLang is idle (sync rollouts); every rank then gives its cached
+        # blocks back after its step (TrainerPlan.empty_cache_after_step)
         saver_allowed = launch.memory_saver is True or (
-            launch.memory_saver == "auto" and saver_available and r.mode == "sync" and t.ranks() == 0
+            launch.memory_saver == "auto" and saver_available and r.mode == "sync"
         )
     room = budget - resident - engine_fixed  # for the KV cache and the activations
     kv_min = 0

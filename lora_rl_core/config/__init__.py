@@ -1,11 +1,12 @@
 """Typed run configuration: one pydantic model per component, loaded from YAML.
 
 Modules: `base` (`Section`, the allowed values of choice fields, `keyed_by_type`), `engine` (the `engine`
-section), `algorithm` (the `algorithm` section), `trainer` (the `trainer` section), `sections` (the other
-sections and `RunConfig`), `load` (YAML and overrides into a `RunConfig`).
+section), `algorithm` (the `algorithm` section), `trainer` (the `trainer` section), `placement` (the GPUs
+of the trainer and a launched SGLang), `sections` (the other sections and `RunConfig`), `load` (YAML and
+overrides into a `RunConfig`).
 
 Where a choice brings its own options, the section is keyed by `type` (`engine`,
-`algorithm.off_policy_correction`, `trainer.backend`): each kind has only its own fields, an option of
+`algorithm.off_policy_correction`, `trainer.backend`, `placement`): each kind has only its own fields, an option of
 another kind is an error naming the kind, and a bare kind (`trainer.backend=ray`) takes its defaults.
 
 `RunConfig` has the sections model, lora, algorithm, rollout, engine, store,
@@ -65,6 +66,13 @@ from lora_rl_core.config.load import (
     config_from_dict,
     load_config,
 )
+from lora_rl_core.config.placement import (
+    AutoPlacement,
+    ColocatedPlacement,
+    ManualPlacement,
+    PlacementConfig,
+    SplitPlacement,
+)
 from lora_rl_core.config.sections import (
     DataConfig,
     EvalConfig,
@@ -88,6 +96,11 @@ from lora_rl_core.config.trainer import (
 
 __all__ = [
     "AlgorithmConfig",
+    "AutoPlacement",
+    "ColocatedPlacement",
+    "ManualPlacement",
+    "PlacementConfig",
+    "SplitPlacement",
     "AutoCorrection",
     "EmbeddedEngineConfig",
     "EngineLimits",

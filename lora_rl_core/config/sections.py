@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from lora_rl_core.config.algorithm import AlgorithmConfig
 from lora_rl_core.config.base import RolloutMode, Section
 from lora_rl_core.config.engine import EmbeddedEngineConfig, EngineConfig
+from lora_rl_core.config.placement import AutoPlacement, PlacementConfig
 from lora_rl_core.config.trainer import TrainerConfig
 
 
@@ -260,6 +261,9 @@ class RunConfig(Section):
     """The adapter store that versions and checkpoints are published to."""
     trainer: TrainerConfig = TrainerConfig()
     """Optimisation: steps, optimizer, batch shape, checkpoints, FSDP2 workers."""
+    placement: PlacementConfig = AutoPlacement()
+    """Which GPUs the trainer and a launched SGLang use: `colocated` (both on every GPU), `split` (SGLang on
+    some, the trainer on the rest), `manual`, or `auto` (the default: chosen from the visible GPUs)."""
     data: DataConfig = DataConfig()
     """The training and held-out problems."""
     reward: RewardConfig = RewardConfig()

@@ -248,6 +248,19 @@ class ServingEngine(RolloutEngine, Protocol):
         ...
 
 
+def spread_groups(requests: Sequence[GenerationRequest], n: int, start: int = 0) -> list[list[int]]:
+    """Indices of `requests` for each of `n` engines (replicas, or an SGLang server's data-parallel workers):
+    the requests of one prompt (equal `prompt_ids`: a GRPO group) stay together, prompts are dealt
+    round-robin from engine `start % n`, so groups are balanced and share their prefix cache."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(tuple(r.prompt_ids), []).append(i)
+    shares: list[list[int]] = [[] for _ in range(n)]
+    for k, indices in enumerate(groups.values()):
+        shares[(start + k) % n].extend(indices)
+    return shares
+
+
 def aborted_completion(request: GenerationRequest, version: int | None, reason: str) -> Completion:
     """The Completion of an aborted request: no tokens, `finish_reason="abort"`, `abort_reason=reason`."""
     return Completion(

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from lora_rl_core.engines.base import Completion, GenerationRequest, RolloutEngine, ServingEngine
+from lora_rl_core.engines.base import Completion, GenerationRequest, RolloutEngine, ServingEngine, spread_groups
 from lora_rl_core.errors import EngineError, EngineUnavailable
 
 
@@ -65,14 +65,7 @@ class MultiEngine:
 
     def _spread(self, requests: list[GenerationRequest]) -> list[list[int]]:
         """Indices per engine: prompts (equal `prompt_ids`) dealt round-robin from a rotating start."""
-        start = next(self._turn)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(tuple(r.prompt_ids), []).append(i)
-        shares: list[list[int]] = [[] for _ in self.engines]
-        for k, indices in enumerate(groups.values()):
-            shares[(start + k) % len(self.engines)].extend(indices)
-        return shares
+        return spread_groups(requests, len(self.engines), next(self._turn))
 
     def submit(self, request: GenerationRequest) -> Future[Completion]:
         """Submit to the next engine in turn."""

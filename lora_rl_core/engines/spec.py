@@ -43,6 +43,10 @@ class ResolvedLaunch:
         cuda_graph_max_bs: largest decode batch captured as a CUDA graph; None = CUDA graphs off.
         mem_fraction_static: `--mem-fraction-static`; None = SGLang's own.
         memory_saver: `--enable-memory-saver`.
+        gpus: one server per GPU (physical ids, each its `CUDA_VISIBLE_DEVICES`, over `engine.launch.env`'s),
+            on ports `engine.launch.port + i` (the run's `placement`; SGLang 0.5.17 refuses dynamic LoRA loads
+            with `--dp-size` > 1, so data parallelism is one server per GPU); () = one server, on the GPU
+            `engine.launch.env` (or this process) gives it.
         reasons: for each resolved `auto`, why it became its value.
     """
 
@@ -54,7 +58,13 @@ class ResolvedLaunch:
     mem_fraction_static: float | None
     memory_saver: bool
     extra_args: tuple[str, ...] = ()
+    gpus: tuple[str, ...] = ()
     reasons: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def servers(self) -> int:
+        """SGLang servers launched: one per GPU of `gpus`, else one."""
+        return max(1, len(self.gpus))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ and one field of the plan section its builder reads.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,8 +33,9 @@ from lora_rl_core.engines.launch.process import LaunchPlan
 from lora_rl_core.engines.launch.resolve import ResolvedLaunch, resolve_launch
 from lora_rl_core.engines.registry import sync_reads_folder
 from lora_rl_core.engines.remote.ipc import is_loopback
-from lora_rl_core.memory import MemoryPlan, ModelShape, plan_memory, sglang_shares_trainer_gpu
+from lora_rl_core.memory import MemoryPlan, ModelShape, physical_gpu, plan_memory, sglang_shares_trainer_gpu
 from lora_rl_core.models import model_folder, resolve_device
+from lora_rl_core.plan.placement import Placement, launched_here, resolve_placement
 from lora_rl_core.plan.record import Choice, EnginePlan, RunPlan
 from lora_rl_core.runtime import choose_dtype, choose_lora_compute_dtype, cpu_threads
 from lora_rl_core.trainer.kernels import choose_kernels
@@ -67,17 +70,23 @@ def make_plan(
     dtype = choose_dtype(cfg.model.dtype, device)
     choices["model.dtype"] = Choice(dtype.name, dtype.reason)
     launch_env = _probe(cfg)
+    placement = resolve_placement(cfg, torch.cuda.device_count() if device.type == "cuda" else 0)
+    choices["placement"] = Choice(placement.describe(), placement.reason)
     trainer: TrainerPlan | None = None
     memory: MemoryPlan | None = None
     trainer_device: torch.device | None = None
     colocated = False
     if train:
         backend = cfg.trainer.backend
-        trainer_device = resolve_device(backend.device if isinstance(backend, RankedBackend) else cfg.model.device)
-        colocated = sglang_shares_trainer_gpu(cfg, trainer_device)
-        memory = _memory(cfg, trainer_device, colocated, launch_env, tokenizer, problems)
-        trainer = _trainer(cfg, trainer_device, memory, choices)
-    engine = _engine(cfg, device, dtype.name, memory, trainer_device, colocated, launch_env, choices)
+        if placement.trainer_gpus:
+            trainer_device = torch.device("cuda", placement.trainer_gpus[0])
+            colocated = placement.shares_gpus
+        else:
+            trainer_device = resolve_device(backend.device if isinstance(backend, RankedBackend) else cfg.model.device)
+            colocated = sglang_shares_trainer_gpu(cfg, trainer_device)
+        memory = _memory(cfg, trainer_device, colocated, launch_env, tokenizer, problems, placement)
+        trainer = _trainer(cfg, trainer_device, memory, placement, choices)
+    engine = _engine(cfg, device, dtype.name, memory, trainer_device, colocated, launch_env, placement, choices)
     if train:
         mode = cfg.rollout.mode
         correction = cfg.algorithm.correction(mode)
@@ -104,15 +113,9 @@ def _device_reason(requested: str, device: torch.device) -> str:
     return f"auto: {'cuda is available' if device.type == 'cuda' else 'no cuda here'}"
 
 
-def _launched_here(cfg: RunConfig) -> bool:
-    """This process launches one SGLang server (Ray replicas launch their own on their hosts)."""
-    e = cfg.engine
-    return isinstance(e, SGLangEngineConfig) and e.launch.enabled and not e.ray_replicas
-
-
 def _probe(cfg: RunConfig) -> SGLangEnvironment | None:
     """What the installed SGLang offers, where this process launches it with an `auto` setting to resolve."""
-    if not _launched_here(cfg):
+    if not launched_here(cfg):
         return None
     return probe_for_launch(sglang_section(cfg.engine, "launching SGLang").launch)
 
@@ -124,9 +127,11 @@ def _memory(
     env: SGLangEnvironment | None,
     tokenizer: Any,
     problems: Sequence[Problem],
+    placement: Placement,
 ) -> MemoryPlan:
-    """The GPU memory plan for the trainer's GPU and a launched SGLang beside it; on a CPU only the `auto`
-    values are resolved (gradient checkpointing off)."""
+    """The GPU memory plan for the trainer's GPU (each of them: the placement's ranks) and a launched SGLang
+    beside it (each SGLang server); on a CPU only the `auto` values are resolved (gradient
+    checkpointing off)."""
     if device.type != "cuda":
         return plan_memory(cfg, None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False)
     e = cfg.engine
@@ -148,15 +153,26 @@ def _memory(
         gpu_total=total,
         colocated=colocated,
         saver_available=saver,
+        ranks=placement.ranks if placement.trainer_gpus else None,
+        dp_size=placement.dp_size if colocated else 1,
     )
 
 
-def _trainer(cfg: RunConfig, device: torch.device, memory: MemoryPlan, choices: dict[str, Choice]) -> TrainerPlan:
+def _trainer(
+    cfg: RunConfig, device: torch.device, memory: MemoryPlan, placement: Placement, choices: dict[str, Choice]
+) -> TrainerPlan:
     t = cfg.trainer
     backend = t.backend
-    choices["trainer.backend"] = Choice(
-        backend.type, f"{backend.world_size} FSDP2 ranks" if isinstance(backend, RankedBackend) else SET
-    )
+    if placement.trainer_gpus:  # placed: ranks on the placement's GPUs (one GPU: this process)
+        kind, ranks = ("local" if placement.ranks else "in-process"), placement.ranks
+        rank_device, gpus = ("cuda" if ranks else str(device)), (placement.trainer_gpus if ranks else ())
+        choices["trainer.backend"] = Choice(kind, f"placement {placement.kind}: {ranks or 'no'} FSDP2 ranks")
+    else:
+        kind, ranks, gpus = backend.type, t.ranks(), ()
+        rank_device = backend.device if isinstance(backend, RankedBackend) else str(device)
+        choices["trainer.backend"] = Choice(
+            kind, f"{backend.world_size} FSDP2 ranks" if isinstance(backend, RankedBackend) else SET
+        )
     base = choose_dtype(cfg.model.dtype, device)
     lora = choose_lora_compute_dtype(t.lora_compute_dtype, device, base.name)
     choices["trainer.lora_compute_dtype"] = Choice(lora.name, lora.reason)
@@ -190,7 +206,7 @@ def _trainer(cfg: RunConfig, device: torch.device, memory: MemoryPlan, choices: 
         temperature=cfg.rollout.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=cfg.run.seed,
-        device=backend.device if isinstance(backend, RankedBackend) else str(device),
+        device=rank_device,
         dtype=base.name,
         lora_compute_dtype=lora.name,  # type: ignore[arg-type]  # choose_lora_compute_dtype: float32 | bfloat16
         liger_kernels=kernels.liger,
@@ -198,8 +214,10 @@ def _trainer(cfg: RunConfig, device: torch.device, memory: MemoryPlan, choices: 
         micro_batch_size=memory.micro_batch_size,
         off_policy_correction=cfg.algorithm.correction(cfg.rollout.mode),
         rollout_mode=cfg.rollout.mode,
-        backend=backend.type,
-        world_size=t.ranks(),
+        backend=kind,  # type: ignore[arg-type]  # a TrainerBackend: in-process, local or ray
+        world_size=ranks,
+        gpus=gpus,
+        empty_cache_after_step=memory.memory_saver,
         ray_gpus_per_rank=backend.gpus_per_rank
         if isinstance(backend, RayBackend) and backend.device == "cuda"
         else 0.0,
@@ -222,6 +240,7 @@ def _engine(
     trainer_device: torch.device | None,
     colocated: bool,
     env: SGLangEnvironment | None,
+    placement: Placement,
     choices: dict[str, Choice],
 ) -> EnginePlan:
     e = cfg.engine
@@ -237,11 +256,16 @@ def _engine(
             mem_fraction=fraction,
             memory_saver=saver,
         )
+        if placement.engine_gpus:  # one SGLang server per GPU of the placement (data parallel)
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            gpus = tuple(physical_gpu(torch.device("cuda", i), visible) for i in placement.engine_gpus)
+            launch = dataclasses.replace(launch, gpus=gpus)
+            choices["engine.launch.servers"] = Choice(placement.dp_size, f"placement {placement.kind}: one per GPU")
         for key, reason in launch.reasons.items():
             choices[f"engine.launch.{key}"] = Choice(getattr(launch, key), reason)
     elif isinstance(e, SGLangEngineConfig) and e.launch.enabled:
         choices["engine.launch"] = Choice("per replica", "each Ray replica resolves its `auto` flags on its host")
-    transport = _transport(cfg, trainer_device, colocated)
+    transport = _transport(cfg, trainer_device, colocated, placement)
     choices["engine.tensor_transport"] = transport
     return EnginePlan(
         device=str(device),
@@ -255,7 +279,7 @@ def _engine(
     )
 
 
-def _transport(cfg: RunConfig, trainer_device: torch.device | None, colocated: bool) -> Choice:
+def _transport(cfg: RunConfig, trainer_device: torch.device | None, colocated: bool, placement: Placement) -> Choice:
     """`engine.tensor_transport` resolved where the servers are known now (`auto` stays per server where not)."""
     e = cfg.engine
     if not isinstance(e, SGLangEngineConfig):
@@ -265,6 +289,10 @@ def _transport(cfg: RunConfig, trainer_device: torch.device | None, colocated: b
     per_server = "auto: per server at load: `ipc` for one on this host with CUDA here, else the published folder"
     if e.ray_replicas:
         return Choice("auto", per_server)
+    if placement.ranks or placement.dp_size > 1:
+        # the adapter is gathered to host memory by the ranks, and every server (each sees only its own GPU) must
+        # read it: a local PEFT folder serves them all (CUDA IPC handles do not open on a GPU a server cannot see)
+        return Choice("file", f"auto: placement {placement.kind} on several GPUs: a local PEFT folder")
     if e.launch.enabled and trainer_device is not None and trainer_device.type == "cuda" and not colocated:
         # CUDA IPC handles do not open in a server that cannot see the trainer's GPU; inline data costs seconds
         # for a 7B adapter (3.2 s per sync on two H100s); the published folder waits for the store write

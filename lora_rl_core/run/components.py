@@ -161,9 +161,9 @@ class RunComponents:
     @contextmanager
     def engine_memory_released(self) -> Iterator[None]:
         """Free the KV cache of the SGLang servers this run launched with the memory saver (the memory plan's
-        `memory_saver`: the trainer shares their GPU and needs that memory) for the block, then give the
-        trainer's cached CUDA blocks back (the plan allows the saver only for a trainer in this process) and
-        take the KV cache back.
+        `memory_saver`: the trainer shares their GPU and needs that memory) for the block, then take the KV
+        cache back (the trainer gave its cached CUDA blocks back at the end of its step, on every rank:
+        `TrainerPlan.empty_cache_after_step`).
 
         Raises:
             EngineError: a server refused the release or the resume.
@@ -174,8 +174,6 @@ class RunComponents:
         try:
             yield
         finally:
-            if servers and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # the step's activations, before SGLang takes its KV cache back
             for server in servers:
                 server.resume_memory()
 

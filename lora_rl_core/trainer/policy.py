@@ -136,6 +136,8 @@ class PolicyTrainer:
                 sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
         self.scheduler.step()
         tokens = sum(len(c) for c in batch.completion_ids)
+        if self.plan.empty_cache_after_step and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # SGLang takes its KV cache back on this GPU next (the memory saver)
         return {
             **sums,
             "train_sequences": float(len(batch)),

@@ -32,6 +32,10 @@ class TrainerPlan(BaseModel):
         off_policy_correction: `algorithm.off_policy_correction` resolved for `rollout.mode` (never `auto`).
         backend / world_size: where the ranks run and how many (0: in this process; `trainer.backend`).
         ray_gpus_per_rank: GPUs each Ray rank reserves (`trainer.backend.gpus_per_rank`; 0 on a CPU).
+        gpus: the CUDA device of each local rank (indices among the driver's visible devices; `placement`);
+            () = rank r on `cuda:r`.
+        empty_cache_after_step: give the cached CUDA blocks back after each train step (on every rank): a
+            launched SGLang on the same GPUs takes its KV cache back then (the memory plan's `memory_saver`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -54,6 +58,8 @@ class TrainerPlan(BaseModel):
     backend: TrainerBackend
     world_size: int
     ray_gpus_per_rank: float
+    gpus: tuple[int, ...] = ()
+    empty_cache_after_step: bool = False
 
     @property
     def mixed_precision(self) -> bool:

@@ -71,12 +71,18 @@ def build_sharded_trainer(plan: TrainerPlan, *, device: torch.device) -> PolicyT
     checkpointing (the plan's `gradient_checkpointing`) is applied per decoder layer by `shard_model`; FSDP2's
     bfloat16 mixed precision follows the plan's LoRA compute dtype (`TrainerPlan.mixed_precision`).
     """
-    model, tokenizer = load_model(plan.model, device=device, dtype=plan.dtype)
+    # on a GPU the weights load to host memory and each layer moves to the GPU as it is sharded: a rank never
+    # holds the whole model, so a model larger than one GPU's share loads (and a launched SGLang beside it keeps
+    # the memory the plan gave it)
+    model, tokenizer = load_model(plan.model, device="cpu" if device.type == "cuda" else device, dtype=plan.dtype)
     apply_kernels(model, plan.liger_kernels)
     torch.manual_seed(plan.seed)  # the same LoRA init on every rank and in a single process
     peft_model = apply_lora(model, plan.lora)
     distributed.shard_model(
-        peft_model, mixed_precision=plan.mixed_precision, activation_checkpointing=plan.gradient_checkpointing
+        peft_model,
+        mixed_precision=plan.mixed_precision,
+        activation_checkpointing=plan.gradient_checkpointing,
+        device=device,
     )
     return PolicyTrainer(peft_model, plan, pad_id=tokenizer.pad_token_id)
 
@@ -163,8 +169,9 @@ class TrainerWorkers(RankCommands):
     ) -> None:
         world_size = plan.world_size
         super().__init__(world_size, timeout_s)
-        if plan.device == "cuda" and torch.cuda.device_count() < world_size:
-            raise ValueError(f"world_size {world_size} needs {world_size} GPUs, {torch.cuda.device_count()} visible")
+        needed = max(plan.gpus, default=world_size - 1) + 1
+        if plan.device == "cuda" and torch.cuda.device_count() < needed:
+            raise ValueError(f"world_size {world_size} needs {needed} GPUs, {torch.cuda.device_count()} visible")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         atexit.register(self.close)
@@ -309,7 +316,7 @@ def _exit(code: int) -> NoReturn:
 
 def _setup(rank: int, spec: _WorkerSpec) -> PolicyTrainer:
     plan = TrainerPlan.model_validate(spec.plan)
-    device = rank_device(plan.device, rank, plan.world_size)
+    device = rank_device(plan.device, plan.gpus[rank] if plan.gpus else rank, plan.world_size)
     distributed.init_process_group(
         device, rank=rank, world_size=plan.world_size, port=spec.port, timeout_s=spec.timeout_s
     )

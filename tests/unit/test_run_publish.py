@@ -299,6 +299,7 @@ def test_sglang_launched_on_another_gpu_gets_the_file_transport(monkeypatch):
     does not wait for the store write (the published folder, `disk`, waits behind the step's checkpoint)."""
     from lora_rl_core.memory import sglang_shares_trainer_gpu
     from lora_rl_core.plan.make import _transport
+    from lora_rl_core.plan.placement import Placement
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     launched = ["engine.type=sglang", "engine.launch.enabled=true"]
@@ -306,7 +307,10 @@ def test_sglang_launched_on_another_gpu_gets_the_file_transport(monkeypatch):
     shared = load_config(None, [*launched, "model.device=cuda:0"])
     chosen = {
         name: _transport(
-            cfg, torch.device(cfg.model.device), sglang_shares_trainer_gpu(cfg, torch.device(cfg.model.device))
+            cfg,
+            torch.device(cfg.model.device),
+            sglang_shares_trainer_gpu(cfg, torch.device(cfg.model.device)),
+            Placement("as configured"),
         )
         for name, cfg in (("split", split), ("shared", shared))
     }

@@ -209,10 +209,16 @@ def launch_flags(launch: ResolvedLaunch) -> list[str]:
 
 
 def sglang_server_command(
-    engine: SGLangEngineConfig, model: ModelConfig, lora: LoRAConfig, model_path: str, resolved: ResolvedLaunch
+    engine: SGLangEngineConfig,
+    model: ModelConfig,
+    lora: LoRAConfig,
+    model_path: str,
+    resolved: ResolvedLaunch,
+    port: int | None = None,
 ) -> list[str]:
     """The argv `engine.launch` starts: `sglang_launch_command_from_config` for the local model folder
-    `model_path`, with `engine.launch`'s interpreter and address and the `resolved` flags (`launch_flags`).
+    `model_path`, with `engine.launch`'s interpreter and address (`port`: another than `engine.launch.port`)
+    and the `resolved` flags (`launch_flags`).
 
     Raises:
         ConfigError: as `sglang_launch_command`.
@@ -224,7 +230,7 @@ def sglang_server_command(
         lora,
         model_path=model_path,
         host=launch.host,
-        port=launch.port,
+        port=launch.port if port is None else port,
         python=launch.interpreter(),
         extra=launch_flags(resolved),
     )

@@ -199,6 +199,7 @@ def launch_sglang(
     *,
     resolved: ResolvedLaunch | None = None,
     plan: LaunchPlan | None = None,
+    index: int = 0,
 ) -> SGLangServer:
     """Start the SGLang server `engine.launch` describes, for the run's model, and wait until it is healthy.
     Its `auto` settings come resolved (`resolved`, from the run's plan) or are resolved here against `plan`
@@ -209,6 +210,8 @@ def launch_sglang(
         resolved: the flags with every `auto` resolved (the run's plan, `lora_rl_core.plan`).
         plan: without `resolved`: the rollout batch and the memory plan's fraction and saver (None: SGLang's
             own defaults).
+        index: which of `resolved.gpus` this server runs on (its `CUDA_VISIBLE_DEVICES`), on port
+            `engine.launch.port + index`.
 
     Raises:
         ModelError: the model folder cannot be had.
@@ -233,7 +236,8 @@ def launch_sglang(
             mem_fraction=plan.mem_fraction,
             memory_saver=plan.memory_saver,
         )
-    argv = sglang_server_command(engine, model, lora, str(model_folder(model)), resolved)
+    port = launch.port + index
+    argv = sglang_server_command(engine, model, lora, str(model_folder(model)), resolved, port=port)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log:
@@ -241,9 +245,9 @@ def launch_sglang(
     _log.info("SGLang command: %s", render(argv))
     server = SGLangServer(
         argv,
-        url=f"http://{launch.host}:{launch.port}",
+        url=f"http://{launch.host}:{port}",
         log_path=log_path,
-        env=launch.env,
+        env={**launch.env, "CUDA_VISIBLE_DEVICES": resolved.gpus[index]} if resolved.gpus else launch.env,
         startup_timeout_s=launch.startup_timeout_s,
         memory_saver=resolved.memory_saver,
     )

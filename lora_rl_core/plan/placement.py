@@ -1,0 +1,154 @@
+"""`resolve_placement`: which GPUs the trainer ranks and a launched SGLang's servers use
+(`placement`, `lora_rl_core.config.placement`), decided once by the run's plan from the visible GPUs.
+
+    colocated   gpus G0..Gn-1: trainer rank i and SGLang server i on Gi (one rank: in this process)
+    split       SGLang servers on the first k of the gpus, trainer ranks on the other n-k
+
+SGLang's data parallelism is one server per GPU (a `MultiEngine` over them: a group's samples on one server):
+SGLang 0.5.17 refuses dynamic LoRA loads with `--dp-size` > 1 ("dp_size must be 1 or dp attention must be
+enabled for dynamic lora loading", seen on two H100s).
+    auto        one GPU, or settings that place the run already: as configured; several GPUs with a launched
+                SGLang: `AUTO_SEVERAL` (below)
+    manual      as `trainer.backend`, `model.device` and `engine.launch.env` say
+
+Pure: the number of visible GPUs is an argument, so every rule is tested without GPUs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from lora_rl_core.config import (
+    AutoPlacement,
+    ColocatedPlacement,
+    InProcessBackend,
+    ManualPlacement,
+    RunConfig,
+    SGLangEngineConfig,
+    SplitPlacement,
+)
+from lora_rl_core.errors import ConfigError
+
+AUTO_SEVERAL = "colocated"
+"""`placement: auto` on several GPUs with a launched SGLang (every GPU samples and trains; split needs
+`rollout.mode: async` to keep its GPUs busy)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the trainer and a launched SGLang run.
+
+    Attributes:
+        kind: `colocated`, `split`, or `as configured` (one GPU, manual, or settings that place the run).
+        trainer_gpus: the trainer's CUDA devices, indices among this process's visible ones, one per FSDP2
+            rank (one: the trainer runs in this process there); () = as configured.
+        engine_gpus: the launched SGLang's GPUs, one SGLang server each (same indexing); () = as
+            configured (`engine.launch.env`).
+        reason: why, for the run log and `run.json`.
+    """
+
+    kind: str
+    trainer_gpus: tuple[int, ...] = ()
+    engine_gpus: tuple[int, ...] = ()
+    reason: str = ""
+
+    @property
+    def ranks(self) -> int:
+        """FSDP2 ranks this placement starts: one per trainer GPU where there are several, else 0 (the trainer
+        in this process)."""
+        return len(self.trainer_gpus) if len(self.trainer_gpus) > 1 else 0
+
+    @property
+    def dp_size(self) -> int:
+        """SGLang's data parallelism: one server per engine GPU (1 as configured)."""
+        return max(1, len(self.engine_gpus))
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Trainer and SGLang share their GPUs (colocated)."""
+        return bool(set(self.trainer_gpus) & set(self.engine_gpus))
+
+    def describe(self) -> str:
+        """One line, e.g. `colocated: 2 trainer ranks on GPUs 0,1; 2 SGLang servers on GPUs 0,1`."""
+        if not self.trainer_gpus:
+            return self.kind
+        trainer = "trainer in this process" if self.ranks == 0 else f"{self.ranks} trainer ranks"
+        gpus = lambda g: ",".join(map(str, g))  # noqa: E731
+        return (
+            f"{self.kind}: {trainer} on GPU{'s' if len(self.trainer_gpus) > 1 else ''} {gpus(self.trainer_gpus)}; "
+            f"{self.dp_size} SGLang server{'s' if self.dp_size > 1 else ''} on GPU{'s' if self.dp_size > 1 else ''} "
+            f"{gpus(self.engine_gpus)}"
+        )
+
+
+def launched_here(cfg: RunConfig) -> bool:
+    """This process launches one SGLang server (Ray replicas launch their own on their hosts)."""
+    e = cfg.engine
+    return isinstance(e, SGLangEngineConfig) and e.launch.enabled and not e.ray_replicas
+
+
+def _placed_by_settings(cfg: RunConfig) -> list[str]:
+    """The settings that place the run's GPUs themselves."""
+    placed = []
+    if not isinstance(cfg.trainer.backend, InProcessBackend):
+        placed.append(f"trainer.backend {cfg.trainer.backend.type}")
+    if isinstance(cfg.engine, SGLangEngineConfig) and "CUDA_VISIBLE_DEVICES" in cfg.engine.launch.env:
+        placed.append("engine.launch.env CUDA_VISIBLE_DEVICES")
+    if re.fullmatch(r"cuda:\d+", cfg.model.device):
+        placed.append(f"model.device {cfg.model.device}")
+    return placed
+
+
+def resolve_placement(cfg: RunConfig, visible_gpus: int) -> Placement:
+    """The run's placement (module docstring) on a machine with `visible_gpus` CUDA devices (0: none).
+
+    Raises:
+        ConfigError: `colocated` or `split` without a launched SGLang or a CUDA device, beside settings that
+            place the run themselves, with GPUs that are not visible, or a split without GPUs for both.
+    """
+    p = cfg.placement
+    if isinstance(p, ManualPlacement):
+        return Placement("as configured", reason="placement: manual")
+    placed = _placed_by_settings(cfg)
+    if isinstance(p, AutoPlacement):
+        if placed:
+            return Placement("as configured", reason=f"auto: {', '.join(placed)} place the run")
+        if not launched_here(cfg) or visible_gpus < 2 or cfg.model.device == "cpu":
+            why = "no SGLang launched here" if not launched_here(cfg) else f"{visible_gpus} GPU visible"
+            return Placement("as configured", reason=f"auto: {why}")
+        return _place(cfg, AUTO_SEVERAL, list(range(visible_gpus)), "auto", visible_gpus, f"auto: {visible_gpus} GPUs")
+    kind = p.type
+    if placed:
+        raise ConfigError(
+            f"placement: {kind} places the GPUs itself, but {', '.join(placed)} also do; remove them or set "
+            "placement: manual"
+        )
+    if not launched_here(cfg):
+        raise ConfigError(
+            f"placement: {kind} places a launched SGLang: set engine.type: sglang and engine.launch.enabled: true "
+            "(without engine.ray_replicas), or placement: manual"
+        )
+    if visible_gpus < 1 or cfg.model.device == "cpu":
+        raise ConfigError(f"placement: {kind} needs CUDA GPUs; this process sees {visible_gpus}")
+    gpus = list(range(visible_gpus)) if p.gpus == "all" else list(p.gpus)
+    engine_gpus = p.engine_gpus if isinstance(p, SplitPlacement) else "auto"
+    return _place(cfg, kind, gpus, engine_gpus, visible_gpus, "set")
+
+
+def _place(cfg: RunConfig, kind: str, gpus: list[int], engine_gpus: int | str, visible: int, why: str) -> Placement:
+    missing = [g for g in gpus if g >= visible]
+    if missing:
+        raise ConfigError(f"placement.gpus {missing} are not visible here ({visible} GPUs: 0..{visible - 1})")
+    if kind == "colocated":
+        assert isinstance(cfg.placement, AutoPlacement | ColocatedPlacement)
+        return Placement("colocated", tuple(gpus), tuple(gpus), f"{why}: trainer and SGLang on every GPU")
+    if len(gpus) < 2:
+        raise ConfigError(f"placement: split needs 2 or more GPUs, got {gpus}")
+    k = max(1, len(gpus) // 2) if engine_gpus == "auto" else int(engine_gpus)
+    if k >= len(gpus):
+        raise ConfigError(f"placement.engine_gpus {k} leaves none of GPUs {gpus} to the trainer")
+    note = "" if cfg.rollout.mode == "async" else " (rollout.mode sync: the GPUs take turns; async overlaps them)"
+    return Placement(
+        "split", tuple(gpus[k:]), tuple(gpus[:k]), f"{why}: SGLang on {k} GPUs, the trainer on the rest{note}"
+    )

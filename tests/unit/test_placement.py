@@ -1,0 +1,246 @@
+"""Several GPUs (issue 33): the placement of trainer ranks and SGLang servers (one per GPU), the per-GPU
+memory plan, one launched server per GPU, and a group's requests on one server. No GPU needed: the number
+of visible GPUs is an argument of `resolve_placement`, and the HTTP client talks to a mock transport."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lora_rl_core.config import LoRAConfig, ModelConfig, SGLangLaunchConfig, config_from_dict, load_config
+from lora_rl_core.engines.base import GenerationRequest, spread_groups
+from lora_rl_core.engines.launch.command import launch_flags
+from lora_rl_core.engines.launch.probe import SGLangEnvironment
+from lora_rl_core.engines.launch.resolve import resolve_launch
+from lora_rl_core.errors import ConfigError
+from lora_rl_core.memory import GIB, ModelShape, plan_memory
+from lora_rl_core.plan.placement import resolve_placement
+
+SGLANG_LAUNCHED = ["engine.type=sglang", "engine.launch.enabled=true", "model.device=cuda"]
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "model_configs"
+
+
+def placed(visible: int, *overrides: str):
+    return resolve_placement(load_config(None, [*SGLANG_LAUNCHED, *overrides]), visible)
+
+
+def test_auto_keeps_one_gpu_and_runs_as_configured_without_a_launched_sglang():
+    assert placed(1).kind == "as configured" and placed(1).ranks == 0 and placed(1).dp_size == 1
+    embedded = resolve_placement(load_config(None, ["model.device=cuda"]), 4)
+    assert embedded.kind == "as configured" and embedded.reason == "auto: no SGLang launched here"
+
+
+def test_auto_on_several_gpus_colocates_a_rank_and_a_data_parallel_worker_on_each():
+    p = placed(2)
+    assert (p.kind, p.trainer_gpus, p.engine_gpus, p.ranks, p.dp_size) == ("colocated", (0, 1), (0, 1), 2, 2)
+    assert p.shares_gpus and p.describe() == "colocated: 2 trainer ranks on GPUs 0,1; 2 SGLang servers on GPUs 0,1"
+
+
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        (["trainer.backend=local", "trainer.backend.world_size=2", "trainer.backend.device=cuda"], "trainer.backend"),
+        (["engine.launch.env={CUDA_VISIBLE_DEVICES: '1'}"], "engine.launch.env CUDA_VISIBLE_DEVICES"),
+        (["model.device=cuda:1"], "model.device cuda:1"),
+    ],
+)
+def test_auto_keeps_settings_that_place_the_run(settings, why):
+    p = placed(4, *settings)
+    assert p.kind == "as configured" and why in p.reason and p.trainer_gpus == ()
+
+
+def test_split_gives_sglang_the_first_gpus_and_the_trainer_the_rest():
+    two = placed(2, "placement=split", "rollout.mode=async")
+    assert (two.trainer_gpus, two.engine_gpus, two.ranks, two.dp_size) == ((1,), (0,), 0, 1)  # trainer in process
+    assert not two.shares_gpus and "async overlaps" not in two.reason
+    four = placed(4, "placement=split")
+    assert (four.trainer_gpus, four.engine_gpus, four.ranks, four.dp_size) == ((2, 3), (0, 1), 2, 2)
+    assert "rollout.mode sync: the GPUs take turns" in four.reason
+    one_engine = placed(4, "placement={type: split, engine_gpus: 1, gpus: [1, 2, 3]}")
+    assert (one_engine.engine_gpus, one_engine.trainer_gpus) == ((1,), (2, 3))
+
+
+@pytest.mark.parametrize(
+    ("visible", "overrides", "message"),
+    [
+        (1, ["placement=split"], "placement: split needs 2 or more GPUs"),
+        (2, ["placement={type: split, engine_gpus: 2}"], r"placement.engine_gpus 2 leaves none of GPUs \[0, 1\]"),
+        (2, ["placement={type: colocated, gpus: [0, 5]}"], r"placement.gpus \[5\] are not visible here \(2 GPUs"),
+        (
+            2,
+            ["placement=colocated", "trainer.backend=local"],
+            "placement: colocated places the GPUs itself, but trainer.backend local also do",
+        ),
+        (2, ["placement=colocated", "engine.launch.enabled=false", "engine.urls=[http://h:1]"], "places a launched"),
+        (0, ["placement=colocated"], "placement: colocated needs CUDA GPUs; this process sees 0"),
+    ],
+)
+def test_a_placement_that_cannot_hold_is_refused_naming_the_setting(visible, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        placed(visible, *overrides)
+
+
+def test_placement_gpus_must_be_distinct():
+    with pytest.raises(ConfigError, match="placement.gpus must be distinct GPU indices"):
+        load_config(None, ["placement={type: colocated, gpus: [1, 1]}"])
+
+
+def test_manual_placement_places_nothing():
+    p = placed(4, "placement=manual")
+    assert p.kind == "as configured" and p.reason == "placement: manual"
+
+
+@pytest.fixture(scope="module")
+def shape_7b(tmp_path_factory) -> ModelShape:
+    folder = tmp_path_factory.mktemp("7b")
+    shutil.copy(CONFIGS / "qwen2.5-7b.json", folder / "config.json")
+    return ModelShape.of(ModelConfig(name_or_path=str(folder)), LoRAConfig())
+
+
+def test_the_memory_plan_is_per_gpu(shape_7b):
+    """Two colocated GPUs: each holds half the trainer's base weights, a whole SGLang server, and the KV cache
+    of half the rollout batch."""
+    cfg = config_from_dict(
+        {
+            "rollout": {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 256},
+            "engine": {"type": "sglang", "launch": {"enabled": True}},
+        }
+    )
+    total = int(79.1 * GIB)
+    common = {"prompt_tokens": 150, "gpu_free": total, "gpu_total": total, "colocated": True, "saver_available": True}
+    one = plan_memory(cfg, shape_7b, **common)
+    two = plan_memory(cfg, shape_7b, ranks=2, dp_size=2, **common)
+    assert one.trainer_resident - two.trainer_resident == pytest.approx(shape_7b.weight_bytes() / 2, rel=1e-6)
+    assert two.kv_needed == one.kv_needed // 2 and two.engine_fixed == one.engine_fixed
+    assert two.micro_batch_size >= one.micro_batch_size  # more room per GPU, never less
+
+
+def test_one_sglang_server_per_gpu_each_on_its_port(monkeypatch, tmp_path):
+    """With the placement's GPUs the sglang kind launches one server per GPU (ports `launch.port + i`, each
+    its own `CUDA_VISIBLE_DEVICES` and log), side by side, and serves them as one `MultiEngine`; a server that
+    does not start stops the others."""
+    import dataclasses
+
+    import lora_rl_core.engines.launch.sglang as sglang_kind
+    from lora_rl_core.engines.multi import MultiEngine
+    from lora_rl_core.engines.spec import EngineInputs
+    from lora_rl_core.errors import EngineError
+
+    started: list[tuple[int, str, str]] = []
+    stopped: list[int] = []
+
+    class Server:
+        memory_saver = False
+
+        def __init__(self, index: int) -> None:
+            self.index, self.url = index, f"http://127.0.0.1:{30000 + index}"
+
+        def stop(self) -> None:
+            stopped.append(self.index)
+
+    def launch(engine, model, lora, log, *, resolved, plan, index):
+        started.append((index, resolved.gpus[index], Path(log).name))
+        if index == 2:
+            raise EngineError("server 2 did not start")
+        return Server(index)
+
+    monkeypatch.setattr(sglang_kind, "launch_sglang", launch)
+    cfg = load_config(None, SGLANG_LAUNCHED)
+    resolved = dataclasses.replace(resolve_launch(SGLangLaunchConfig(), SGLangEnvironment()), gpus=("4", "5"))
+    assert resolved.servers == 2 and "--dp-size" not in launch_flags(resolved)
+    inputs = EngineInputs(cfg.engine, cfg.model, cfg.lora, log_dir=tmp_path, launch=resolved)
+    with sglang_kind.sglang_engine(inputs) as built:
+        assert sorted(started) == [(0, "4", "sglang.log"), (1, "5", "sglang-1.log")]
+        assert isinstance(built.engine, MultiEngine) and [e.url for e in built.engine.members()] == [
+            "http://127.0.0.1:30000",
+            "http://127.0.0.1:30001",
+        ]
+    assert sorted(stopped) == [0, 1]
+    started.clear(), stopped.clear()
+    three = EngineInputs(
+        cfg.engine, cfg.model, cfg.lora, log_dir=tmp_path, launch=dataclasses.replace(resolved, gpus=("4", "5", "6"))
+    )
+    with pytest.raises(EngineError, match="server 2 did not start"):
+        sglang_kind.sglang_engine(three)
+    assert sorted(stopped) == [0, 1]  # the ones that started are stopped again
+
+
+def test_the_launch_command_takes_the_server_port():
+    from lora_rl_core.config import sglang_section
+    from lora_rl_core.engines.launch.command import sglang_server_command
+
+    cfg = load_config(None, SGLANG_LAUNCHED)
+    resolved = resolve_launch(SGLangLaunchConfig(), SGLangEnvironment())
+    argv = sglang_server_command(sglang_section(cfg.engine, "test"), cfg.model, cfg.lora, "/m", resolved, port=30001)
+    assert argv[argv.index("--port") + 1] == "30001"
+
+
+def test_spread_groups_keeps_a_group_together_and_balances_groups():
+    requests = [GenerationRequest([p, p], None) for p in range(5) for _ in range(4)]  # 5 prompts x 4 samples
+    shares = spread_groups(requests, 2, start=1)
+    assert [len(s) for s in shares] == [8, 12]  # prompts 1, 3 on worker 0; prompts 0, 2, 4 on worker 1
+    for share in shares:
+        prompts = {tuple(requests[i].prompt_ids) for i in share}
+        assert all(sum(1 for i in share if tuple(requests[i].prompt_ids) == p) == 4 for p in prompts)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch, tmp_path):
+    """A pretended machine of two 80 GB GPUs (physical 4 and 5) with SGLang's memory saver installed; returns
+    `make_plan` and the overrides of a 7B run launching SGLang."""
+    import torch
+
+    import lora_rl_core.plan.make as make
+
+    folder = tmp_path / "7b"
+    folder.mkdir()
+    shutil.copy(CONFIGS / "qwen2.5-7b.json", folder / "config.json")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(79 * GIB), int(79.6 * GIB)))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    h100 = SGLangEnvironment(memory_saver=True, gpu_total_bytes=int(79.6 * GIB), gpu_count=2)
+    monkeypatch.setattr(make, "probe_for_launch", lambda launch: h100)
+    overrides = [
+        *SGLANG_LAUNCHED,
+        f"model.name_or_path={folder}",
+        "model.dtype=bfloat16",
+        "rollout.prompts_per_step=16",
+    ]
+    return make.make_plan, overrides
+
+
+def test_the_plan_of_a_colocated_two_gpu_run(two_gpus, shape_7b):
+    """Two FSDP2 ranks on GPUs 0 and 1, an SGLang server on each, the memory plan per GPU, adapters sent as a
+    local folder every server reads; the choices say so."""
+    make_plan, overrides = two_gpus
+    cfg = load_config(None, overrides)
+    plan = make_plan(cfg)
+    assert plan.trainer is not None and plan.engine.launch is not None
+    t = plan.trainer
+    assert (t.backend, t.world_size, t.device, t.gpus) == ("local", 2, "cuda", (0, 1))
+    assert t.lora_compute_dtype == "bfloat16" and t.empty_cache_after_step == plan.engine.launch.memory_saver
+    assert plan.engine.launch.servers == 2 and plan.engine.launch.gpus == ("4", "5")  # physical ids
+    assert plan.engine.tensor_transport == "file"
+    assert plan.choices["placement"].value == "colocated: 2 trainer ranks on GPUs 0,1; 2 SGLang servers on GPUs 0,1"
+    assert plan.choices["trainer.backend"].value == "local"
+    assert plan.memory is not None and plan.memory.colocated
+    one = plan_memory(
+        cfg, shape_7b, prompt_tokens=0, gpu_free=int(79 * GIB), gpu_total=int(79.6 * GIB), colocated=True,
+        saver_available=True, ranks=0, dp_size=1,
+    )  # fmt: skip
+    assert plan.memory.trainer_resident < one.trainer_resident  # half the base weights per GPU
+
+
+def test_the_plan_of_a_split_two_gpu_run(two_gpus):
+    """SGLang alone on GPU 0 (physical 4), the trainer in this process on GPU 1, rollouts one step ahead."""
+    make_plan, overrides = two_gpus
+    plan = make_plan(load_config(None, [*overrides, "placement=split", "rollout.mode=async"]))
+    assert plan.trainer is not None and plan.engine.launch is not None and plan.memory is not None
+    t = plan.trainer
+    assert (t.backend, t.world_size, t.device, t.gpus) == ("in-process", 0, "cuda:1", ())
+    assert plan.engine.launch.servers == 1 and plan.engine.launch.gpus == ("4",)
+    assert plan.engine.tensor_transport == "file" and not plan.memory.colocated
