@@ -159,6 +159,9 @@ class MemoryPlan:
             `MIN_MICRO_BATCH`).
         mem_fraction_static: SGLang's `--mem-fraction-static`; None = SGLang's own (no trainer beside it).
         memory_saver: SGLang frees its KV cache during each train phase.
+        weights_gathered: FSDP2 ranks keep the whole base weights gathered through each train step (one
+            all-gather per step instead of one per micro-batch and pass): there is room for them beside the
+            activations and what else the GPU holds.
         rollout_batch: sequences decoded at once (prompts x group size x rollouts in flight).
         colocated: trainer and SGLang share one GPU.
         gpu_total: the trainer's GPU memory; 0 on a CPU.
@@ -169,6 +172,7 @@ class MemoryPlan:
     micro_batch_size: int
     mem_fraction_static: float | None = None
     memory_saver: bool = False
+    weights_gathered: bool = False
     rollout_batch: int = 0
     colocated: bool = False
     gpu_total: int = 0
@@ -292,18 +296,25 @@ def plan_memory(
                 seq,
             )
         )
+    # sharded ranks keep the whole weights gathered through a step where they fit beside the activations: one
+    # all-gather per step instead of two per micro-batch (measured: 7B on two H100s trained in 5.2 s per step
+    # with ZeRO-3 re-gathers against 3.9 s in one process)
+    unsharded = shape.weight_bytes() - shape.weight_bytes() // world
+    gathered = world > 1 and needed + unsharded <= train_room
+    extra = unsharded if gathered else 0
     kv = kv_min
     if colocated:
         if launch.mem_fraction_static == "auto":
             # the rest of the room goes to the KV cache: all of it with the saver (freed while training), else
             # what the activations leave (a larger cache keeps more prefixes; SGLang never has to retract)
-            kv = max(kv_min, room - GIB if saver else room - needed - GIB)
+            kv = max(kv_min, room - GIB if saver else room - needed - extra - GIB)
         fraction = min(0.95, (kv + shape.weight_bytes() + (gpu_total - gpu_free)) / gpu_total)
     return MemoryPlan(
         gradient_checkpointing=ckpt,
         micro_batch_size=micro,
         mem_fraction_static=fraction,
         memory_saver=saver,
+        weights_gathered=gathered,
         rollout_batch=batch,
         colocated=colocated,
         gpu_total=gpu_total,

@@ -192,6 +192,15 @@ def _trainer(
         if on_gpu
         else f"auto: off on {device.type}",
     )
+    if ranks:
+        choices["trainer.sharding"] = Choice(
+            "weights gathered once per step" if memory.weights_gathered else "ZeRO-3: gathered per layer and pass",
+            "the memory plan: the whole weights fit beside the activations"
+            if memory.weights_gathered
+            else "the memory plan: the whole weights do not fit on one GPU beside the rest"
+            if memory.gpu_total
+            else "on a CPU",
+        )
     choices["trainer.micro_batch_size"] = Choice(
         memory.micro_batch_size,
         f"the memory plan halved {t.micro_batch_size} to fit the GPU"
@@ -218,6 +227,7 @@ def _trainer(
         world_size=ranks,
         gpus=gpus,
         empty_cache_after_step=memory.memory_saver,
+        weights_gathered=memory.weights_gathered,
         ray_gpus_per_rank=backend.gpus_per_rank
         if isinstance(backend, RayBackend) and backend.device == "cuda"
         else 0.0,

@@ -78,7 +78,7 @@ def test_a_colocated_two_gpu_run_publishes_and_serves_each_version(tmp_path: Pat
         with RunPhases(run) as phases:
             run_steps(phases, steps=3, ahead=cfg.rollouts_ahead(), on_step=on_step)
         assert sorted(served) == [1, 2, 3]
-        assert run.store.versions(run.run_id) == [1, 2, 3]
+        assert run.store.versions(run.run_id) == [0, 1, 2, 3]  # 0: the initial adapter
     finally:
         run.close()
     assert not set(gpu_processes()) - before, "a trainer rank or SGLang worker outlived the run"

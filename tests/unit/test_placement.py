@@ -32,8 +32,17 @@ def test_auto_keeps_one_gpu_and_runs_as_configured_without_a_launched_sglang():
     assert embedded.kind == "as configured" and embedded.reason == "auto: no SGLang launched here"
 
 
-def test_auto_on_several_gpus_colocates_a_rank_and_a_data_parallel_worker_on_each():
+def test_auto_on_several_gpus_splits_them_as_measured_fastest():
     p = placed(2)
+    assert (p.kind, p.trainer_gpus, p.engine_gpus, p.ranks, p.dp_size) == ("split", (1,), (0,), 0, 1)
+    assert p.describe() == "split: trainer in this process on GPU 1; 1 SGLang server on GPU 0"
+    assert "split measured fastest" in p.reason
+    four = placed(4)
+    assert (four.trainer_gpus, four.engine_gpus, four.ranks, four.dp_size) == ((2, 3), (0, 1), 2, 2)
+
+
+def test_colocated_puts_a_rank_and_a_server_on_each_gpu():
+    p = placed(2, "placement=colocated")
     assert (p.kind, p.trainer_gpus, p.engine_gpus, p.ranks, p.dp_size) == ("colocated", (0, 1), (0, 1), 2, 2)
     assert p.shares_gpus and p.describe() == "colocated: 2 trainer ranks on GPUs 0,1; 2 SGLang servers on GPUs 0,1"
 
@@ -217,7 +226,7 @@ def test_the_plan_of_a_colocated_two_gpu_run(two_gpus, shape_7b):
     """Two FSDP2 ranks on GPUs 0 and 1, an SGLang server on each, the memory plan per GPU, adapters sent as a
     local folder every server reads; the choices say so."""
     make_plan, overrides = two_gpus
-    cfg = load_config(None, overrides)
+    cfg = load_config(None, [*overrides, "placement=colocated"])
     plan = make_plan(cfg)
     assert plan.trainer is not None and plan.engine.launch is not None
     t = plan.trainer
