@@ -358,9 +358,9 @@ def _does_not_fit(
         "Lower trainer.micro_batch_size or rollout.max_new_tokens, set trainer.gradient_checkpointing: true, "
         + (
             "lower or unset engine.launch.mem_fraction_static, set rollout.mode: sync (frees the KV cache while "
-            "training), or put SGLang on another GPU (engine.launch.env: {CUDA_VISIBLE_DEVICES: '1'})"
+            "training), or give SGLang GPUs of its own (placement: split, on a machine of several GPUs)"
             if colocated
-            else "or use more GPUs (trainer.backend.world_size)"
+            else "or shard the trainer over more GPUs (placement: split or colocated on 2 or more GPUs)"
         )
     )
 

@@ -101,7 +101,8 @@ def test_async_rollouts_need_a_staleness_window():
 
 
 def test_the_old_tis_cap_names_its_replacement():
-    with pytest.raises(ConfigError, match=r"set algorithm.off_policy_correction=\{type: token-truncate, is_cap: 2.0\}"):
+    moved = r"algorithm.tis_cap moved into algorithm.off_policy_correction: set algorithm.off_policy_correction="
+    with pytest.raises(ConfigError, match=moved + r"\{type: token-truncate, is_cap: 2.0\}"):
         load_config(None, ["algorithm.tis_cap=2.0"])
 
 
@@ -147,12 +148,12 @@ def test_the_old_tis_cap_names_its_replacement():
         ),
         (
             ["algorithm.is_cap=3"],
-            "algorithm.is_cap moved into the correction it bounds: set "
+            "algorithm.is_cap moved into algorithm.off_policy_correction: set "
             "algorithm.off_policy_correction={type: token-truncate, is_cap: 3}",
         ),
         (
             ["trainer.world_size=2"],
-            "trainer.world_size moved into the backend it belongs to: set trainer.backend={type: local, world_size: 2}",
+            "trainer.world_size moved into trainer.backend: set trainer.backend={type: local, world_size: 2}",
         ),
     ],
 )

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from lora_rl_core.config.base import RolloutMode, Section, keyed_by_type
+from lora_rl_core.config.base import RolloutMode, Section, keyed_by_type, refuse_moved_keys
 
 
 class NoCorrection(Section):
@@ -96,7 +96,14 @@ OffPolicyCorrectionConfig = Annotated[
 ResolvedCorrection = NoCorrection | TruncateCorrection | MaskCorrection | GeometricMaskCorrection
 """An off-policy correction with `auto` resolved (`AlgorithmConfig.correction`)."""
 
-_MOVED = ("is_cap", "is_floor", "geo_mask_low", "geo_mask_high", "tis_cap")
+_MOVED = {
+    "is_cap": ("off_policy_correction", "token-truncate", "is_cap"),
+    "tis_cap": ("off_policy_correction", "token-truncate", "is_cap"),
+    "is_floor": ("off_policy_correction", "token-mask", "is_floor"),
+    "geo_mask_low": ("off_policy_correction", "geometric-mask", "geo_mask_low"),
+    "geo_mask_high": ("off_policy_correction", "geometric-mask", "geo_mask_high"),
+}
+"""The bounds that moved into the correction they bound (key -> sub-section, kind, field)."""
 
 
 class AlgorithmConfig(Section):
@@ -134,15 +141,7 @@ class AlgorithmConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any) -> Any:
-        moved = [key for key in _MOVED if isinstance(data, dict) and key in data]
-        if moved:
-            key = moved[0]
-            kind = {"is_floor": "token-mask", "geo_mask_low": "geometric-mask", "geo_mask_high": "geometric-mask"}
-            field = "is_cap" if key == "tis_cap" else key
-            raise ValueError(
-                f"algorithm.{key} moved into the correction it bounds: set algorithm.off_policy_correction="
-                f"{{type: {kind.get(key, 'token-truncate')}, {field}: {data[key]}}}"
-            )
+        refuse_moved_keys(data, "algorithm", _MOVED)
         return data
 
     def correction(self, mode: RolloutMode) -> ResolvedCorrection:

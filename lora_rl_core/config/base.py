@@ -52,3 +52,19 @@ def keyed_by_type(default: str) -> BeforeValidator:
         return value
 
     return BeforeValidator(fill)
+
+
+def refuse_moved_keys(data: Any, section: str, moved: dict[str, tuple[str, str, str]]) -> None:
+    """Refuse keys of `section` that moved into one of its `type`-keyed sections, naming the new place:
+    `moved[key] = (sub-section, kind, field)` gives `trainer.world_size moved into trainer.backend: set
+    trainer.backend={type: local, world_size: 2}`.
+
+    Raises:
+        ValueError: `data` (a section's raw input) has a moved key.
+    """
+    for key, (target, kind, field) in moved.items():
+        if isinstance(data, dict) and key in data:
+            raise ValueError(
+                f"{section}.{key} moved into {section}.{target}: set {section}.{target}={{type: {kind}, "
+                f"{field}: {data[key]}}} (or {section}.{target}.type={kind} {section}.{target}.{field}={data[key]})"
+            )

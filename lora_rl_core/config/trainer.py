@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from lora_rl_core.config.base import Section, keyed_by_type
+from lora_rl_core.config.base import Section, keyed_by_type, refuse_moved_keys
 
 
 class InProcessBackend(Section):
@@ -52,7 +52,12 @@ TrainerBackendConfig = Annotated[
 RankedBackend = LocalBackend | RayBackend
 """The backends with FSDP2 ranks."""
 
-_MOVED = {"world_size": "world_size", "device": "device", "ray_gpus_per_rank": "gpus_per_rank"}
+_MOVED = {
+    "world_size": ("backend", "local", "world_size"),
+    "device": ("backend", "local", "device"),
+    "ray_gpus_per_rank": ("backend", "ray", "gpus_per_rank"),
+}
+"""The keys that moved into the backend they belong to (key -> sub-section, kind, field)."""
 
 
 class TrainerConfig(Section):
@@ -122,15 +127,7 @@ class TrainerConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any) -> Any:
-        moved = [key for key in _MOVED if isinstance(data, dict) and key in data]
-        if moved:
-            key = moved[0]
-            kind = "ray" if key == "ray_gpus_per_rank" else "local"
-            raise ValueError(
-                f"trainer.{key} moved into the backend it belongs to: set trainer.backend={{type: {kind}, "
-                f"{_MOVED[key]}: {data[key]}}} (or trainer.backend.type={kind} trainer.backend.{_MOVED[key]}="
-                f"{data[key]})"
-            )
+        refuse_moved_keys(data, "trainer", _MOVED)
         return data
 
     def ranks(self) -> int:

@@ -54,15 +54,7 @@ from typing import Any
 import httpx
 
 from lora_rl_core.adapters import adapter_version
-from lora_rl_core.config import (
-    ENGINE_DEFAULTS,
-    SGLANG_DEFAULTS,
-    IpcLayout,
-    SGLangAbort,
-    SGLangRetire,
-    TensorDtype,
-    TensorTransport,
-)
+from lora_rl_core.config import SGLANG_DEFAULTS, IpcLayout, SGLangAbort, SGLangRetire, TensorDtype, TensorTransport
 from lora_rl_core.engines.base import ABORT_REASONS, Completion, GenerationRequest, aborted_completion
 from lora_rl_core.engines.remote.coalesce import FreshCall
 from lora_rl_core.engines.remote.control import ControlCalls
@@ -122,7 +114,7 @@ class HTTPEngine(ControlCalls):
         url: str,
         *,
         api_key: str | None = None,
-        timeout_s: float = ENGINE_DEFAULTS.timeout_s,
+        timeout_s: float = SGLANG_DEFAULTS.timeout_s,
         control_timeout_s: float = 60.0,
         max_batch_requests: int = 256,
         max_concurrency: int = 4,
