@@ -64,6 +64,11 @@ ACTIVATION_CALIBRATION = 1.15
 no checkpointing, float32 LoRA compute) reserved 41.6 GiB at its peak against 38.7 GiB estimated (allocator
 rounding, cuBLAS workspaces, autograd temporaries the count leaves out);
 benchmarks/results/gpu_scale/earlier/7b-1gpu-fad8b3c.json."""
+RANK_OVERHEAD_BYTES = 3 * GIB
+"""Per GPU of FSDP2 ranks, beyond one CUDA context: NCCL's buffers, FSDP2's all-gather and reduce-scatter
+buffers, the driver's own CUDA context on the first GPU. Measured: a colocated 7B on two H100s (two ranks, two
+SGLang servers) peaked at 79.0 of 79.2 GiB where the plan without it had left 3 GiB free
+(benchmarks/results/gpu_scale/7b-2gpu-colocated.json)."""
 MIN_MICRO_BATCH = 4
 """The smallest micro-batch the plan halves to before it turns on gradient checkpointing instead."""
 SGLANG_CHUNKED_PREFILL = 8192
@@ -236,7 +241,8 @@ def plan_memory(
     launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
     world = max(1, t.ranks() if ranks is None else ranks)
     seq = prompt_tokens + r.max_new_tokens
-    resident = shape.weight_bytes() // world + shape.lora_params * 16 + CUDA_CONTEXT_BYTES
+    ranks_overhead = RANK_OVERHEAD_BYTES if world > 1 else 0
+    resident = shape.weight_bytes() // world + shape.lora_params * 16 + CUDA_CONTEXT_BYTES + ranks_overhead
     budget = gpu_free - SAFETY_BYTES
     kv_needed = -(-batch // dp_size) * seq * shape.kv_bytes_per_token()  # a server's share of the batch
     engine_fixed = 0
@@ -324,6 +330,28 @@ def plan_memory(
         kv_cache=kv,
         kv_needed=kv_needed,
     )
+
+
+def check_engine_alone(cfg: RunConfig, shape: ModelShape, *, prompt_tokens: int, gpu_total: int, servers: int) -> None:
+    """Where SGLang runs on GPUs of its own (`placement: split`), one server per GPU: its copy of the model, its
+    LoRA pool, its overhead and prefill activations and the KV cache of its share of the rollout batch must fit
+    one GPU (`gpu_total` bytes, less `SAFETY_BYTES`). Pure arithmetic.
+
+    Raises:
+        ConfigError: they do not fit, naming the sizes and the settings to change.
+    """
+    seq = prompt_tokens + cfg.rollout.max_new_tokens
+    kv = -(-rollout_batch(cfg) // servers) * seq * shape.kv_bytes_per_token()
+    prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2
+    fixed = shape.weight_bytes() + cfg.engine.max_loras_per_batch * shape.lora_params * 2 + ENGINE_OVERHEAD_BYTES
+    if fixed + prefill + kv > gpu_total - SAFETY_BYTES:
+        g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+        raise ConfigError(
+            f"SGLang does not fit a GPU of its own ({g(gpu_total)}): a {shape.params / 1e9:.1f}B-parameter model "
+            f"needs {g(fixed + prefill)} with its LoRA pool, and the KV cache of {-(-rollout_batch(cfg) // servers)} "
+            f"sequences x {seq} tokens {g(kv)}. Lower rollout.prompts_per_step, rollout.group_size or "
+            "rollout.max_new_tokens, give SGLang more GPUs (placement.engine_gpus), or use larger GPUs"
+        )
 
 
 def _fit(micro: int, smallest: int, fits: Callable[[int], bool]) -> int:

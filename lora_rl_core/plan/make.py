@@ -33,7 +33,14 @@ from lora_rl_core.engines.launch.process import LaunchPlan
 from lora_rl_core.engines.launch.resolve import ResolvedLaunch, resolve_launch
 from lora_rl_core.engines.registry import sync_reads_folder
 from lora_rl_core.engines.remote.ipc import is_loopback
-from lora_rl_core.memory import MemoryPlan, ModelShape, physical_gpu, plan_memory, sglang_shares_trainer_gpu
+from lora_rl_core.memory import (
+    MemoryPlan,
+    ModelShape,
+    check_engine_alone,
+    physical_gpu,
+    plan_memory,
+    sglang_shares_trainer_gpu,
+)
 from lora_rl_core.models import model_folder, resolve_device
 from lora_rl_core.plan.placement import Placement, launched_here, resolve_placement
 from lora_rl_core.plan.record import Choice, EnginePlan, RunPlan
@@ -145,9 +152,12 @@ def _memory(
     style = PromptStyle.of(cfg.data, cfg.rollout)
     prompt_tokens = max((len(style.render(tokenizer, p)) for p in problems[:256]), default=0)
     free, total = torch.cuda.mem_get_info(device)
+    shape = ModelShape.of(cfg.model, cfg.lora)
+    if placement.engine_gpus and not colocated:  # SGLang on GPUs of its own (split): its copy must fit one
+        check_engine_alone(cfg, shape, prompt_tokens=prompt_tokens, gpu_total=total, servers=placement.dp_size)
     return plan_memory(
         cfg,
-        ModelShape.of(cfg.model, cfg.lora),
+        shape,
         prompt_tokens=prompt_tokens,
         gpu_free=free,
         gpu_total=total,

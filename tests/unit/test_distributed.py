@@ -243,6 +243,26 @@ def test_checkpoint_round_trip(cfg, initial_state, workers1, workers2):
 
 
 @spawn
+def test_checkpoints_move_between_one_two_and_four_ranks(cfg, initial_state, workers1, workers2):
+    """A checkpoint written by N ranks resumes on M (N, M in 1, 2, 4): 2 -> 4 and 4 -> 1 give the step and the
+    adapter of the ranks that wrote it."""
+    workers2.load_state_dict(initial_state)
+    workers2.train_step(BATCHES[0])
+    by_two = workers2.state_dict()
+    want = workers2.train_step(BATCHES[1])
+    want_adapter = workers2.adapter_state()[0]
+    with TrainerWorkers(ranks(cfg, 4), timeout_s=180) as workers4:
+        workers4.load_state_dict(by_two)
+        assert_metrics_close(workers4.train_step(BATCHES[1]), want)
+        assert_adapters_close(workers4.adapter_state()[0], want_adapter, atol=1e-5)
+        by_four = workers4.state_dict()
+        assert by_four["meta"]["world_size"] == 4
+        want = workers4.train_step(BATCHES[2])  # 5 rows over 4 ranks: unequal shares, padded with dummy passes
+    workers1.load_state_dict(by_four)
+    assert_metrics_close(workers1.train_step(BATCHES[2]), want)
+
+
+@spawn
 def test_killed_worker_fails_the_next_call_and_close_is_prompt(workers2):
     workers = workers2  # ended here: runs after the other tests that share it
     os.kill(workers.pids[1], signal.SIGTERM)

@@ -15,7 +15,7 @@ from lora_rl_core.engines.launch.command import launch_flags
 from lora_rl_core.engines.launch.probe import SGLangEnvironment
 from lora_rl_core.engines.launch.resolve import resolve_launch
 from lora_rl_core.errors import ConfigError
-from lora_rl_core.memory import GIB, ModelShape, plan_memory
+from lora_rl_core.memory import GIB, RANK_OVERHEAD_BYTES, ModelShape, plan_memory
 from lora_rl_core.plan.placement import resolve_placement
 
 SGLANG_LAUNCHED = ["engine.type=sglang", "engine.launch.enabled=true", "model.device=cuda"]
@@ -121,7 +121,9 @@ def test_the_memory_plan_is_per_gpu(shape_7b):
     common = {"prompt_tokens": 150, "gpu_free": total, "gpu_total": total, "colocated": True, "saver_available": True}
     one = plan_memory(cfg, shape_7b, **common)
     two = plan_memory(cfg, shape_7b, ranks=2, dp_size=2, **common)
-    assert one.trainer_resident - two.trainer_resident == pytest.approx(shape_7b.weight_bytes() / 2, rel=1e-6)
+    # half the base weights, less the ranks' NCCL and FSDP2 buffers (measured, RANK_OVERHEAD_BYTES)
+    saved = one.trainer_resident - two.trainer_resident
+    assert saved == pytest.approx(shape_7b.weight_bytes() / 2 - RANK_OVERHEAD_BYTES, rel=1e-6)
     assert two.kv_needed == one.kv_needed // 2 and two.engine_fixed == one.engine_fixed
     assert two.micro_batch_size >= one.micro_batch_size  # more room per GPU, never less
 
@@ -253,3 +255,18 @@ def test_the_plan_of_a_split_two_gpu_run(two_gpus):
     assert (t.backend, t.world_size, t.device, t.gpus) == ("in-process", 0, "cuda:1", ())
     assert plan.engine.launch.servers == 1 and plan.engine.launch.gpus == ("4",)
     assert plan.engine.tensor_transport == "file" and not plan.memory.colocated
+
+
+def test_sglang_on_a_gpu_of_its_own_must_fit_it(shape_7b, tmp_path):
+    """Split: SGLang's copy of the model and the KV cache of its share of the batch are checked against one GPU
+    before anything starts (a 7B fits an 80 GB GPU; not a 16 GB one, nor 80 GB with 8k-token completions)."""
+    from lora_rl_core.memory import check_engine_alone
+
+    cfg = load_config(None, [*SGLANG_LAUNCHED, "rollout.prompts_per_step=16", "rollout.group_size=8"])
+    check_engine_alone(cfg, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=1)
+    with pytest.raises(ConfigError, match=r"SGLang does not fit a GPU of its own \(16.0 GiB\): a 7.6B-parameter"):
+        check_engine_alone(cfg, shape_7b, prompt_tokens=150, gpu_total=int(16 * GIB), servers=1)
+    long = load_config(None, [*SGLANG_LAUNCHED, "rollout.prompts_per_step=64", "rollout.max_new_tokens=8192"])
+    with pytest.raises(ConfigError, match="placement.engine_gpus"):
+        check_engine_alone(long, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=1)
+    check_engine_alone(long, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=4)  # a quarter each
