@@ -2,10 +2,10 @@
 
 One setting uses every visible GPU: `colocated` puts FSDP2 trainer ranks and SGLang servers (one per GPU) on
 the same GPUs (SGLang's KV cache is released while the trainer trains), `split` gives SGLang the first
-`engine_gpus` and the trainer the rest (rollouts one step ahead: `rollout.mode: async`). `auto` (the default)
-is one GPU as before on a one-GPU machine, and `split` on several (measured fastest for a 7B on two H100s:
-`lora_rl_core.plan.placement.AUTO_SEVERAL`);
-`manual` leaves the GPUs to `trainer.backend`, `model.device` and `engine.launch.env`.
+`engine_gpus` and the trainer the rest (rollouts one step ahead: an unset `rollout.mode` is `async` there).
+`auto` (the default) is one GPU as before on a one-GPU machine, and `split` on several (measured fastest for a
+7B on two H100s: `lora_rl_core.plan.placement.AUTO_SEVERAL`); `manual` leaves the GPUs to `trainer.backend`,
+`model.device` and `engine.launch.env`.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class ColocatedPlacement(Section):
 
 class SplitPlacement(Section):
     """`placement: split`: SGLang on the first `engine_gpus` of `gpus` (one server per GPU),
-    the trainer on the rest (FSDP2 ranks, or in this process with one GPU); use `rollout.mode: async` so that
-    rollouts run one step ahead while the trainer trains."""
+    the trainer on the rest (FSDP2 ranks, or in this process with one GPU); an unset `rollout.mode` is `async`
+    here, so that rollouts run one step ahead while the trainer trains."""
 
     type: Literal["split"] = "split"
     """The kind: SGLang and the trainer on separate GPUs."""

@@ -86,7 +86,9 @@ class RolloutConfig(Section):
     """`sync`: each step samples with the version the previous step published, then trains. `async`: the
     rollouts of the next `algorithm.max_staleness` steps are generated (as Prefect task futures) while a step
     trains, each with the version current when it starts; the trainer drops completions more than
-    `max_staleness` versions old and corrects the rest (`algorithm.off_policy_correction`)."""
+    `max_staleness` versions old and corrects the rest (`algorithm.off_policy_correction`). Unset, it is
+    `async` under `placement: split` (SGLang and the trainer on GPUs of their own: both stay busy), else
+    `sync`."""
 
 
 class StoreConfig(Section):
@@ -272,6 +274,24 @@ class RunConfig(Section):
     """Held-out evaluation: greedy accuracy, and pass@k / mean@n with `samples_per_prompt` samples."""
     run: RunSection = RunSection()
     """Run identity, seed, local outputs and evaluation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_runs_ahead(cls, data: Any) -> Any:
+        # `placement: split` gives SGLang and the trainer GPUs of their own: rollouts one step ahead keep both
+        # busy, so an unset rollout.mode is async there (one setting uses every GPU)
+        if not isinstance(data, dict):
+            return data
+        placement = data.get("placement")
+        kind = placement.get("type") if isinstance(placement, dict) else getattr(placement, "type", placement)
+        rollout = data.get("rollout") or {}
+        if kind != "split":
+            return data
+        if isinstance(rollout, dict) and "mode" not in rollout:
+            return {**data, "rollout": {**rollout, "mode": "async"}}
+        if isinstance(rollout, RolloutConfig) and "mode" not in rollout.model_fields_set:
+            return {**data, "rollout": rollout.model_copy(update={"mode": "async"})}
+        return data
 
     @model_validator(mode="after")
     def _async_needs_staleness(self) -> RunConfig:

@@ -61,10 +61,10 @@ def test_auto_keeps_settings_that_place_the_run(settings, why):
 
 
 def test_split_gives_sglang_the_first_gpus_and_the_trainer_the_rest():
-    two = placed(2, "placement=split", "rollout.mode=async")
+    two = placed(2, "placement=split")  # rollout.mode unset: async under split
     assert (two.trainer_gpus, two.engine_gpus, two.ranks, two.dp_size) == ((1,), (0,), 0, 1)  # trainer in process
     assert not two.shares_gpus and "async overlaps" not in two.reason
-    four = placed(4, "placement=split")
+    four = placed(4, "placement=split", "rollout.mode=sync")
     assert (four.trainer_gpus, four.engine_gpus, four.ranks, four.dp_size) == ((2, 3), (0, 1), 2, 2)
     assert "rollout.mode sync: the GPUs take turns" in four.reason
     one_engine = placed(4, "placement={type: split, engine_gpus: 1, gpus: [1, 2, 3]}")
@@ -270,3 +270,12 @@ def test_sglang_on_a_gpu_of_its_own_must_fit_it(shape_7b, tmp_path):
     with pytest.raises(ConfigError, match="placement.engine_gpus"):
         check_engine_alone(long, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=1)
     check_engine_alone(long, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=4)  # a quarter each
+
+
+def test_split_runs_rollouts_ahead_unless_told_otherwise():
+    """`placement: split` alone uses both sides of the machine: an unset rollout.mode is async there."""
+    assert load_config(None, ["placement=split"]).rollout.mode == "async"
+    assert load_config(None, ["placement={type: split, engine_gpus: 1}"]).rollout.mode == "async"
+    assert load_config(None, ["placement=split", "rollout.mode=sync"]).rollout.mode == "sync"  # told otherwise
+    assert load_config(None, ["placement=colocated"]).rollout.mode == "sync"
+    assert load_config(None, []).rollout.mode == "sync"
