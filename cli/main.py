@@ -149,15 +149,22 @@ def eval_(
         )
 
 
-def _check_port_is_not_sglangs(cfg: RunConfig, port: int) -> None:
-    """Raise `ConfigError` when `serve` would bind the port of the SGLang server it launches: SGLang binds it
-    first (on 127.0.0.1, which any of our hosts overlaps), and then uvicorn fails with `address already in use`."""
+def _check_port_is_not_sglangs(cfg: RunConfig, port: int, servers: int = 1) -> None:
+    """Raise `ConfigError` when `serve` would bind the port of an SGLang server it launches (`servers` of them,
+    one per GPU of the placement, on `engine.launch.port + i`): SGLang binds it first (on 127.0.0.1, which any
+    of our hosts overlaps), and then uvicorn fails with `address already in use`."""
     from lora_rl_core.errors import ConfigError
 
     if not isinstance(cfg.engine, SGLangEngineConfig):
         return
     launch = cfg.engine.launch
-    if launch.enabled and launch.port == port:
+    if launch.enabled and launch.port <= port < launch.port + servers:
+        if servers > 1:
+            raise ConfigError(
+                f"lora-rl serve --port {port} is the port of one of the {servers} SGLang servers it launches "
+                f"(engine.launch.port {launch.port} .. {launch.port + servers - 1}); pass another --port (e.g. "
+                f"{launch.port + servers}) or set engine.launch.port"
+            )
         other = port + 1 if port < 65535 else port - 1
         raise ConfigError(
             f"lora-rl serve --port {port} is the port of the SGLang it launches (engine.launch.port); "
@@ -213,6 +220,7 @@ def serve(
     if isinstance(cfg.engine, SGLangEngineConfig):
         console.print(f"in front of SGLang at {cfg.engine.urls or 'a server launched here'}", markup=False)
     plan = make_plan(cfg, train=False)  # the engine's `auto` settings, resolved once
+    _check_port_is_not_sglangs(cfg, port, plan.engine.launch.servers if plan.engine.launch else 1)
     if cfg.engine.type != "sglang":
         dtype = plan.choices["model.dtype"]
         console.print(f"model dtype {dtype.value}: {dtype.reason}", markup=False)

@@ -77,7 +77,7 @@ def make_plan(
     dtype = choose_dtype(cfg.model.dtype, device)
     choices["model.dtype"] = Choice(dtype.name, dtype.reason)
     launch_env = _probe(cfg)
-    placement = resolve_placement(cfg, torch.cuda.device_count() if device.type == "cuda" else 0)
+    placement = resolve_placement(cfg, torch.cuda.device_count() if device.type == "cuda" else 0, train=train)
     choices["placement"] = Choice(placement.describe(), placement.reason)
     trainer: TrainerPlan | None = None
     memory: MemoryPlan | None = None

@@ -102,13 +102,24 @@ def _placed_by_settings(cfg: RunConfig) -> list[str]:
     return placed
 
 
-def resolve_placement(cfg: RunConfig, visible_gpus: int) -> Placement:
-    """The run's placement (module docstring) on a machine with `visible_gpus` CUDA devices (0: none).
+def resolve_placement(cfg: RunConfig, visible_gpus: int, *, train: bool = True) -> Placement:
+    """The run's placement (module docstring) on a machine with `visible_gpus` CUDA devices (0: none). Without
+    a trainer (`train=False`: `lora-rl serve`, an evaluation) every GPU of a placement gets an SGLang server.
 
     Raises:
         ConfigError: `colocated` or `split` without a launched SGLang or a CUDA device, beside settings that
             place the run themselves, with GPUs that are not visible, or a split without GPUs for both.
     """
+    placement = _resolve(cfg, visible_gpus)
+    if train or not placement.engine_gpus:
+        return placement
+    gpus = tuple(sorted(placement.trainer_gpus + placement.engine_gpus))
+    return Placement(
+        placement.kind, (), tuple(dict.fromkeys(gpus)), f"{placement.reason}; no trainer: SGLang on every GPU"
+    )
+
+
+def _resolve(cfg: RunConfig, visible_gpus: int) -> Placement:
     p = cfg.placement
     if isinstance(p, ManualPlacement):
         return Placement("as configured", reason="placement: manual")

@@ -279,3 +279,23 @@ def test_split_runs_rollouts_ahead_unless_told_otherwise():
     assert load_config(None, ["placement=split", "rollout.mode=sync"]).rollout.mode == "sync"  # told otherwise
     assert load_config(None, ["placement=colocated"]).rollout.mode == "sync"
     assert load_config(None, []).rollout.mode == "sync"
+
+
+def test_without_a_trainer_every_gpu_serves():
+    """`lora-rl serve` and evaluations (`make_plan(train=False)`): each GPU of the placement gets a server."""
+    cfg = load_config(None, SGLANG_LAUNCHED)
+    served = resolve_placement(cfg, 2, train=False)
+    assert (served.trainer_gpus, served.engine_gpus, served.dp_size) == ((), (0, 1), 2)
+    assert served.reason.endswith("no trainer: SGLang on every GPU")
+    assert resolve_placement(cfg, 1, train=False).engine_gpus == ()  # one GPU: as configured
+
+
+def test_serve_refuses_the_port_of_any_server_it_launches():
+    from cli.main import _check_port_is_not_sglangs
+
+    cfg = load_config(None, SGLANG_LAUNCHED)
+    _check_port_is_not_sglangs(cfg, 30002, servers=2)
+    with pytest.raises(
+        ConfigError, match=r"one of the 2 SGLang servers it launches \(engine.launch.port 30000 .. 30001\)"
+    ):
+        _check_port_is_not_sglangs(cfg, 30001, servers=2)
