@@ -217,8 +217,8 @@ def main() -> None:
         placement_reason=run.plan.choices["placement"].reason,
         rollout_mode=cfg.rollout.mode,
         trainer_ranks=trainer_plan.world_size,
-        sglang_dp=launch.servers if launch is not None else 1,  # one server per GPU (data parallel)
-        sglang_tp=1,
+        sglang_dp=launch.servers if launch is not None else 1,  # servers (data parallel)
+        sglang_tp=launch.tp_size if launch is not None else 1,
         setup_seconds=setup_s,
         memory_plan=plan,
         trainer_peak_reserved_gib=round(trainer_peak / 1024**3, 2) if trainer_peak is not None else None,

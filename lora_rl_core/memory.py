@@ -211,6 +211,7 @@ def plan_memory(
     saver_available: bool,
     ranks: int | None = None,
     dp_size: int = 1,
+    engine_tp: int = 1,
 ) -> MemoryPlan:
     """The run's memory plan (module docstring), per GPU; pure arithmetic, no GPU touched.
 
@@ -223,8 +224,10 @@ def plan_memory(
         saver_available: the installed SGLang has `torch_memory_saver`.
         ranks: FSDP2 ranks, one per GPU, each holding 1/ranks of the base weights (0: the trainer in this
             process); None = `trainer.backend`'s.
-        dp_size: SGLang servers (data-parallel replicas), one per GPU: each holds the whole model and the KV
-            cache of 1/dp_size of the rollout batch.
+        dp_size: SGLang servers (data-parallel replicas): each holds the whole model and the KV cache of
+            1/dp_size of the rollout batch, over `engine_tp` GPUs.
+        engine_tp: GPUs per SGLang server (tensor parallel): each holds 1/engine_tp of the server's weights,
+            LoRA pool, prefill activations and KV cache.
 
     Raises:
         ConfigError: the trainer (and SGLang beside it) cannot fit, naming the settings to change.
@@ -244,14 +247,14 @@ def plan_memory(
     ranks_overhead = RANK_OVERHEAD_BYTES if world > 1 else 0
     resident = shape.weight_bytes() // world + shape.lora_params * 16 + CUDA_CONTEXT_BYTES + ranks_overhead
     budget = gpu_free - SAFETY_BYTES
-    kv_needed = -(-batch // dp_size) * seq * shape.kv_bytes_per_token()  # a server's share of the batch
+    kv_needed = -(-batch // dp_size) * seq * shape.kv_bytes_per_token() // engine_tp  # a GPU's share of the batch
     engine_fixed = 0
     saver_allowed = False
     fraction: float | None = None
     if colocated:
         prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2
         lora_pool = cfg.engine.max_loras_per_batch * shape.lora_params * 2
-        engine_fixed = shape.weight_bytes() + lora_pool + ENGINE_OVERHEAD_BYTES + prefill
+        engine_fixed = (shape.weight_bytes() + lora_pool + prefill) // engine_tp + ENGINE_OVERHEAD_BYTES
         # the KV cache can be released only while SGLang is idle (sync rollouts); every rank then gives its cached
         # blocks back after its step (TrainerPlan.empty_cache_after_step)
         saver_allowed = launch.memory_saver is True or (
@@ -314,7 +317,7 @@ def plan_memory(
             # the rest of the room goes to the KV cache: all of it with the saver (freed while training), else
             # what the activations leave (a larger cache keeps more prefixes; SGLang never has to retract)
             kv = max(kv_min, room - GIB if saver else room - needed - extra - GIB)
-        fraction = min(0.95, (kv + shape.weight_bytes() + (gpu_total - gpu_free)) / gpu_total)
+        fraction = min(0.95, (kv + shape.weight_bytes() // engine_tp + (gpu_total - gpu_free)) / gpu_total)
     return MemoryPlan(
         gradient_checkpointing=ckpt,
         micro_batch_size=micro,
@@ -332,25 +335,29 @@ def plan_memory(
     )
 
 
-def check_engine_alone(cfg: RunConfig, shape: ModelShape, *, prompt_tokens: int, gpu_total: int, servers: int) -> None:
+def check_engine_alone(
+    cfg: RunConfig, shape: ModelShape, *, prompt_tokens: int, gpu_total: int, servers: int, tp: int = 1
+) -> None:
     """Where SGLang runs on GPUs of its own (`placement: split`), one server per GPU: its copy of the model, its
     LoRA pool, its overhead and prefill activations and the KV cache of its share of the rollout batch must fit
-    one GPU (`gpu_total` bytes, less `SAFETY_BYTES`). Pure arithmetic.
+    one GPU (`gpu_total` bytes, less `SAFETY_BYTES`), each server's share over its `tp` GPUs. Pure arithmetic.
 
     Raises:
         ConfigError: they do not fit, naming the sizes and the settings to change.
     """
     seq = prompt_tokens + cfg.rollout.max_new_tokens
-    kv = -(-rollout_batch(cfg) // servers) * seq * shape.kv_bytes_per_token()
-    prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2
-    fixed = shape.weight_bytes() + cfg.engine.max_loras_per_batch * shape.lora_params * 2 + ENGINE_OVERHEAD_BYTES
+    kv = -(-rollout_batch(cfg) // servers) * seq * shape.kv_bytes_per_token() // tp
+    prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2 // tp
+    pool = cfg.engine.max_loras_per_batch * shape.lora_params * 2
+    fixed = (shape.weight_bytes() + pool) // tp + ENGINE_OVERHEAD_BYTES
     if fixed + prefill + kv > gpu_total - SAFETY_BYTES:
         g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
         raise ConfigError(
             f"SGLang does not fit a GPU of its own ({g(gpu_total)}): a {shape.params / 1e9:.1f}B-parameter model "
-            f"needs {g(fixed + prefill)} with its LoRA pool, and the KV cache of {-(-rollout_batch(cfg) // servers)} "
-            f"sequences x {seq} tokens {g(kv)}. Lower rollout.prompts_per_step, rollout.group_size or "
-            "rollout.max_new_tokens, give SGLang more GPUs (placement.engine_gpus), or use larger GPUs"
+            f"over {tp} GPU{'s' if tp > 1 else ''} per server needs {g(fixed + prefill)} per GPU with its LoRA pool, "
+            f"and the KV cache of {-(-rollout_batch(cfg) // servers)} sequences x {seq} tokens {g(kv)}. Lower "
+            "rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens, give SGLang more GPUs "
+            "(placement.engine_gpus, placement.engine_tp), or use larger GPUs"
         )
 
 

@@ -42,10 +42,14 @@ class ColocatedPlacement(Section):
     """The kind: trainer and SGLang share every GPU."""
     gpus: list[int] | Literal["all"] = "all"
     """The GPUs (indices among this process's visible CUDA devices) the run uses; `all`: every visible one."""
+    engine_tp: int | Literal["auto"] = "auto"
+    """GPUs per SGLang server (tensor parallel, `--tp-size`): the engine GPUs form servers of this many each.
+    `auto`: the smallest of 1, 2, 4, 8 that divides them and whose memory plan fits (a model whose copy does
+    not fit one GPU beside the rest is split over several)."""
 
     @model_validator(mode="after")
     def _distinct(self) -> ColocatedPlacement:
-        _check_gpus(self.gpus)
+        _check_gpus(self.gpus, self.engine_tp)
         return self
 
 
@@ -60,18 +64,24 @@ class SplitPlacement(Section):
     """The GPUs (indices among this process's visible CUDA devices) the run uses; `all`: every visible one."""
     engine_gpus: int | Literal["auto"] = "auto"
     """GPUs for SGLang; the rest train. `auto`: half of `gpus`, rounded down, at least 1."""
+    engine_tp: int | Literal["auto"] = "auto"
+    """GPUs per SGLang server (tensor parallel, `--tp-size`): the engine GPUs form servers of this many each.
+    `auto`: the smallest of 1, 2, 4, 8 that divides them and whose memory plan fits (a model whose copy does
+    not fit one GPU beside the rest is split over several)."""
 
     @model_validator(mode="after")
     def _distinct(self) -> SplitPlacement:
-        _check_gpus(self.gpus)
+        _check_gpus(self.gpus, self.engine_tp)
         if isinstance(self.engine_gpus, int) and self.engine_gpus < 1:
             raise ValueError(f"placement.engine_gpus must be >= 1 or auto, got {self.engine_gpus}")
         return self
 
 
-def _check_gpus(gpus: list[int] | str) -> None:
+def _check_gpus(gpus: list[int] | str, tp: int | str) -> None:
     if isinstance(gpus, list) and (not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0):
         raise ValueError(f"placement.gpus must be distinct GPU indices >= 0 or `all`, got {gpus}")
+    if isinstance(tp, int) and tp not in (1, 2, 4, 8):
+        raise ValueError(f"placement.engine_tp must be 1, 2, 4, 8 or auto, got {tp}")
 
 
 PlacementConfig = Annotated[

@@ -43,10 +43,11 @@ class ResolvedLaunch:
         cuda_graph_max_bs: largest decode batch captured as a CUDA graph; None = CUDA graphs off.
         mem_fraction_static: `--mem-fraction-static`; None = SGLang's own.
         memory_saver: `--enable-memory-saver`.
-        gpus: one server per GPU (physical ids, each its `CUDA_VISIBLE_DEVICES`, over `engine.launch.env`'s),
-            on ports `engine.launch.port + i` (the run's `placement`; SGLang 0.5.17 refuses dynamic LoRA loads
-            with `--dp-size` > 1, so data parallelism is one server per GPU); () = one server, on the GPU
-            `engine.launch.env` (or this process) gives it.
+        gpus: one server per entry, its `CUDA_VISIBLE_DEVICES` (physical ids, `tp_size` of them, e.g. `2,3`;
+            over `engine.launch.env`'s), on ports `engine.launch.port + i` (the run's `placement`; SGLang 0.5.17
+            refuses dynamic LoRA loads with `--dp-size` > 1, so data parallelism is one server per GPU group);
+            () = one server, on the GPU `engine.launch.env` (or this process) gives it.
+        tp_size: `--tp-size`: GPUs per server (tensor parallel).
         reasons: for each resolved `auto`, why it became its value.
     """
 
@@ -59,6 +60,7 @@ class ResolvedLaunch:
     memory_saver: bool
     extra_args: tuple[str, ...] = ()
     gpus: tuple[str, ...] = ()
+    tp_size: int = 1
     reasons: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,6 +33,7 @@ from lora_rl_core.engines.launch.process import LaunchPlan
 from lora_rl_core.engines.launch.resolve import ResolvedLaunch, resolve_launch
 from lora_rl_core.engines.registry import sync_reads_folder
 from lora_rl_core.engines.remote.ipc import is_loopback
+from lora_rl_core.errors import ConfigError
 from lora_rl_core.memory import (
     MemoryPlan,
     ModelShape,
@@ -49,6 +50,7 @@ from lora_rl_core.trainer.kernels import choose_kernels
 from lora_rl_core.trainer.spec import TrainerPlan
 
 SET = "set in the config"
+T = TypeVar("T")
 
 
 def make_plan(
@@ -78,7 +80,6 @@ def make_plan(
     choices["model.dtype"] = Choice(dtype.name, dtype.reason)
     launch_env = _probe(cfg)
     placement = resolve_placement(cfg, torch.cuda.device_count() if device.type == "cuda" else 0, train=train)
-    choices["placement"] = Choice(placement.describe(), placement.reason)
     trainer: TrainerPlan | None = None
     memory: MemoryPlan | None = None
     trainer_device: torch.device | None = None
@@ -91,8 +92,13 @@ def make_plan(
         else:
             trainer_device = resolve_device(backend.device if isinstance(backend, RankedBackend) else cfg.model.device)
             colocated = sglang_shares_trainer_gpu(cfg, trainer_device)
-        memory = _memory(cfg, trainer_device, colocated, launch_env, tokenizer, problems, placement)
+        placement, memory = _memory(cfg, trainer_device, colocated, launch_env, tokenizer, problems, placement)
         trainer = _trainer(cfg, trainer_device, memory, placement, choices)
+    elif placement.engine_gpus:  # servers only: the smallest tensor parallelism whose copy fits a GPU
+        total = torch.cuda.mem_get_info(torch.device("cuda", placement.engine_gpus[0]))[1]
+        shape = ModelShape.of(cfg.model, cfg.lora)
+        placement, _ = _choose_tp(cfg, placement, lambda p: _engine_alone(cfg, shape, 0, total, p))
+    choices["placement"] = Choice(placement.describe(), placement.reason)
     engine = _engine(cfg, device, dtype.name, memory, trainer_device, colocated, launch_env, placement, choices)
     if train:
         mode = cfg.rollout.mode
@@ -135,12 +141,14 @@ def _memory(
     tokenizer: Any,
     problems: Sequence[Problem],
     placement: Placement,
-) -> MemoryPlan:
+) -> tuple[Placement, MemoryPlan]:
     """The GPU memory plan for the trainer's GPU (each of them: the placement's ranks) and a launched SGLang
-    beside it (each SGLang server); on a CPU only the `auto` values are resolved (gradient
+    beside it (each SGLang server), with the placement's SGLang tensor parallelism resolved (the smallest that
+    fits, where `placement.engine_tp` is `auto`); on a CPU only the `auto` values are resolved (gradient
     checkpointing off)."""
     if device.type != "cuda":
-        return plan_memory(cfg, None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False)
+        cpu = plan_memory(cfg, None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False)
+        return placement, cpu
     e = cfg.engine
     saver = (
         colocated
@@ -153,19 +161,51 @@ def _memory(
     prompt_tokens = max((len(style.render(tokenizer, p)) for p in problems[:256]), default=0)
     free, total = torch.cuda.mem_get_info(device)
     shape = ModelShape.of(cfg.model, cfg.lora)
-    if placement.engine_gpus and not colocated:  # SGLang on GPUs of its own (split): its copy must fit one
-        check_engine_alone(cfg, shape, prompt_tokens=prompt_tokens, gpu_total=total, servers=placement.dp_size)
-    return plan_memory(
-        cfg,
-        shape,
-        prompt_tokens=prompt_tokens,
-        gpu_free=free,
-        gpu_total=total,
-        colocated=colocated,
-        saver_available=saver,
-        ranks=placement.ranks if placement.trainer_gpus else None,
-        dp_size=placement.dp_size if colocated else 1,
-    )
+
+    def fits(p: Placement) -> MemoryPlan:
+        if p.engine_gpus and not colocated:  # SGLang on GPUs of its own (split): its copy must fit them
+            check_engine_alone(
+                cfg, shape, prompt_tokens=prompt_tokens, gpu_total=total, servers=p.dp_size, tp=p.engine_tp
+            )
+        return plan_memory(
+            cfg,
+            shape,
+            prompt_tokens=prompt_tokens,
+            gpu_free=free,
+            gpu_total=total,
+            colocated=colocated,
+            saver_available=saver,
+            ranks=p.ranks if p.trainer_gpus else None,
+            dp_size=p.dp_size if colocated else 1,
+            engine_tp=p.engine_tp if colocated else 1,
+        )
+
+    if not placement.engine_gpus:
+        return placement, fits(placement)
+    return _choose_tp(cfg, placement, fits)
+
+
+def _engine_alone(cfg: RunConfig, shape: ModelShape, prompt_tokens: int, total: int, p: Placement) -> None:
+    """`memory.check_engine_alone` for the placement's servers."""
+    check_engine_alone(cfg, shape, prompt_tokens=prompt_tokens, gpu_total=total, servers=p.dp_size, tp=p.engine_tp)
+
+
+def _choose_tp(cfg: RunConfig, placement: Placement, fits: Callable[[Placement], T]) -> tuple[Placement, T]:
+    """The placement with the smallest SGLang tensor parallelism of `placement.tp_choices` for which `fits`
+    passes, and what `fits` returned.
+
+    Raises:
+        ConfigError: none fits (the error of the largest).
+    """
+    error: ConfigError | None = None
+    for tp in placement.tp_choices(cfg):
+        candidate = dataclasses.replace(placement, engine_tp=tp)
+        try:
+            return candidate, fits(candidate)
+        except ConfigError as exc:
+            error = exc
+    assert error is not None
+    raise error
 
 
 def _trainer(
@@ -276,11 +316,22 @@ def _engine(
             mem_fraction=fraction,
             memory_saver=saver,
         )
-        if placement.engine_gpus:  # one SGLang server per GPU of the placement (data parallel)
+        if placement.engine_gpus:  # one SGLang server per group of `engine_tp` GPUs of the placement
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            gpus = tuple(physical_gpu(torch.device("cuda", i), visible) for i in placement.engine_gpus)
-            launch = dataclasses.replace(launch, gpus=gpus)
-            choices["engine.launch.servers"] = Choice(placement.dp_size, f"placement {placement.kind}: one per GPU")
+            gpus = tuple(
+                ",".join(physical_gpu(torch.device("cuda", i), visible) for i in group)
+                for group in placement.server_gpus
+            )
+            launch = dataclasses.replace(launch, gpus=gpus, tp_size=placement.engine_tp)
+            choices["engine.launch.servers"] = Choice(
+                placement.dp_size, f"placement {placement.kind}: one per {placement.engine_tp} GPU(s)"
+            )
+            choices["engine.launch.tp_size"] = Choice(
+                placement.engine_tp,
+                "placement.engine_tp"
+                if getattr(cfg.placement, "engine_tp", "auto") != "auto"
+                else "auto: the smallest tensor parallelism whose memory plan fits",
+            )
         for key, reason in launch.reasons.items():
             choices[f"engine.launch.{key}"] = Choice(getattr(launch, key), reason)
     elif isinstance(e, SGLangEngineConfig) and e.launch.enabled:

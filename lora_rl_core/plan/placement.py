@@ -45,8 +45,9 @@ class Placement:
         kind: `colocated`, `split`, or `as configured` (one GPU, manual, or settings that place the run).
         trainer_gpus: the trainer's CUDA devices, indices among this process's visible ones, one per FSDP2
             rank (one: the trainer runs in this process there); () = as configured.
-        engine_gpus: the launched SGLang's GPUs, one SGLang server each (same indexing); () = as
-            configured (`engine.launch.env`).
+        engine_gpus: the launched SGLang's GPUs (same indexing), `engine_tp` per server; () = as configured
+            (`engine.launch.env`).
+        engine_tp: GPUs per SGLang server (`--tp-size`); the plan resolves `placement.engine_tp: auto`.
         reason: why, for the run log and `run.json`.
     """
 
@@ -54,6 +55,24 @@ class Placement:
     trainer_gpus: tuple[int, ...] = ()
     engine_gpus: tuple[int, ...] = ()
     reason: str = ""
+    engine_tp: int = 1
+
+    def tp_choices(self, cfg: RunConfig) -> list[int]:
+        """The tensor parallel sizes to try, smallest first: `placement.engine_tp`, or (`auto`) each of 1, 2, 4,
+        8 that divides the engine GPUs."""
+        asked = getattr(cfg.placement, "engine_tp", "auto")
+        n = len(self.engine_gpus)
+        if isinstance(asked, int):
+            if n % asked:
+                raise ConfigError(f"placement.engine_tp {asked} does not divide SGLang's {n} GPUs {self.engine_gpus}")
+            return [asked]
+        return [t for t in (1, 2, 4, 8) if n % t == 0] or [1]
+
+    @property
+    def server_gpus(self) -> tuple[tuple[int, ...], ...]:
+        """The GPUs of each SGLang server: consecutive groups of `engine_tp`."""
+        tp = self.engine_tp
+        return tuple(self.engine_gpus[i : i + tp] for i in range(0, len(self.engine_gpus), tp))
 
     @property
     def ranks(self) -> int:
@@ -63,8 +82,8 @@ class Placement:
 
     @property
     def dp_size(self) -> int:
-        """SGLang's data parallelism: one server per engine GPU (1 as configured)."""
-        return max(1, len(self.engine_gpus))
+        """SGLang's data parallelism: servers of `engine_tp` GPUs each (1 as configured)."""
+        return max(1, len(self.engine_gpus) // self.engine_tp)
 
     @property
     def shares_gpus(self) -> bool:
@@ -76,12 +95,10 @@ class Placement:
         if not self.trainer_gpus:
             return self.kind
         trainer = "trainer in this process" if self.ranks == 0 else f"{self.ranks} trainer ranks"
-        gpus = lambda g: ",".join(map(str, g))  # noqa: E731
-        return (
-            f"{self.kind}: {trainer} on GPU{'s' if len(self.trainer_gpus) > 1 else ''} {gpus(self.trainer_gpus)}; "
-            f"{self.dp_size} SGLang server{'s' if self.dp_size > 1 else ''} on GPU{'s' if self.dp_size > 1 else ''} "
-            f"{gpus(self.engine_gpus)}"
-        )
+        on = lambda g: f"GPU{'s' if len(g) > 1 else ''} {','.join(map(str, g))}"  # noqa: E731
+        servers = f"{self.dp_size} SGLang server{'s' if self.dp_size > 1 else ''}"
+        tp = f" (tp {self.engine_tp})" if self.engine_tp > 1 else ""
+        return f"{self.kind}: {trainer} on {on(self.trainer_gpus)}; {servers}{tp} on {on(self.engine_gpus)}"
 
 
 def launched_here(cfg: RunConfig) -> bool:

@@ -197,23 +197,22 @@ def test_spread_groups_keeps_a_group_together_and_balances_groups():
         assert all(sum(1 for i in share if tuple(requests[i].prompt_ids) == p) == 4 for p in prompts)
 
 
-@pytest.fixture
-def two_gpus(monkeypatch, tmp_path):
-    """A pretended machine of two 80 GB GPUs (physical 4 and 5) with SGLang's memory saver installed; returns
-    `make_plan` and the overrides of a 7B run launching SGLang."""
+def pretend_gpus(monkeypatch, tmp_path, count: int, shape: str) -> tuple:
+    """A pretended machine of `count` 80 GB GPUs (physical 4, 5, ...) with SGLang's memory saver installed;
+    returns `make_plan` and the overrides of a run of the Qwen2.5 `shape` launching SGLang."""
     import torch
 
     import lora_rl_core.plan.make as make
 
-    folder = tmp_path / "7b"
+    folder = tmp_path / shape
     folder.mkdir()
-    shutil.copy(CONFIGS / "qwen2.5-7b.json", folder / "config.json")
+    shutil.copy(CONFIGS / f"qwen2.5-{shape}.json", folder / "config.json")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(79 * GIB), int(79.6 * GIB)))
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    h100 = SGLangEnvironment(memory_saver=True, gpu_total_bytes=int(79.6 * GIB), gpu_count=2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(4 + i) for i in range(count)))
+    h100 = SGLangEnvironment(memory_saver=True, gpu_total_bytes=int(79.6 * GIB), gpu_count=count)
     monkeypatch.setattr(make, "probe_for_launch", lambda launch: h100)
     overrides = [
         *SGLANG_LAUNCHED,
@@ -222,6 +221,12 @@ def two_gpus(monkeypatch, tmp_path):
         "rollout.prompts_per_step=16",
     ]
     return make.make_plan, overrides
+
+
+@pytest.fixture
+def two_gpus(monkeypatch, tmp_path):
+    """Two pretended 80 GB GPUs and a 7B run (`pretend_gpus`)."""
+    return pretend_gpus(monkeypatch, tmp_path, 2, "7b")
 
 
 def test_the_plan_of_a_colocated_two_gpu_run(two_gpus, shape_7b):
@@ -299,3 +304,47 @@ def test_serve_refuses_the_port_of_any_server_it_launches():
         ConfigError, match=r"one of the 2 SGLang servers it launches \(engine.launch.port 30000 .. 30001\)"
     ):
         _check_port_is_not_sglangs(cfg, 30001, servers=2)
+
+
+def test_a_32b_shape_on_four_gpus_splits_sglang_over_gpus_where_one_cannot_hold_it(monkeypatch, tmp_path):
+    """A 32B copy (65 GB) beside a trainer rank's share does not fit one 80 GB GPU: `engine_tp: auto` picks the
+    smallest tensor parallelism that fits, and each server is launched over its GPU group with `--tp-size`."""
+    make_plan, overrides = pretend_gpus(monkeypatch, tmp_path, 4, "32b")
+    colocated = make_plan(load_config(None, [*overrides, "placement=colocated"]))
+    launch = colocated.engine.launch
+    assert launch is not None and colocated.trainer is not None and colocated.memory is not None
+    assert launch.tp_size > 1 and len(launch.gpus) * launch.tp_size == 4
+    assert launch.gpus[0].split(",") == [str(4 + i) for i in range(launch.tp_size)]  # physical ids of a group
+    assert "--tp-size" in launch_flags(launch) and colocated.trainer.world_size == 4
+    assert colocated.choices["engine.launch.tp_size"].reason.startswith("auto: the smallest")
+    assert f"(tp {launch.tp_size})" in colocated.choices["placement"].value
+    fixed = make_plan(load_config(None, [*overrides, "placement={type: colocated, engine_tp: 4}"]))
+    assert fixed.engine.launch is not None and fixed.engine.launch.gpus == ("4,5,6,7",)
+    with pytest.raises(ConfigError, match=r"placement.engine_tp 4 does not divide SGLang's 2 GPUs"):
+        make_plan(load_config(None, [*overrides, "placement={type: split, engine_tp: 4}"]))
+
+
+def test_a_7b_keeps_one_gpu_per_server(two_gpus):
+    make_plan, overrides = two_gpus
+    plan = make_plan(load_config(None, [*overrides, "placement=colocated"]))
+    assert plan.engine.launch is not None and plan.engine.launch.tp_size == 1 and plan.engine.launch.gpus == ("4", "5")
+
+
+def test_engine_tp_takes_powers_of_two():
+    with pytest.raises(ConfigError, match="placement.engine_tp must be 1, 2, 4, 8 or auto, got 3"):
+        load_config(None, ["placement={type: colocated, engine_tp: 3}"])
+
+
+def test_serving_a_32b_splits_it_over_gpus_only_where_one_cannot_hold_it(monkeypatch, tmp_path):
+    """Without a trainer every GPU serves: a 32B copy fits an 80 GB GPU (two servers), not a 40 GB one (one
+    server over both, `--tp-size 2`)."""
+    import torch
+
+    make_plan, overrides = pretend_gpus(monkeypatch, tmp_path, 2, "32b")
+    plan = make_plan(load_config(None, overrides), train=False)
+    assert plan.engine.launch is not None and plan.engine.launch.gpus == ("4", "5")
+    assert plan.engine.launch.tp_size == 1
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(39.5 * GIB), int(39.6 * GIB)))
+    small = make_plan(load_config(None, overrides), train=False)
+    assert small.engine.launch is not None and small.engine.launch.gpus == ("4,5",)
+    assert small.engine.launch.tp_size == 2

@@ -196,6 +196,8 @@ def launch_flags(launch: ResolvedLaunch) -> list[str]:
         flags += ["--mem-fraction-static", f"{launch.mem_fraction_static:.3f}"]
     if launch.memory_saver:
         flags.append("--enable-memory-saver")
+    if launch.tp_size > 1:
+        flags += ["--tp-size", str(launch.tp_size)]
     if launch.cuda_graph_max_bs is None:
         flags.append("--disable-cuda-graph")
     else:
