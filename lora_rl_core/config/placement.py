@@ -33,55 +33,50 @@ class ManualPlacement(Section):
     """The kind: nothing is placed by the plan."""
 
 
-class ColocatedPlacement(Section):
-    """`placement: colocated`: on each of `gpus`, one FSDP2 trainer rank (in this process with one GPU) and one
-    SGLang server (data parallel: a group's samples on one server), whose KV cache is released while the
-    trainer trains (SGLang's memory saver) where the memory plan says it pays."""
+class PlacedGPUs(Section):
+    """What the placing kinds share: the GPUs the run uses and SGLang's tensor parallelism over them."""
+
+    gpus: list[int] | Literal["all"] = "all"
+    """The GPUs (indices among this process's visible CUDA devices) the run uses; `all`: every visible one."""
+    engine_tp: int | Literal["auto"] = "auto"
+    """GPUs per SGLang server (tensor parallel, `--tp-size`): the engine GPUs form servers of this many each.
+    `auto`: the smallest of 1, 2, 4, 8 that divides them and whose memory plan fits (a model whose copy does
+    not fit one GPU beside the rest is split over several)."""
+
+    @model_validator(mode="after")
+    def _valid_gpus(self) -> PlacedGPUs:
+        gpus, tp = self.gpus, self.engine_tp
+        if isinstance(gpus, list) and (not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0):
+            raise ValueError(f"placement.gpus must be distinct GPU indices >= 0 or `all`, got {gpus}")
+        if isinstance(tp, int) and tp not in (1, 2, 4, 8):
+            raise ValueError(f"placement.engine_tp must be 1, 2, 4, 8 or auto, got {tp}")
+        return self
+
+
+class ColocatedPlacement(PlacedGPUs):
+    """`placement: colocated`: on each of `gpus`, one FSDP2 trainer rank (in this process with one GPU) and
+    SGLang (a server per GPU, or per `engine_tp` GPUs; data parallel: a group's samples on one server), whose
+    KV cache is released while the trainer trains (SGLang's memory saver) where the memory plan says it pays."""
 
     type: Literal["colocated"] = "colocated"
     """The kind: trainer and SGLang share every GPU."""
-    gpus: list[int] | Literal["all"] = "all"
-    """The GPUs (indices among this process's visible CUDA devices) the run uses; `all`: every visible one."""
-    engine_tp: int | Literal["auto"] = "auto"
-    """GPUs per SGLang server (tensor parallel, `--tp-size`): the engine GPUs form servers of this many each.
-    `auto`: the smallest of 1, 2, 4, 8 that divides them and whose memory plan fits (a model whose copy does
-    not fit one GPU beside the rest is split over several)."""
-
-    @model_validator(mode="after")
-    def _distinct(self) -> ColocatedPlacement:
-        _check_gpus(self.gpus, self.engine_tp)
-        return self
 
 
-class SplitPlacement(Section):
-    """`placement: split`: SGLang on the first `engine_gpus` of `gpus` (one server per GPU),
-    the trainer on the rest (FSDP2 ranks, or in this process with one GPU); an unset `rollout.mode` is `async`
-    here, so that rollouts run one step ahead while the trainer trains."""
+class SplitPlacement(PlacedGPUs):
+    """`placement: split`: SGLang on the first `engine_gpus` of `gpus` (a server per GPU, or per `engine_tp`
+    GPUs), the trainer on the rest (FSDP2 ranks, or in this process with one GPU); an unset `rollout.mode` is
+    `async` here, so that rollouts run one step ahead while the trainer trains."""
 
     type: Literal["split"] = "split"
     """The kind: SGLang and the trainer on separate GPUs."""
-    gpus: list[int] | Literal["all"] = "all"
-    """The GPUs (indices among this process's visible CUDA devices) the run uses; `all`: every visible one."""
     engine_gpus: int | Literal["auto"] = "auto"
     """GPUs for SGLang; the rest train. `auto`: half of `gpus`, rounded down, at least 1."""
-    engine_tp: int | Literal["auto"] = "auto"
-    """GPUs per SGLang server (tensor parallel, `--tp-size`): the engine GPUs form servers of this many each.
-    `auto`: the smallest of 1, 2, 4, 8 that divides them and whose memory plan fits (a model whose copy does
-    not fit one GPU beside the rest is split over several)."""
 
     @model_validator(mode="after")
-    def _distinct(self) -> SplitPlacement:
-        _check_gpus(self.gpus, self.engine_tp)
+    def _engine_gpus(self) -> SplitPlacement:
         if isinstance(self.engine_gpus, int) and self.engine_gpus < 1:
             raise ValueError(f"placement.engine_gpus must be >= 1 or auto, got {self.engine_gpus}")
         return self
-
-
-def _check_gpus(gpus: list[int] | str, tp: int | str) -> None:
-    if isinstance(gpus, list) and (not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0):
-        raise ValueError(f"placement.gpus must be distinct GPU indices >= 0 or `all`, got {gpus}")
-    if isinstance(tp, int) and tp not in (1, 2, 4, 8):
-        raise ValueError(f"placement.engine_tp must be 1, 2, 4, 8 or auto, got {tp}")
 
 
 PlacementConfig = Annotated[
