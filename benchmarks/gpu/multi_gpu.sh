@@ -3,6 +3,7 @@
 # calls 1 and 2, which stage /tmp/sglsite, the memory saver, the math reward's packages and /tmp/models/meta).
 # Carry `.gpu-ours` (our dependencies, installed into /tmp/ours once). From the repo root:
 #   bash benchmarks/gpu/multi_gpu.sh tests                  # tests/gpu: sharded step, 2-rank checkpoint, colocated run
+#                                                          # (TESTS="tests/gpu/FILE ..." runs only those)
 #   bash benchmarks/gpu/multi_gpu.sh scale --shape 7b --gpus 2 --placement colocated [gpu_scale.py args]
 # Results go to $OUT (the JSON, the tests' log), with what `nvidia-smi` shows on the GPUs afterwards.
 set -uo pipefail
@@ -22,7 +23,7 @@ case "$1" in
     fi
     LORA_RL_SGLANG_MODEL=/tmp/models/smollm2-random LORA_RL_SGLANG_PYTHONPATH=/tmp/sglsite \
       timeout -s TERM -k 30 540 python3 -m pytest -m gpu -x -q -p no:cacheprovider -o addopts="" \
-      tests/gpu/test_sharded.py tests/gpu/test_colocated_run.py 2>&1 | tail -80 | tee "$OUT/tests.log" || rc=$?
+      ${TESTS:-tests/gpu/test_sharded.py tests/gpu/test_colocated_run.py} 2>&1 | tail -80 | tee "$OUT/tests.log" || rc=$?
     ;;
   scale)
     shift
