@@ -119,3 +119,30 @@ def test_sglang_on_another_gpu_is_not_colocated(monkeypatch):
         ),
         torch.device("cuda", 1),
     )
+
+
+@pytest.mark.parametrize("shape_name", ["1.5b", "7b"])
+def test_longer_completions_are_refused_before_step_1_never_planned_past_the_gpu(shapes, shape_name):
+    """Raising `rollout.max_new_tokens` on one 80 GB GPU (the default batch, 16 x 8, trainer and SGLang side by
+    side): every accepted length is planned within the GPU (the trainer's resident weights and activations, the
+    KV cache, SGLang's copy and overhead, less the safety margin), and past the largest one the plan refuses
+    with one message naming the settings to change, instead of a run that fails at step N (issue 34, item 5;
+    the largest accepted length is the one to run for 3 steps on a GPU)."""
+    total = int(79.18 * GIB)
+    accepted, refused = [], None
+    for tokens in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768):
+        cfg = _cfg(mode="sync")
+        cfg.rollout.max_new_tokens = tokens
+        try:
+            plan = _plan(cfg, shapes[shape_name], gib=79.18)
+        except ConfigError as exc:
+            refused = (tokens, str(exc))
+            break
+        # with the memory saver the KV cache is freed while the trainer's activations live, else both stay
+        phases = max(plan.activations, plan.kv_cache) if plan.memory_saver else plan.activations + plan.kv_cache
+        used = plan.trainer_resident + plan.engine_fixed + phases
+        assert used <= total, (tokens, used / GIB)
+        assert plan.kv_cache >= plan.kv_needed  # the whole rollout batch fits SGLang's KV cache
+        accepted.append(tokens)
+    assert accepted[:2] == [256, 512] and refused is not None
+    assert "does not fit the GPU" in refused[1] and "rollout.max_new_tokens" in refused[1]
