@@ -136,7 +136,6 @@ def shard_model(
     mixed_precision: bool,
     activation_checkpointing: bool,
     device: torch.device | None = None,
-    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer, then the root; gradients are SUMMED over ranks.
 
@@ -150,9 +149,6 @@ def shard_model(
         mixed_precision: bf16 params / fp32 reduction where CUDA supports bf16 (ignored on CPU).
         activation_checkpointing: recompute each decoder layer's activations in backward.
         device: the rank's device; None = where the model's parameters are.
-        reshard_after_forward: free each layer's gathered weights after its forward (ZeRO-3: the backward
-            gathers them again); False keeps them for the backward (and, with `accumulate_gradients`, for every
-            micro-batch of a step), for a model whose whole weights fit beside the rest.
 
     Returns:
         The same module object (its class is now also an `FSDPModule`).
@@ -165,31 +161,12 @@ def shard_model(
             from torch.distributed._composable import checkpoint
 
             checkpoint(layer)
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             _sum_gradients(module)
     return model
-
-
-def accumulate_gradients(model: nn.Module, last: bool) -> None:
-    """Before a micro-batch's backward of a sharded `model` whose weights stay gathered for the whole step
-    (`shard_model(reshard_after_forward=False)`): keep the gathered weights and the local gradients until the
-    `last` micro-batch, whose backward reduce-scatters the summed gradients once and frees the weights (FSDP2's
-    gradient accumulation: `set_requires_gradient_sync`, `set_reshard_after_backward`). One gather and one
-    reduce-scatter per step instead of one per micro-batch."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(last, recurse=False)
-            module.set_reshard_after_backward(last, recurse=False)
-
-
-def reshard(model: nn.Module) -> None:
-    """Free the gathered weights of every FSDP2 module of `model` (after forward-only passes that kept them)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def _sum_gradients(module: FSDPModule) -> None:

@@ -64,11 +64,6 @@ ACTIVATION_CALIBRATION = 1.15
 no checkpointing, float32 LoRA compute) reserved 41.6 GiB at its peak against 38.7 GiB estimated (allocator
 rounding, cuBLAS workspaces, autograd temporaries the count leaves out);
 benchmarks/results/gpu_scale/earlier/7b-1gpu-fad8b3c.json."""
-RANK_OVERHEAD_BYTES = 3 * GIB
-"""Per GPU of FSDP2 ranks, beyond one CUDA context: NCCL's buffers, FSDP2's all-gather and reduce-scatter
-buffers, the driver's own CUDA context on the first GPU. Measured: a colocated 7B on two H100s (two ranks, two
-SGLang servers) peaked at 79.0 of 79.2 GiB where the plan without it had left 3 GiB free
-(benchmarks/results/gpu_scale/7b-2gpu-colocated.json)."""
 MIN_MICRO_BATCH = 4
 """The smallest micro-batch the plan halves to before it turns on gradient checkpointing instead."""
 SGLANG_CHUNKED_PREFILL = 8192
@@ -164,9 +159,6 @@ class MemoryPlan:
             `MIN_MICRO_BATCH`).
         mem_fraction_static: SGLang's `--mem-fraction-static`; None = SGLang's own (no trainer beside it).
         memory_saver: SGLang frees its KV cache during each train phase.
-        weights_gathered: FSDP2 ranks keep the whole base weights gathered through each train step (one
-            all-gather per step instead of one per micro-batch and pass): there is room for them beside the
-            activations and what else the GPU holds.
         rollout_batch: sequences decoded at once (prompts x group size x rollouts in flight).
         colocated: trainer and SGLang share one GPU.
         gpu_total: the trainer's GPU memory; 0 on a CPU.
@@ -177,7 +169,6 @@ class MemoryPlan:
     micro_batch_size: int
     mem_fraction_static: float | None = None
     memory_saver: bool = False
-    weights_gathered: bool = False
     rollout_batch: int = 0
     colocated: bool = False
     gpu_total: int = 0
@@ -244,8 +235,7 @@ def plan_memory(
     launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
     world = max(1, t.ranks() if ranks is None else ranks)
     seq = prompt_tokens + r.max_new_tokens
-    ranks_overhead = RANK_OVERHEAD_BYTES if world > 1 else 0
-    resident = shape.weight_bytes() // world + shape.lora_params * 16 + CUDA_CONTEXT_BYTES + ranks_overhead
+    resident = shape.weight_bytes() // world + shape.lora_params * 16 + CUDA_CONTEXT_BYTES
     budget = gpu_free - SAFETY_BYTES
     kv_needed = -(-batch // dp_size) * seq * shape.kv_bytes_per_token() // engine_tp  # a GPU's share of the batch
     engine_fixed = 0
@@ -305,25 +295,18 @@ def plan_memory(
                 seq,
             )
         )
-    # sharded ranks keep the whole weights gathered through a step where they fit beside the activations: one
-    # all-gather per step instead of two per micro-batch (measured: 7B on two H100s trained in 5.2 s per step
-    # with ZeRO-3 re-gathers against 3.9 s in one process)
-    unsharded = shape.weight_bytes() - shape.weight_bytes() // world
-    gathered = world > 1 and needed + unsharded <= train_room
-    extra = unsharded if gathered else 0
     kv = kv_min
     if colocated:
         if launch.mem_fraction_static == "auto":
             # the rest of the room goes to the KV cache: all of it with the saver (freed while training), else
             # what the activations leave (a larger cache keeps more prefixes; SGLang never has to retract)
-            kv = max(kv_min, room - GIB if saver else room - needed - extra - GIB)
+            kv = max(kv_min, room - GIB if saver else room - needed - GIB)
         fraction = min(0.95, (kv + shape.weight_bytes() // engine_tp + (gpu_total - gpu_free)) / gpu_total)
     return MemoryPlan(
         gradient_checkpointing=ckpt,
         micro_batch_size=micro,
         mem_fraction_static=fraction,
         memory_saver=saver,
-        weights_gathered=gathered,
         rollout_batch=batch,
         colocated=colocated,
         gpu_total=gpu_total,

@@ -70,6 +70,7 @@ from lora_rl_core.config.placement import (
     AutoPlacement,
     ColocatedPlacement,
     ManualPlacement,
+    PlacedGPUs,
     PlacementConfig,
     SplitPlacement,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "AutoPlacement",
     "ColocatedPlacement",
     "ManualPlacement",
+    "PlacedGPUs",
     "PlacementConfig",
     "SplitPlacement",
     "AutoCorrection",

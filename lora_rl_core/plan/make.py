@@ -26,7 +26,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from lora_rl_core.config import AutoCorrection, RankedBackend, RayBackend, RunConfig, SGLangEngineConfig, sglang_section
+from lora_rl_core.config import (
+    AutoCorrection,
+    PlacedGPUs,
+    RankedBackend,
+    RayBackend,
+    RunConfig,
+    SGLangEngineConfig,
+    sglang_section,
+)
 from lora_rl_core.data import Problem, PromptStyle
 from lora_rl_core.engines.launch.probe import SGLangEnvironment, probe_for_launch
 from lora_rl_core.engines.launch.process import LaunchPlan
@@ -164,9 +172,7 @@ def _memory(
 
     def fits(p: Placement) -> MemoryPlan:
         if p.engine_gpus and not colocated:  # SGLang on GPUs of its own (split): its copy must fit them
-            check_engine_alone(
-                cfg, shape, prompt_tokens=prompt_tokens, gpu_total=total, servers=p.dp_size, tp=p.engine_tp
-            )
+            _engine_alone(cfg, shape, prompt_tokens, total, p)
         return plan_memory(
             cfg,
             shape,
@@ -242,15 +248,6 @@ def _trainer(
         if on_gpu
         else f"auto: off on {device.type}",
     )
-    if ranks:
-        choices["trainer.sharding"] = Choice(
-            "weights gathered once per step" if memory.weights_gathered else "ZeRO-3: gathered per layer and pass",
-            "the memory plan: the whole weights fit beside the activations"
-            if memory.weights_gathered
-            else "the memory plan: the whole weights do not fit on one GPU beside the rest"
-            if memory.gpu_total
-            else "on a CPU",
-        )
     choices["trainer.micro_batch_size"] = Choice(
         memory.micro_batch_size,
         f"the memory plan halved {t.micro_batch_size} to fit the GPU"
@@ -277,7 +274,6 @@ def _trainer(
         world_size=ranks,
         gpus=gpus,
         empty_cache_after_step=memory.memory_saver,
-        weights_gathered=memory.weights_gathered,
         ray_gpus_per_rank=backend.gpus_per_rank
         if isinstance(backend, RayBackend) and backend.device == "cuda"
         else 0.0,
@@ -329,7 +325,7 @@ def _engine(
             choices["engine.launch.tp_size"] = Choice(
                 placement.engine_tp,
                 "placement.engine_tp"
-                if getattr(cfg.placement, "engine_tp", "auto") != "auto"
+                if isinstance(cfg.placement, PlacedGPUs) and cfg.placement.engine_tp != "auto"
                 else "auto: the smallest tensor parallelism whose memory plan fits",
             )
         for key, reason in launch.reasons.items():

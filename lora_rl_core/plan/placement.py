@@ -24,6 +24,7 @@ from lora_rl_core.config import (
     ColocatedPlacement,
     InProcessBackend,
     ManualPlacement,
+    PlacedGPUs,
     RunConfig,
     SGLangEngineConfig,
     SplitPlacement,
@@ -32,7 +33,7 @@ from lora_rl_core.errors import ConfigError
 
 AUTO_SEVERAL = "split"
 """`placement: auto` on several GPUs with a launched SGLang, by measurement (7B shape, 16 x 8 x 256, two H100s of
-one host; benchmarks/results/gpu_scale/7b-2gpu-*.json): split 3.93 s/step (async rollouts), colocated 9.52 s,
+one host; benchmarks/results/gpu_scale/7b-2gpu-*.json): split 3.93 s/step (async rollouts), colocated 9.26 s,
 one GPU 7.66 s. Decoding reads the whole model per token whatever the batch, so a second SGLang server buys
 colocated rollouts little (2.76 s against 3.27), and its sharded train phase ran slower than one process."""
 
@@ -60,7 +61,7 @@ class Placement:
     def tp_choices(self, cfg: RunConfig) -> list[int]:
         """The tensor parallel sizes to try, smallest first: `placement.engine_tp`, or (`auto`) each of 1, 2, 4,
         8 that divides the engine GPUs."""
-        asked = getattr(cfg.placement, "engine_tp", "auto")
+        asked = cfg.placement.engine_tp if isinstance(cfg.placement, PlacedGPUs) else "auto"
         n = len(self.engine_gpus)
         if isinstance(asked, int):
             if n % asked:
@@ -147,7 +148,7 @@ def _resolve(cfg: RunConfig, visible_gpus: int) -> Placement:
         if not launched_here(cfg) or visible_gpus < 2 or cfg.model.device == "cpu":
             why = "no SGLang launched here" if not launched_here(cfg) else f"{visible_gpus} GPU visible"
             return Placement("as configured", reason=f"auto: {why}")
-        why = f"auto: {visible_gpus} GPUs (split measured fastest: 3.9 s/step against 9.5 colocated, 7B on 2 H100s)"
+        why = f"auto: {visible_gpus} GPUs (split measured fastest: 3.9 s/step against 9.3 colocated, 7B on 2 H100s)"
         return _place(cfg, AUTO_SEVERAL, list(range(visible_gpus)), "auto", visible_gpus, why)
     kind = p.type
     if placed:

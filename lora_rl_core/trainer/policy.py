@@ -136,8 +136,6 @@ class PolicyTrainer:
                 sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
         self.scheduler.step()
         tokens = sum(len(c) for c in batch.completion_ids)
-        if self.plan.weights_gathered and self.world_size > 1:
-            distributed.reshard(self.model)  # forward-only passes (old logprobs, reference) may have kept them
         if self.plan.empty_cache_after_step and self.device.type == "cuda":
             torch.cuda.empty_cache()  # SGLang takes its KV cache back on this GPU next (the memory saver)
         return {
@@ -161,10 +159,7 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(len(batch.completion_ids[i]) for i in rows)
         metrics: dict[str, float] = {}
-        gathered = self.plan.weights_gathered and self.world_size > 1
-        for k, micro in enumerate(plan):  # an empty micro-batch is a zero-weight dummy pass (FSDP collectives match)
-            if gathered:  # one weight gather and one gradient reduce-scatter per step, not per micro-batch
-                distributed.accumulate_gradients(self.model, last=k == len(plan) - 1)
+        for micro in plan:  # an empty micro-batch is a zero-weight dummy pass (keeps FSDP collectives matched)
             tokens = sum(len(batch.completion_ids[i]) for i in micro)
             weight = tokens / total_tokens if self.algo.loss_aggregation == "token-mean" else len(micro) / len(rows)
             micro_old = [old[i] for i in micro] if old is not None and micro else None

@@ -36,9 +36,6 @@ class TrainerPlan(BaseModel):
             () = rank r on `cuda:r`.
         empty_cache_after_step: give the cached CUDA blocks back after each train step (on every rank): a
             launched SGLang on the same GPUs takes its KV cache back then (the memory plan's `memory_saver`).
-        weights_gathered: FSDP2 ranks gather the base weights once per step and keep them for every
-            micro-batch (one all-gather and one reduce-scatter per step), where the memory plan finds room
-            for the whole weights on each GPU; else ZeRO-3 (gathered per layer, per pass).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -63,7 +60,6 @@ class TrainerPlan(BaseModel):
     ray_gpus_per_rank: float
     gpus: tuple[int, ...] = ()
     empty_cache_after_step: bool = False
-    weights_gathered: bool = False
 
     @property
     def mixed_precision(self) -> bool:

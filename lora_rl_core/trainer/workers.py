@@ -83,7 +83,6 @@ def build_sharded_trainer(plan: TrainerPlan, *, device: torch.device) -> PolicyT
         mixed_precision=plan.mixed_precision,
         activation_checkpointing=plan.gradient_checkpointing,
         device=device,
-        reshard_after_forward=not plan.weights_gathered,
     )
     return PolicyTrainer(peft_model, plan, pad_id=tokenizer.pad_token_id)
 

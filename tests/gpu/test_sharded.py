@@ -11,7 +11,6 @@ the check is bf16 tolerance: metrics within 2 %, and the LoRA update (after - be
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -65,8 +64,6 @@ def cfg(tiny_model_dir) -> RunConfig:
 def two_ranks(cfg) -> Iterator[TrainerWorkers]:
     with TrainerWorkers(plan_for(cfg, 2), timeout_s=300) as workers:
         yield workers
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True)
-    assert not [p for p in out.stdout.decode().split() if int(p) in workers.pids], "a rank outlived its group"
 
 
 def test_two_gpu_step_equals_one_gpu_step(cfg, two_ranks):

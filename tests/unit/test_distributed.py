@@ -196,20 +196,6 @@ def test_sharded_training_matches_single_process(cfg, initial_state, workers1, w
 
 
 @spawn
-def test_weights_gathered_once_per_step_train_as_zero3_does(cfg, initial_state, workers2):
-    """`TrainerPlan.weights_gathered` (the memory plan's choice where the whole weights fit): one all-gather and
-    one gradient reduce-scatter per step (FSDP2 gradient accumulation) give the same losses, gradient norms and
-    adapter as the per-micro-batch ZeRO-3 ranks, over batches with several micro-batches and two minibatches."""
-    gathered = ranks(cfg, 2).model_copy(update={"weights_gathered": True})
-    workers2.load_state_dict(initial_state)
-    with TrainerWorkers(gathered, timeout_s=120) as other:
-        other.load_state_dict(initial_state)
-        for batch in BATCHES:
-            assert_metrics_close(other.train_step(batch), workers2.train_step(batch))
-        assert_adapters_close(other.adapter_state()[0], workers2.adapter_state()[0], atol=1e-6)
-
-
-@spawn
 def test_gathered_adapter_has_peft_keys(cfg, workers2):
     tensors, config = workers2.adapter_state()
     model, _ = load_model(cfg.model)
