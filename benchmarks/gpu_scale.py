@@ -75,29 +75,28 @@ def build_model(shape: str, tokenizer: Path, out: Path) -> Path:
     return out
 
 
-class ProfiledTrain(TimedPhases):
-    """`TimedPhases` that runs one step's train phase under `torch.profiler` (CPU and CUDA) and keeps the table
-    of the operators that took the most GPU time."""
+class ProfileAt:
+    """The run's trainer, with its `at`-th `train_step` call run under `torch.profiler` on every rank
+    (`Trainer.profiled_train_step`); `report` keeps the ranks' tables. Everything else goes to the trainer."""
 
-    def __init__(self, inner: Any, step: int) -> None:
-        super().__init__(inner)
-        self.step = step
-        self.table = ""
+    def __init__(self, trainer: Any, at: int) -> None:
+        self.trainer, self.at, self.calls, self.report = trainer, at, 0, ""
 
-    def train(self, step: int) -> Any:
-        """Timed `train`; profiled at `self.step`."""
-        if step != self.step:
-            return super().train(step)
-        from torch.profiler import ProfilerActivity, profile
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """`train_step`, profiled at the `at`-th call."""
+        self.calls += 1
+        if self.calls != self.at:
+            return self.trainer.train_step(batch)
+        metrics, self.report = self.trainer.profiled_train_step(batch)
+        return metrics
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            result = super().train(step)
-        self.table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
-        return result
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trainer, name)
 
 
 class GpuMemory:
-    """Samples `nvidia-smi`'s used memory of every GPU twice a second (every process: trainer and SGLang)."""
+    """Samples `nvidia-smi`'s used memory of this run's GPUs (`CUDA_VISIBLE_DEVICES`, else all) twice a second
+    (every process: trainer and SGLang)."""
 
     def __init__(self) -> None:
         self.peak: list[int] = []
@@ -114,8 +113,10 @@ class GpuMemory:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # this run's GPUs (another run may share the host)
             out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+                + ([f"--id={visible}"] if visible else []),
                 capture_output=True,
                 text=True,
             ).stdout
@@ -135,7 +136,9 @@ def main() -> None:
     p.add_argument("--sglang-pythonpath", default=None, help="PYTHONPATH of SGLang's interpreter")
     p.add_argument("--override", action="append", default=[], help="further config overrides")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--profile-step", type=int, default=0, help="profile this step's train phase (torch.profiler)")
+    p.add_argument(
+        "--profile-step", type=int, default=0, help="profile this step's train phase on every rank (torch.profiler)"
+    )
     args = p.parse_args()
 
     from lora_rl_core.config import load_config
@@ -172,9 +175,12 @@ def main() -> None:
     with GpuMemory() as memory:
         run = start_run(cfg, "gpu-scale")
         setup_s = time.perf_counter() - start
+        profiled = None
+        if args.profile_step:
+            run.trainer = profiled = ProfileAt(run.trainer, args.profile_step)
         try:
             with RunPhases(run) as inner:
-                timed = ProfiledTrain(inner, args.profile_step) if args.profile_step else TimedPhases(inner)
+                timed = TimedPhases(inner)
                 last = [time.perf_counter()]
 
                 def on_step(m: dict[str, Any]) -> None:
@@ -231,9 +237,9 @@ def main() -> None:
     name = f"{args.shape}-1gpu" if args.gpus == 1 else f"{args.shape}-{args.gpus}gpu-{args.placement}"
     out = args.out or RESULTS / "gpu_scale" / f"{name}.json"
     write_json(record, out)
-    if isinstance(timed, ProfiledTrain) and timed.table:
-        Path(str(out).removesuffix(".json") + ".train-profile.txt").write_text(timed.table)
-        print(timed.table)
+    if profiled is not None and profiled.report:
+        Path(str(out).removesuffix(".json") + ".train-profile.txt").write_text(profiled.report)
+        print(profiled.report)
     ph = record["phases"]
     print_table(
         f"{args.shape} on {args.gpus} x {record['gpu']} ({record['placement']}): median of steps 2..{args.steps}",

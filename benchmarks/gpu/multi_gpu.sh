@@ -6,6 +6,8 @@
 #                                                          # (TESTS="tests/gpu/FILE ..." runs only those)
 #   bash benchmarks/gpu/multi_gpu.sh scale --shape 7b --gpus 2 --placement colocated [gpu_scale.py args]
 # Results go to $OUT (the JSON, the tests' log), with what `nvidia-smi` shows on the GPUs afterwards.
+# Two runs side by side on one host (CUDA_VISIBLE_DEVICES apart, another engine.launch.port): SCALE_NAME names
+# each one's files, NO_CLEANUP=1 leaves the SGLang kill and the nvidia-smi check to the caller, after both.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .gpu-ours ] && [ ! -f /tmp/ours/.complete ]; then
@@ -28,9 +30,10 @@ case "$1" in
   scale)
     shift
     timeout -s TERM -k 60 "${SCALE_TIMEOUT_S:-560}" python3 benchmarks/gpu_scale.py --sglang-pythonpath /tmp/sglsite \
-      --out "$OUT/scale.json" "$@" 2>&1 | tail -60 | tee "$OUT/scale.log" || rc=$?
+      --out "$OUT/${SCALE_NAME:-scale}.json" "$@" 2>&1 | tail -60 | tee "$OUT/${SCALE_NAME:-scale}.log" || rc=$?
     ;;
 esac
+[ -n "${NO_CLEANUP:-}" ] && exit "$rc"  # another run shares the host: the caller cleans up after both
 pkill -f sglang.launch_server && echo "[multi_gpu] an SGLang server was left running: killed" || true
 sleep 2
 echo "[multi_gpu] GPU processes afterwards:" | tee -a "$OUT/nvidia-smi.txt"

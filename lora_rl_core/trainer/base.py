@@ -17,6 +17,12 @@ class Trainer(Protocol):
         """One policy update on `batch`; returns the step's metrics (loss, kl, entropy, clip_fraction, ...)."""
         ...
 
+    def profiled_train_step(self, batch: TrainBatch, row_limit: int = 25) -> tuple[dict[str, float], str]:
+        """`train_step` under `torch.profiler` on every rank: its metrics and a report per rank (wall and device
+        seconds, the operators that took the most device time). For benchmarks (`benchmarks/gpu_scale.py
+        --profile-step`) and diagnosis; a run never calls it."""
+        ...
+
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The full adapter: PEFT-keyed float32 CPU tensors and the JSON-safe PEFT config. The tensors are copies
         that later train steps do not change (a version is written, and engines keep it, while training goes on)."""

@@ -146,6 +146,32 @@ class PolicyTrainer:
             "lr": float(self.scheduler.get_last_lr()[0]),
         }
 
+    def profiled_train_step(self, batch: TrainBatch, row_limit: int = 25) -> tuple[dict[str, float], str]:
+        """`train_step` under `torch.profiler` (CPU, and CUDA on a GPU): for benchmarks and for finding where a
+        train phase goes. Sharded: every rank calls it and profiles its own share.
+
+        Returns:
+            the step's metrics, and this rank's report: one line with the wall seconds and the seconds the
+            device spent in kernels (`device busy`: far below the wall means the host, launches or waiting on
+            other ranks bound the step), then the `row_limit` operators that took the most device time.
+        """
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            metrics = self.train_step(batch)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        events = prof.key_averages()
+        busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        head = (
+            f"rank {self.rank} of {self.world_size}: train {metrics['train_seconds']:.3f} s wall, "
+            f"device busy {busy_us / 1e6:.3f} s in kernels"
+        )
+        return metrics, head + "\n" + events.table(sort_by=sort, row_limit=row_limit, max_name_column_width=70)
+
     def _micro_plan(self, batch: TrainBatch, rows: list[int]) -> list[list[int]]:
         lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
         return rank_micro_batches(

@@ -131,6 +131,12 @@ class RankCommands:
         """One `PolicyTrainer.train_step` over the whole batch, rows shared across ranks; global metrics."""
         return self._call("train_step", batch)[0]
 
+    def profiled_train_step(self, batch: TrainBatch, row_limit: int = 25) -> tuple[dict[str, float], str]:
+        """`train_step` with every rank under `torch.profiler`: the metrics and the ranks' reports, rank by rank
+        (`PolicyTrainer.profiled_train_step`)."""
+        answers = self._call("profiled_train_step", batch, row_limit)
+        return answers[0][0], "\n\n".join(report for _, report in answers)
+
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The full adapter (PEFT keys, float32 CPU tensors) and its JSON-safe PEFT config, as `lora.adapter_state`."""
         blob, config = self._call("adapter_state")[0]
@@ -360,6 +366,7 @@ def _load_state_dict(trainer: PolicyTrainer, blob: bytes, meta: dict[str, Any]) 
 
 COMMANDS: dict[str, Callable[..., Any]] = {  # what a rank runs, here and on Ray (`ray_actors`)
     "train_step": PolicyTrainer.train_step,
+    "profiled_train_step": PolicyTrainer.profiled_train_step,
     "adapter_state": _adapter_state,
     "state_dict": _state_dict,
     "load_state_dict": _load_state_dict,

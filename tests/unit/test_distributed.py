@@ -196,6 +196,20 @@ def test_sharded_training_matches_single_process(cfg, initial_state, workers1, w
 
 
 @spawn
+def test_profiled_step_trains_as_the_plain_step_and_reports_every_rank(cfg, initial_state, workers2):
+    reference = inprocess_trainer(cfg)
+    workers2.load_state_dict(initial_state)
+    want = reference.train_step(BATCHES[0])
+    got, report = workers2.profiled_train_step(BATCHES[0], row_limit=5)
+    assert_metrics_close(got, want)
+    assert "rank 0 of 2: train" in report and "rank 1 of 2: train" in report
+    assert report.count("Self CPU") >= 2  # each rank's operator table
+    want_adapter, _ = adapter_state(reference.model)
+    got_adapter, _ = workers2.adapter_state()
+    assert_adapters_close(got_adapter, want_adapter, atol=1e-5)  # the profiled step updated the adapter
+
+
+@spawn
 def test_gathered_adapter_has_peft_keys(cfg, workers2):
     tensors, config = workers2.adapter_state()
     model, _ = load_model(cfg.model)
