@@ -139,6 +139,7 @@ def train_step(model, optimizer, params, batch: tuple, settings: Settings) -> No
         logprobs_BT = selective_log_softmax(logits, ids[:, 1:])
         loss, _ = ppo_clip_loss(logprobs_BT, logprobs_BT.detach(), adv, mask, aggregation="token-mean")
         (loss * (float(mask.sum()) / total_tokens)).backward()
+    distributed.sum_gradients(params)  # LoRA weights are replicated over ranks (lora_rl_core.distributed)
     distributed.clip_grad_norm_(params, 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -80,6 +80,7 @@ class ModelShape:
         hidden / intermediate / layers / vocab: `hidden_size`, `intermediate_size`, `num_hidden_layers`,
             `vocab_size`.
         kv_dim: key/value width per token and layer (`num_key_value_heads x head_dim`).
+        attention_heads: `num_attention_heads` (SGLang's tensor parallelism must divide it); 0 = unknown.
     """
 
     params: int
@@ -89,6 +90,7 @@ class ModelShape:
     layers: int
     vocab: int
     kv_dim: int
+    attention_heads: int = 0
 
     @classmethod
     def of(cls, model: ModelConfig, lora: LoRAConfig) -> ModelShape:
@@ -123,6 +125,7 @@ class ModelShape:
             layers=text.num_hidden_layers,
             vocab=text.vocab_size,
             kv_dim=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+            attention_heads=heads,
         )
 
     def weight_bytes(self, dtype_bytes: int = 2) -> int:
@@ -235,7 +238,10 @@ def plan_memory(
     launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
     world = max(1, t.ranks() if ranks is None else ranks)
     seq = prompt_tokens + r.max_new_tokens
-    resident = shape.weight_bytes() // world + shape.lora_params * 16 + CUDA_CONTEXT_BYTES
+    # LoRA weights, gradients and AdamW state in float32 on every GPU (replicated over ranks, which also hold the
+    # flat buffer of their gradients' all-reduce: distributed.sum_gradients)
+    lora_bytes = shape.lora_params * (20 if world > 1 else 16)
+    resident = shape.weight_bytes() // world + lora_bytes + CUDA_CONTEXT_BYTES
     budget = gpu_free - SAFETY_BYTES
     kv_needed = -(-batch // dp_size) * seq * shape.kv_bytes_per_token() // engine_tp  # a GPU's share of the batch
     engine_fixed = 0

@@ -51,7 +51,7 @@ from lora_rl_core.memory import (
     sglang_shares_trainer_gpu,
 )
 from lora_rl_core.models import model_folder, resolve_device
-from lora_rl_core.plan.placement import Placement, launched_here, resolve_placement
+from lora_rl_core.plan.placement import TP_LARGEST, TP_SMALLEST, Placement, launched_here, resolve_placement
 from lora_rl_core.plan.record import Choice, EnginePlan, RunPlan
 from lora_rl_core.runtime import choose_dtype, choose_lora_compute_dtype, cpu_threads
 from lora_rl_core.trainer.kernels import choose_kernels
@@ -102,10 +102,12 @@ def make_plan(
             colocated = sglang_shares_trainer_gpu(cfg, trainer_device)
         placement, memory = _memory(cfg, trainer_device, colocated, launch_env, tokenizer, problems, placement)
         trainer = _trainer(cfg, trainer_device, memory, placement, choices)
-    elif placement.engine_gpus:  # servers only: the smallest tensor parallelism whose copy fits a GPU
+    elif placement.engine_gpus:  # servers only: the smallest tensor parallelism whose copy fits (TP_SMALLEST)
         total = torch.cuda.mem_get_info(torch.device("cuda", placement.engine_gpus[0]))[1]
         shape = ModelShape.of(cfg.model, cfg.lora)
-        placement, _ = _choose_tp(cfg, placement, lambda p: _engine_alone(cfg, shape, 0, total, p))
+        placement, _ = _choose_tp(
+            cfg, placement, lambda p: _engine_alone(cfg, shape, 0, total, p), heads=shape.attention_heads, largest=False
+        )
     choices["placement"] = Choice(placement.describe(), placement.reason)
     engine = _engine(cfg, device, dtype.name, memory, trainer_device, colocated, launch_env, placement, choices)
     if train:
@@ -188,7 +190,8 @@ def _memory(
 
     if not placement.engine_gpus:
         return placement, fits(placement)
-    return _choose_tp(cfg, placement, fits)
+    # rollouts on SGLang's own GPUs: the largest tensor parallelism (TP_LARGEST); beside the trainer the smallest
+    return _choose_tp(cfg, placement, fits, heads=shape.attention_heads, largest=not colocated)
 
 
 def _engine_alone(cfg: RunConfig, shape: ModelShape, prompt_tokens: int, total: int, p: Placement) -> None:
@@ -196,16 +199,20 @@ def _engine_alone(cfg: RunConfig, shape: ModelShape, prompt_tokens: int, total: 
     check_engine_alone(cfg, shape, prompt_tokens=prompt_tokens, gpu_total=total, servers=p.dp_size, tp=p.engine_tp)
 
 
-def _choose_tp(cfg: RunConfig, placement: Placement, fits: Callable[[Placement], T]) -> tuple[Placement, T]:
-    """The placement with the smallest SGLang tensor parallelism of `placement.tp_choices` for which `fits`
-    passes, and what `fits` returned.
+def _choose_tp(
+    cfg: RunConfig, placement: Placement, fits: Callable[[Placement], T], *, heads: int, largest: bool
+) -> tuple[Placement, T]:
+    """The placement with the first SGLang tensor parallelism of `placement.tp_choices` (smallest or `largest`
+    first, dividing the model's `heads`) for which `fits` passes, and what `fits` returned.
 
     Raises:
-        ConfigError: none fits (the error of the largest).
+        ConfigError: none fits (the error of the last tried).
     """
     error: ConfigError | None = None
-    for tp in placement.tp_choices(cfg):
-        candidate = dataclasses.replace(placement, engine_tp=tp)
+    asked = isinstance(cfg.placement, PlacedGPUs) and cfg.placement.engine_tp != "auto"
+    reason = "placement.engine_tp" if asked else TP_LARGEST if largest else TP_SMALLEST
+    for tp in placement.tp_choices(cfg, heads=heads, largest=largest):
+        candidate = dataclasses.replace(placement, engine_tp=tp, tp_reason=reason)
         try:
             return candidate, fits(candidate)
         except ConfigError as exc:
@@ -322,12 +329,7 @@ def _engine(
             choices["engine.launch.servers"] = Choice(
                 placement.dp_size, f"placement {placement.kind}: one per {placement.engine_tp} GPU(s)"
             )
-            choices["engine.launch.tp_size"] = Choice(
-                placement.engine_tp,
-                "placement.engine_tp"
-                if isinstance(cfg.placement, PlacedGPUs) and cfg.placement.engine_tp != "auto"
-                else "auto: the smallest tensor parallelism whose memory plan fits",
-            )
+            choices["engine.launch.tp_size"] = Choice(placement.engine_tp, placement.tp_reason or TP_SMALLEST)
         for key, reason in launch.reasons.items():
             choices[f"engine.launch.{key}"] = Choice(getattr(launch, key), reason)
     elif isinstance(e, SGLangEngineConfig) and e.launch.enabled:

@@ -38,6 +38,18 @@ one GPU 7.66 s. Decoding reads the whole model per token whatever the batch, so 
 colocated rollouts little (2.76 s against 3.27), and its sharded train phase ran slower than one process."""
 
 
+TP_SMALLEST = "auto: the smallest tensor parallelism whose memory plan fits"
+TP_LARGEST = (
+    "auto: the largest tensor parallelism over SGLang's own GPUs that fits and divides the attention heads: "
+    "decoding reads every weight once per token, so splitting the weights over GPUs shortens each token step "
+    "where more servers do not (7B, 4 H100s: one tp-2 server rolled out 16 x 8 x 256 tokens in 2.37 s, two "
+    "servers in 2.82 s)"
+)
+"""`placement.engine_tp: auto`. Rollouts on SGLang's own GPUs (split) take the largest (measured:
+benchmarks/results/gpu_scale/7b-4gpu-split*.json); where SGLang shares the trainer's GPUs, or only serves, the
+smallest that fits (not measured with tp > 1; a server per GPU serves more requests at once)."""
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where the trainer and a launched SGLang run.
@@ -49,6 +61,7 @@ class Placement:
         engine_gpus: the launched SGLang's GPUs (same indexing), `engine_tp` per server; () = as configured
             (`engine.launch.env`).
         engine_tp: GPUs per SGLang server (`--tp-size`); the plan resolves `placement.engine_tp: auto`.
+        tp_reason: why `engine_tp`, once the plan chose it (`TP_LARGEST`, `TP_SMALLEST` or the setting).
         reason: why, for the run log and `run.json`.
     """
 
@@ -57,17 +70,20 @@ class Placement:
     engine_gpus: tuple[int, ...] = ()
     reason: str = ""
     engine_tp: int = 1
+    tp_reason: str = ""
 
-    def tp_choices(self, cfg: RunConfig) -> list[int]:
-        """The tensor parallel sizes to try, smallest first: `placement.engine_tp`, or (`auto`) each of 1, 2, 4,
-        8 that divides the engine GPUs."""
+    def tp_choices(self, cfg: RunConfig, *, heads: int = 0, largest: bool = False) -> list[int]:
+        """The tensor parallel sizes to try in order: `placement.engine_tp`, or (`auto`) each of 1, 2, 4, 8 that
+        divides the engine GPUs and the model's `heads` attention heads (0: unknown), smallest first or
+        `largest` first."""
         asked = cfg.placement.engine_tp if isinstance(cfg.placement, PlacedGPUs) else "auto"
         n = len(self.engine_gpus)
         if isinstance(asked, int):
             if n % asked:
                 raise ConfigError(f"placement.engine_tp {asked} does not divide SGLang's {n} GPUs {self.engine_gpus}")
             return [asked]
-        return [t for t in (1, 2, 4, 8) if n % t == 0] or [1]
+        options = [t for t in (1, 2, 4, 8) if n % t == 0 and (heads == 0 or heads % t == 0)] or [1]
+        return options[::-1] if largest else options
 
     @property
     def server_gpus(self) -> tuple[tuple[int, ...], ...]:

@@ -23,8 +23,10 @@ with the SAME whole batch and trains on its share. Within each minibatch the
 rows, sorted by length, are dealt round-robin to the ranks (balanced tokens;
 `rank_micro_batches`), and each rank cuts its rows into micro-batches. Loss
 weights use the whole minibatch's token / sequence counts, which every rank
-knows without an all-reduce because it holds the whole batch; FSDP sums the
-gradients over ranks, so the update equals the single-process one. A rank with
+knows without an all-reduce because it holds the whole batch; the LoRA
+gradients are summed over ranks once per minibatch (`distributed.sum_gradients`:
+the LoRA weights are replicated, only the base weights sharded), so the update
+equals the single-process one. A rank with
 fewer micro-batches runs zero-weight dummy passes so that FSDP's collectives
 stay matched. Metrics are all-reduced: every rank returns the global values.
 Sending the whole batch (token-id lists) to every rank costs little and keeps
@@ -192,6 +194,7 @@ class PolicyTrainer:
             m = self._micro_backward(batch.select(micro) if micro else dummy_batch(self.pad_id), micro_old, weight)
             _accumulate(metrics, m if micro else dict.fromkeys(m, 0.0), weight, tokens / total_tokens)
         metrics = _all_reduce_metrics(metrics)
+        distributed.sum_gradients(self.params)  # the ranks' shares of the minibatch (no-op in one process)
         grad_norm = distributed.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         self.optimizer.step()
         self.model.eval()

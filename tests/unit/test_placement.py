@@ -16,7 +16,7 @@ from lora_rl_core.engines.launch.probe import SGLangEnvironment
 from lora_rl_core.engines.launch.resolve import resolve_launch
 from lora_rl_core.errors import ConfigError
 from lora_rl_core.memory import GIB, ModelShape, plan_memory
-from lora_rl_core.plan.placement import resolve_placement
+from lora_rl_core.plan.placement import Placement, resolve_placement
 
 SGLANG_LAUNCHED = ["engine.type=sglang", "engine.launch.enabled=true", "model.device=cuda"]
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "model_configs"
@@ -109,8 +109,8 @@ def shape_7b(tmp_path_factory) -> ModelShape:
 
 
 def test_the_memory_plan_is_per_gpu(shape_7b):
-    """Two colocated GPUs: each holds half the trainer's base weights, a whole SGLang server, and the KV cache
-    of half the rollout batch."""
+    """Two colocated GPUs: each holds half the trainer's base weights, the whole LoRA with its AdamW state, a
+    whole SGLang server, and the KV cache of half the rollout batch."""
     cfg = config_from_dict(
         {
             "rollout": {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 256},
@@ -121,7 +121,9 @@ def test_the_memory_plan_is_per_gpu(shape_7b):
     common = {"prompt_tokens": 150, "gpu_free": total, "gpu_total": total, "colocated": True, "saver_available": True}
     one = plan_memory(cfg, shape_7b, **common)
     two = plan_memory(cfg, shape_7b, ranks=2, dp_size=2, **common)
-    assert one.trainer_resident - two.trainer_resident == pytest.approx(shape_7b.weight_bytes() / 2, rel=1e-6)
+    # half the base weights less; the LoRA weights are whole on each rank, with their gradients' all-reduce buffer
+    saved = shape_7b.weight_bytes() / 2 - shape_7b.lora_params * 4
+    assert one.trainer_resident - two.trainer_resident == pytest.approx(saved, rel=1e-6)
     assert two.kv_needed == one.kv_needed // 2 and two.engine_fixed == one.engine_fixed
     assert two.micro_batch_size >= one.micro_batch_size  # more room per GPU, never less
 
@@ -346,3 +348,30 @@ def test_serving_a_32b_splits_it_over_gpus_only_where_one_cannot_hold_it(monkeyp
     small = make_plan(load_config(None, overrides), train=False)
     assert small.engine.launch is not None and small.engine.launch.gpus == ("4,5",)
     assert small.engine.launch.tp_size == 2
+
+
+def test_rollouts_on_sglangs_own_gpus_take_the_largest_tensor_parallelism(monkeypatch, tmp_path):
+    """Split: SGLang's GPUs form one tensor-parallel server (decoding is bound by reading the weights, so tp
+    shortens each token step where more servers do not; measured on 4 H100s). Colocated keeps the smallest."""
+    from lora_rl_core.plan.placement import TP_LARGEST, TP_SMALLEST
+
+    make_plan, overrides = pretend_gpus(monkeypatch, tmp_path, 4, "7b")
+    split = make_plan(load_config(None, [*overrides, "placement=split"]))
+    launch = split.engine.launch
+    assert launch is not None and (launch.tp_size, launch.gpus) == (2, ("4,5",))
+    assert split.choices["engine.launch.tp_size"].reason == TP_LARGEST
+    assert split.trainer is not None and split.trainer.gpus == (2, 3)
+    pinned = make_plan(load_config(None, [*overrides, "placement={type: split, engine_tp: 1}"]))
+    assert pinned.engine.launch is not None and pinned.engine.launch.gpus == ("4", "5")
+    assert pinned.choices["engine.launch.tp_size"].reason == "placement.engine_tp"
+    colocated = make_plan(load_config(None, [*overrides, "placement=colocated"]))
+    assert colocated.engine.launch is not None and colocated.engine.launch.tp_size == 1
+    assert colocated.choices["engine.launch.tp_size"].reason == TP_SMALLEST
+
+
+def test_tensor_parallelism_divides_the_attention_heads():
+    cfg = load_config(None, [*SGLANG_LAUNCHED])
+    p = Placement("split", (8,), tuple(range(8)))
+    assert p.tp_choices(cfg, heads=12, largest=True) == [4, 2, 1]  # 8 does not divide 12 heads
+    assert p.tp_choices(cfg, heads=40) == [1, 2, 4, 8]
+    assert p.tp_choices(cfg) == [1, 2, 4, 8]
