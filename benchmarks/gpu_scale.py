@@ -205,7 +205,7 @@ def main() -> None:
                         f"step {m['step']}: {wall:.2f} s { ({k: round(v, 2) for k, v in times.items()}) }", flush=True
                     )
 
-                run_steps(timed, steps=args.steps, ahead=cfg.rollouts_ahead(), on_step=on_step)
+                run_steps(timed, steps=args.steps, ahead=run.plan.rollouts_ahead(), on_step=on_step)
             plan = run.runtime.get("memory_plan")
             trainer_plan = run.plan.trainer
             assert trainer_plan is not None
@@ -221,7 +221,7 @@ def main() -> None:
     record.update(
         placement=run.plan.choices["placement"].value,
         placement_reason=run.plan.choices["placement"].reason,
-        rollout_mode=cfg.rollout.mode,
+        rollout_mode=run.plan.rollout_mode,
         trainer_ranks=trainer_plan.world_size,
         sglang_dp=launch.servers if launch is not None else 1,  # servers (data parallel)
         sglang_tp=launch.tp_size if launch is not None else 1,

@@ -66,7 +66,7 @@ def train(
             logger.info(progress.format_step(metrics))
             progress.emit("step", metrics)
 
-        done = run_steps(TaskPhases(t, run_id), steps=steps, ahead=cfg.rollouts_ahead(), on_step=on_step)
+        done = run_steps(TaskPhases(t, run_id), steps=steps, ahead=resumed.rollouts_ahead, on_step=on_step)
         final_eval = _evaluate(t, run_id, done.final.name, "after", cfg.run.eval_before_after, logger)
         summary = run_summary(
             run_id,

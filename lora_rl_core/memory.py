@@ -47,7 +47,14 @@ from typing import Any
 
 import torch
 
-from lora_rl_core.config import LoRAConfig, ModelConfig, RunConfig, SGLangEngineConfig, SGLangLaunchConfig
+from lora_rl_core.config import (
+    LoRAConfig,
+    ModelConfig,
+    RolloutMode,
+    RunConfig,
+    SGLangEngineConfig,
+    SGLangLaunchConfig,
+)
 from lora_rl_core.errors import ConfigError
 
 GIB = 1024**3
@@ -189,9 +196,10 @@ class MemoryPlan:
         }
 
 
-def rollout_batch(cfg: RunConfig) -> int:
-    """Sequences an engine decodes at once: prompts x group size x rollouts in flight (1 + `rollouts_ahead`)."""
-    return cfg.rollout.prompts_per_step * cfg.rollout.group_size * (1 + cfg.rollouts_ahead())
+def rollout_batch(cfg: RunConfig, mode: RolloutMode) -> int:
+    """Sequences an engine decodes at once in rollout `mode`: prompts x group size x rollouts in flight
+    (1 + `RunConfig.rollouts_ahead`)."""
+    return cfg.rollout.prompts_per_step * cfg.rollout.group_size * (1 + cfg.rollouts_ahead(mode))
 
 
 def plan_memory(
@@ -203,6 +211,7 @@ def plan_memory(
     gpu_total: int,
     colocated: bool,
     saver_available: bool,
+    mode: RolloutMode,
     ranks: int | None = None,
     dp_size: int = 1,
     engine_tp: int = 1,
@@ -216,6 +225,7 @@ def plan_memory(
         gpu_free / gpu_total: the trainer's GPU before anything of this run is on it, bytes.
         colocated: a launched SGLang shares the trainer's GPU (each of the trainer's GPUs).
         saver_available: the installed SGLang has `torch_memory_saver`.
+        mode: `rollout.mode` resolved (async: the KV cache of the rollouts ahead too, and never released).
         ranks: FSDP2 ranks, one per GPU, each holding 1/ranks of the base weights (0: the trainer in this
             process); None = `trainer.backend`'s.
         dp_size: SGLang servers (data-parallel replicas): each holds the whole model and the KV cache of
@@ -226,7 +236,7 @@ def plan_memory(
     Raises:
         ConfigError: the trainer (and SGLang beside it) cannot fit, naming the settings to change.
     """
-    batch = rollout_batch(cfg)
+    batch = rollout_batch(cfg, mode)
     checkpointing = cfg.trainer.gradient_checkpointing
     if shape is None:
         return MemoryPlan(
@@ -254,7 +264,7 @@ def plan_memory(
         # the KV cache can be released only while SGLang is idle (sync rollouts); every rank then gives its cached
         # blocks back after its step (TrainerPlan.empty_cache_after_step)
         saver_allowed = launch.memory_saver is True or (
-            launch.memory_saver == "auto" and saver_available and r.mode == "sync"
+            launch.memory_saver == "auto" and saver_available and mode == "sync"
         )
     room = budget - resident - engine_fixed  # for the KV cache and the activations
     kv_min = 0
@@ -325,7 +335,14 @@ def plan_memory(
 
 
 def check_engine_alone(
-    cfg: RunConfig, shape: ModelShape, *, prompt_tokens: int, gpu_total: int, servers: int, tp: int = 1
+    cfg: RunConfig,
+    shape: ModelShape,
+    *,
+    prompt_tokens: int,
+    gpu_total: int,
+    servers: int,
+    mode: RolloutMode,
+    tp: int = 1,
 ) -> None:
     """Where SGLang runs on GPUs of its own (`placement: split`), one server per GPU: its copy of the model, its
     LoRA pool, its overhead and prefill activations and the KV cache of its share of the rollout batch must fit
@@ -335,7 +352,8 @@ def check_engine_alone(
         ConfigError: they do not fit, naming the sizes and the settings to change.
     """
     seq = prompt_tokens + cfg.rollout.max_new_tokens
-    kv = -(-rollout_batch(cfg) // servers) * seq * shape.kv_bytes_per_token() // tp
+    batch = rollout_batch(cfg, mode)
+    kv = -(-batch // servers) * seq * shape.kv_bytes_per_token() // tp
     prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2 // tp
     pool = cfg.engine.max_loras_per_batch * shape.lora_params * 2
     fixed = (shape.weight_bytes() + pool) // tp + ENGINE_OVERHEAD_BYTES
@@ -344,7 +362,7 @@ def check_engine_alone(
         raise ConfigError(
             f"SGLang does not fit a GPU of its own ({g(gpu_total)}): a {shape.params / 1e9:.1f}B-parameter model "
             f"over {tp} GPU{'s' if tp > 1 else ''} per server needs {g(fixed + prefill)} per GPU with its LoRA pool, "
-            f"and the KV cache of {-(-rollout_batch(cfg) // servers)} sequences x {seq} tokens {g(kv)}. Lower "
+            f"and the KV cache of {-(-batch // servers)} sequences x {seq} tokens {g(kv)}. Lower "
             "rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens, give SGLang more GPUs "
             "(placement.engine_gpus, placement.engine_tp), or use larger GPUs"
         )

@@ -248,3 +248,5 @@ class ResumeInfo(Record):
     """Device, dtype and why, CPU threads (the run plan's summary, `lora_rl_core.plan.RunPlan.summary`)."""
     store_uri: str
     """The adapter store's root as an absolute URI, where the run's versions are published."""
+    rollouts_ahead: int = 0
+    """Steps ahead of the training step that rollouts run (`RunPlan.rollouts_ahead`: `rollout.mode` resolved)."""

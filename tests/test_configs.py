@@ -93,8 +93,8 @@ def test_async_rollouts_need_a_staleness_window():
     with pytest.raises(ConfigError, match=r"rollout.mode=async needs algorithm.max_staleness >= 1"):
         load_config(None, ["rollout.mode=async", "algorithm.max_staleness=0"])
     cfg = load_config(None, ["rollout.mode=async"])
-    assert cfg.algorithm.correction(cfg.rollout.mode) == TruncateCorrection(type="token-truncate", is_cap=2.0)
-    assert cfg.rollouts_ahead() == 1 and load_config(None, []).rollouts_ahead() == 0
+    assert cfg.algorithm.correction("async") == TruncateCorrection(type="token-truncate", is_cap=2.0)
+    assert cfg.rollouts_ahead("async") == 1 and load_config(None, []).rollouts_ahead("sync") == 0
     assert load_config(None, []).algorithm.correction("sync").type == "none"
     chosen = load_config(None, ["rollout.mode=async", "algorithm.off_policy_correction=sequence-mask"])
     assert chosen.algorithm.correction("async") == MaskCorrection(type="sequence-mask", is_cap=2.0, is_floor=0.0)

@@ -2,7 +2,7 @@
 
 One setting uses every visible GPU: `colocated` puts FSDP2 trainer ranks and SGLang servers (one per GPU) on
 the same GPUs (SGLang's KV cache is released while the trainer trains), `split` gives SGLang the first
-`engine_gpus` and the trainer the rest (rollouts one step ahead: an unset `rollout.mode` is `async` there).
+`engine_gpus` and the trainer the rest (rollouts one step ahead: `rollout.mode: auto` is `async` there).
 `auto` (the default) is one GPU as before on a one-GPU machine, and `split` on several (measured fastest for a
 7B on two H100s: `lora_rl_core.plan.placement.AUTO_SEVERAL`); `manual` leaves the GPUs to `trainer.backend`,
 `model.device` and `engine.launch.env`.
@@ -64,7 +64,7 @@ class ColocatedPlacement(PlacedGPUs):
 
 class SplitPlacement(PlacedGPUs):
     """`placement: split`: SGLang on the first `engine_gpus` of `gpus` (a server per GPU, or per `engine_tp`
-    GPUs), the trainer on the rest (FSDP2 ranks, or in this process with one GPU); an unset `rollout.mode` is
+    GPUs), the trainer on the rest (FSDP2 ranks, or in this process with one GPU); `rollout.mode: auto` is
     `async` here, so that rollouts run one step ahead while the trainer trains."""
 
     type: Literal["split"] = "split"

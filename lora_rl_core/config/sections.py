@@ -82,13 +82,14 @@ class RolloutConfig(Section):
     instruction: str | None = None
     """Appended after a newline to each prompt's (last) user message; `""` for none. None = the data source's
     own: `Give the final answer after ####.` for the built-in math sources, none for `data.source: dataset`."""
-    mode: RolloutMode = "sync"
+    mode: RolloutMode | Literal["auto"] = "auto"
     """`sync`: each step samples with the version the previous step published, then trains. `async`: the
     rollouts of the next `algorithm.max_staleness` steps are generated (as Prefect task futures) while a step
     trains, each with the version current when it starts; the trainer drops completions more than
-    `max_staleness` versions old and corrects the rest (`algorithm.off_policy_correction`). Unset, it is
-    `async` under `placement: split` (SGLang and the trainer on GPUs of their own: both stay busy), else
-    `sync`."""
+    `max_staleness` versions old and corrects the rest (`algorithm.off_policy_correction`). `auto` (the
+    default): `async` where the run's placement gives SGLang and the trainer GPUs of their own (`split`,
+    chosen or picked by `placement: auto` on several GPUs: both then stay busy) and `algorithm.max_staleness`
+    allows it, else `sync` (`lora_rl_core.plan.placement.rollout_mode`)."""
 
 
 class StoreConfig(Section):
@@ -275,24 +276,6 @@ class RunConfig(Section):
     run: RunSection = RunSection()
     """Run identity, seed, local outputs and evaluation."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _split_runs_ahead(cls, data: Any) -> Any:
-        # `placement: split` gives SGLang and the trainer GPUs of their own: rollouts one step ahead keep both
-        # busy, so an unset rollout.mode is async there (one setting uses every GPU)
-        if not isinstance(data, dict):
-            return data
-        placement = data.get("placement")
-        kind = placement.get("type") if isinstance(placement, dict) else getattr(placement, "type", placement)
-        rollout = data.get("rollout") or {}
-        if kind != "split":
-            return data
-        if isinstance(rollout, dict) and "mode" not in rollout:
-            return {**data, "rollout": {**rollout, "mode": "async"}}
-        if isinstance(rollout, RolloutConfig) and "mode" not in rollout.model_fields_set:
-            return {**data, "rollout": rollout.model_copy(update={"mode": "async"})}
-        return data
-
     @model_validator(mode="after")
     def _async_needs_staleness(self) -> RunConfig:
         if self.rollout.mode == "async" and self.algorithm.max_staleness < 1:
@@ -319,7 +302,7 @@ class RunConfig(Section):
             )
         return self
 
-    def rollouts_ahead(self) -> int:
-        """How many steps ahead of the training step rollouts run: `algorithm.max_staleness` in
-        `rollout.mode: async`, 0 in sync mode."""
-        return self.algorithm.max_staleness if self.rollout.mode == "async" else 0
+    def rollouts_ahead(self, mode: RolloutMode) -> int:
+        """How many steps ahead of the training step rollouts run in `mode` (`rollout.mode` resolved:
+        `RunPlan.rollout_mode`): `algorithm.max_staleness` when `async`, 0 when `sync`."""
+        return self.algorithm.max_staleness if mode == "async" else 0

@@ -11,7 +11,8 @@
     engine.launch.*_backend,               engines.launch.resolve.resolve_launch, after probing the installed
       engine.launch.cuda_graph_max_bs        SGLang (engines.launch.probe)
     engine.tensor_transport                where the servers are (this module, engines.remote.ipc)
-    algorithm.off_policy_correction        AlgorithmConfig.correction (rollout.mode)
+    rollout.mode                           plan.placement.rollout_mode (async on a split placement)
+    algorithm.off_policy_correction        AlgorithmConfig.correction (rollout.mode resolved)
 
 A new `auto` setting is one rule function beside what it decides, one call here that records a `Choice`,
 and one field of the plan section its builder reads.
@@ -31,6 +32,7 @@ from lora_rl_core.config import (
     PlacedGPUs,
     RankedBackend,
     RayBackend,
+    RolloutMode,
     RunConfig,
     SGLangEngineConfig,
     sglang_section,
@@ -51,7 +53,14 @@ from lora_rl_core.memory import (
     sglang_shares_trainer_gpu,
 )
 from lora_rl_core.models import model_folder, resolve_device
-from lora_rl_core.plan.placement import TP_LARGEST, TP_SMALLEST, Placement, launched_here, resolve_placement
+from lora_rl_core.plan.placement import (
+    TP_LARGEST,
+    TP_SMALLEST,
+    Placement,
+    launched_here,
+    resolve_placement,
+    rollout_mode,
+)
 from lora_rl_core.plan.record import Choice, EnginePlan, RunPlan
 from lora_rl_core.runtime import choose_dtype, choose_lora_compute_dtype, cpu_threads
 from lora_rl_core.trainer.kernels import choose_kernels
@@ -88,6 +97,7 @@ def make_plan(
     choices["model.dtype"] = Choice(dtype.name, dtype.reason)
     launch_env = _probe(cfg)
     placement = resolve_placement(cfg, torch.cuda.device_count() if device.type == "cuda" else 0, train=train)
+    mode, mode_reason = rollout_mode(cfg, placement) if train else ("sync", "no training")
     trainer: TrainerPlan | None = None
     memory: MemoryPlan | None = None
     trainer_device: torch.device | None = None
@@ -100,18 +110,22 @@ def make_plan(
         else:
             trainer_device = resolve_device(backend.device if isinstance(backend, RankedBackend) else cfg.model.device)
             colocated = sglang_shares_trainer_gpu(cfg, trainer_device)
-        placement, memory = _memory(cfg, trainer_device, colocated, launch_env, tokenizer, problems, placement)
-        trainer = _trainer(cfg, trainer_device, memory, placement, choices)
+        choices["rollout.mode"] = Choice(mode, mode_reason)
+        placement, memory = _memory(cfg, trainer_device, colocated, launch_env, tokenizer, problems, placement, mode)
+        trainer = _trainer(cfg, trainer_device, memory, placement, mode, choices)
     elif placement.engine_gpus:  # servers only: the smallest tensor parallelism whose copy fits (TP_SMALLEST)
         total = torch.cuda.mem_get_info(torch.device("cuda", placement.engine_gpus[0]))[1]
         shape = ModelShape.of(cfg.model, cfg.lora)
         placement, _ = _choose_tp(
-            cfg, placement, lambda p: _engine_alone(cfg, shape, 0, total, p), heads=shape.attention_heads, largest=False
+            cfg,
+            placement,
+            lambda p: _engine_alone(cfg, shape, 0, total, p, mode),
+            heads=shape.attention_heads,
+            largest=False,
         )
     choices["placement"] = Choice(placement.describe(), placement.reason)
     engine = _engine(cfg, device, dtype.name, memory, trainer_device, colocated, launch_env, placement, choices)
     if train:
-        mode = cfg.rollout.mode
         correction = cfg.algorithm.correction(mode)
         choices["algorithm.off_policy_correction"] = Choice(
             correction.model_dump(),
@@ -127,6 +141,7 @@ def make_plan(
         memory=memory if memory is not None and memory.gpu_total else None,
         cpu_threads=cpu_threads(),
         choices=choices,
+        rollout_mode=mode,
     )
 
 
@@ -151,13 +166,16 @@ def _memory(
     tokenizer: Any,
     problems: Sequence[Problem],
     placement: Placement,
+    mode: RolloutMode,
 ) -> tuple[Placement, MemoryPlan]:
     """The GPU memory plan for the trainer's GPU (each of them: the placement's ranks) and a launched SGLang
     beside it (each SGLang server), with the placement's SGLang tensor parallelism resolved (the smallest that
     fits, where `placement.engine_tp` is `auto`); on a CPU only the `auto` values are resolved (gradient
     checkpointing off)."""
     if device.type != "cuda":
-        cpu = plan_memory(cfg, None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False)
+        cpu = plan_memory(
+            cfg, None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False, mode=mode
+        )
         return placement, cpu
     e = cfg.engine
     saver = (
@@ -174,7 +192,7 @@ def _memory(
 
     def fits(p: Placement) -> MemoryPlan:
         if p.engine_gpus and not colocated:  # SGLang on GPUs of its own (split): its copy must fit them
-            _engine_alone(cfg, shape, prompt_tokens, total, p)
+            _engine_alone(cfg, shape, prompt_tokens, total, p, mode)
         return plan_memory(
             cfg,
             shape,
@@ -183,6 +201,7 @@ def _memory(
             gpu_total=total,
             colocated=colocated,
             saver_available=saver,
+            mode=mode,
             ranks=p.ranks if p.trainer_gpus else None,
             dp_size=p.dp_size if colocated else 1,
             engine_tp=p.engine_tp if colocated else 1,
@@ -194,9 +213,13 @@ def _memory(
     return _choose_tp(cfg, placement, fits, heads=shape.attention_heads, largest=not colocated)
 
 
-def _engine_alone(cfg: RunConfig, shape: ModelShape, prompt_tokens: int, total: int, p: Placement) -> None:
+def _engine_alone(
+    cfg: RunConfig, shape: ModelShape, prompt_tokens: int, total: int, p: Placement, mode: RolloutMode
+) -> None:
     """`memory.check_engine_alone` for the placement's servers."""
-    check_engine_alone(cfg, shape, prompt_tokens=prompt_tokens, gpu_total=total, servers=p.dp_size, tp=p.engine_tp)
+    check_engine_alone(
+        cfg, shape, prompt_tokens=prompt_tokens, gpu_total=total, servers=p.dp_size, mode=mode, tp=p.engine_tp
+    )
 
 
 def _choose_tp(
@@ -222,7 +245,12 @@ def _choose_tp(
 
 
 def _trainer(
-    cfg: RunConfig, device: torch.device, memory: MemoryPlan, placement: Placement, choices: dict[str, Choice]
+    cfg: RunConfig,
+    device: torch.device,
+    memory: MemoryPlan,
+    placement: Placement,
+    mode: RolloutMode,
+    choices: dict[str, Choice],
 ) -> TrainerPlan:
     t = cfg.trainer
     backend = t.backend
@@ -275,8 +303,8 @@ def _trainer(
         liger_kernels=kernels.liger,
         gradient_checkpointing=memory.gradient_checkpointing,
         micro_batch_size=memory.micro_batch_size,
-        off_policy_correction=cfg.algorithm.correction(cfg.rollout.mode),
-        rollout_mode=cfg.rollout.mode,
+        off_policy_correction=cfg.algorithm.correction(mode),
+        rollout_mode=mode,
         backend=kind,  # type: ignore[arg-type]  # a TrainerBackend: in-process, local or ray
         world_size=ranks,
         gpus=gpus,

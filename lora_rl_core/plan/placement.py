@@ -25,6 +25,7 @@ from lora_rl_core.config import (
     InProcessBackend,
     ManualPlacement,
     PlacedGPUs,
+    RolloutMode,
     RunConfig,
     SGLangEngineConfig,
     SplitPlacement,
@@ -118,6 +119,21 @@ class Placement:
         return f"{self.kind}: {trainer} on {on(self.trainer_gpus)}; {servers}{tp} on {on(self.engine_gpus)}"
 
 
+def rollout_mode(cfg: RunConfig, placement: Placement) -> tuple[RolloutMode, str]:
+    """`rollout.mode` resolved, with the reason: `auto` is `async` where the placement gives SGLang and the trainer
+    GPUs of their own (split: rollouts one step ahead keep both busy; 7B on 2 H100s: 3.9 s/step async) and
+    `algorithm.max_staleness` >= 1 lets rollouts run ahead, else `sync` (one GPU, colocated, a CPU, or as
+    configured: the trainer and the engine take turns)."""
+    mode = cfg.rollout.mode
+    if mode != "auto":
+        return mode, "set in the config"
+    if placement.kind != "split":
+        return "sync", f"auto: placement {placement.kind}: the trainer and the engine take turns"
+    if cfg.algorithm.max_staleness < 1:
+        return "sync", "auto: algorithm.max_staleness 0 keeps every rollout on the newest version"
+    return "async", "auto: placement split: SGLang and the trainer on GPUs of their own, rollouts one step ahead"
+
+
 def launched_here(cfg: RunConfig) -> bool:
     """This process launches one SGLang server (Ray replicas launch their own on their hosts)."""
     e = cfg.engine
@@ -196,7 +212,7 @@ def _place(cfg: RunConfig, kind: str, gpus: list[int], engine_gpus: int | str, v
     k = max(1, len(gpus) // 2) if engine_gpus == "auto" else int(engine_gpus)
     if k >= len(gpus):
         raise ConfigError(f"placement.engine_gpus {k} leaves none of GPUs {gpus} to the trainer")
-    note = "" if cfg.rollout.mode == "async" else " (rollout.mode sync: the GPUs take turns; async overlaps them)"
+    note = " (rollout.mode sync: the GPUs take turns; async overlaps them)" if cfg.rollout.mode == "sync" else ""
     return Placement(
         "split", tuple(gpus[k:]), tuple(gpus[:k]), f"{why}: SGLang on {k} GPUs, the trainer on the rest{note}"
     )

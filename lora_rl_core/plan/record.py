@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_rl_core.config import RunConfig, TensorTransport
+from lora_rl_core.config import RolloutMode, RunConfig, TensorTransport
 from lora_rl_core.engines.launch.process import LaunchPlan
 from lora_rl_core.engines.launch.resolve import ResolvedLaunch
 from lora_rl_core.memory import MemoryPlan
@@ -66,6 +66,7 @@ class RunPlan:
         memory: the GPU memory plan (None on a CPU).
         cpu_threads: torch's intra-op threads in this process.
         choices: every resolved setting by its dotted config name, with the reason.
+        rollout_mode: `rollout.mode` resolved (`sync` or `async`; `plan.placement.rollout_mode`).
         workdir_root: `run.output_dir` (a run's local files go to `<workdir_root>/<run_id>`).
     """
 
@@ -76,6 +77,12 @@ class RunPlan:
     memory: MemoryPlan | None
     cpu_threads: int
     choices: dict[str, Choice] = field(default_factory=dict)
+    rollout_mode: RolloutMode = "sync"
+
+    def rollouts_ahead(self) -> int:
+        """How many steps ahead of the training step rollouts run (`algorithm.max_staleness` in async mode, 0 in
+        sync mode): the step loop's `ahead`."""
+        return self.config.rollouts_ahead(self.rollout_mode)
 
     def workdir(self, run_id: str) -> Path:
         """The run's local folder: the report, plots and launched servers' logs (`<run.output_dir>/<run_id>`)."""

@@ -107,7 +107,7 @@ def run_steps(
     Args:
         run: the phases (`RunPhases`, or the flow's tasks).
         steps: the number of training steps (`trainer.steps`).
-        ahead: rollouts generated ahead of the step that trains (`RunConfig.rollouts_ahead()`; 0 = sync mode).
+        ahead: rollouts generated ahead of the step that trains (`RunPlan.rollouts_ahead()`; 0 = sync mode).
         on_step: called after each step with its metrics (logging, progress events, benchmarks).
 
     Returns:
@@ -190,7 +190,7 @@ class RunPhases:
 
     def __init__(self, run: RunComponents) -> None:
         self.run = run
-        self._pool = ThreadPoolExecutor(max_workers=max(1, run.cfg.rollouts_ahead()), thread_name_prefix="rollout")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, run.plan.rollouts_ahead()), thread_name_prefix="rollout")
 
     def __enter__(self) -> RunPhases:
         return self

@@ -79,4 +79,5 @@ def restore(run: RunComponents) -> ResumeInfo:
         policy_version=run.policy.version,
         runtime=run.runtime,
         store_uri=run.store.uri,
+        rollouts_ahead=run.plan.rollouts_ahead(),
     )

@@ -76,7 +76,7 @@ def test_a_colocated_two_gpu_run_publishes_and_serves_each_version(tmp_path: Pat
             served[metrics["step"]] = done[0].completion_ids
 
         with RunPhases(run) as phases:
-            run_steps(phases, steps=3, ahead=cfg.rollouts_ahead(), on_step=on_step)
+            run_steps(phases, steps=3, ahead=run.plan.rollouts_ahead(), on_step=on_step)
         assert sorted(served) == [1, 2, 3]
         assert run.store.versions(run.run_id) == [0, 1, 2, 3]  # 0: the initial adapter
     finally:

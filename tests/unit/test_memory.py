@@ -39,7 +39,14 @@ def _cfg(mode: str = "sync", **trainer) -> object:
 def _plan(cfg, shape, gib: float = 79.1, saver: bool = True):
     total = int(gib * GIB)
     return plan_memory(
-        cfg, shape, prompt_tokens=150, gpu_free=total, gpu_total=total, colocated=True, saver_available=saver
+        cfg,
+        shape,
+        prompt_tokens=150,
+        gpu_free=total,
+        gpu_total=total,
+        colocated=True,
+        saver_available=saver,
+        mode=cfg.rollout.mode,
     )
 
 
@@ -97,7 +104,9 @@ def test_a_run_that_cannot_fit_says_so_naming_the_settings(shapes):
 
 
 def test_on_a_cpu_auto_checkpointing_is_off():
-    plan = plan_memory(_cfg(), None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False)
+    plan = plan_memory(
+        _cfg(), None, prompt_tokens=0, gpu_free=0, gpu_total=0, colocated=False, saver_available=False, mode="sync"
+    )
     assert plan.gradient_checkpointing is False and plan.micro_batch_size == 16 and plan.mem_fraction_static is None
 
 

@@ -16,7 +16,7 @@ from lora_rl_core.engines.launch.probe import SGLangEnvironment
 from lora_rl_core.engines.launch.resolve import resolve_launch
 from lora_rl_core.errors import ConfigError
 from lora_rl_core.memory import GIB, ModelShape, plan_memory
-from lora_rl_core.plan.placement import Placement, resolve_placement
+from lora_rl_core.plan.placement import Placement, resolve_placement, rollout_mode
 
 SGLANG_LAUNCHED = ["engine.type=sglang", "engine.launch.enabled=true", "model.device=cuda"]
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "model_configs"
@@ -118,7 +118,14 @@ def test_the_memory_plan_is_per_gpu(shape_7b):
         }
     )
     total = int(79.1 * GIB)
-    common = {"prompt_tokens": 150, "gpu_free": total, "gpu_total": total, "colocated": True, "saver_available": True}
+    common = {
+        "prompt_tokens": 150,
+        "gpu_free": total,
+        "gpu_total": total,
+        "colocated": True,
+        "saver_available": True,
+        "mode": "sync",
+    }
     one = plan_memory(cfg, shape_7b, **common)
     two = plan_memory(cfg, shape_7b, ranks=2, dp_size=2, **common)
     # half the base weights less; the LoRA weights are whole on each rank, with their gradients' all-reduce buffer
@@ -246,7 +253,7 @@ def test_the_plan_of_a_colocated_two_gpu_run(two_gpus, shape_7b):
     assert plan.memory is not None and plan.memory.colocated
     one = plan_memory(
         cfg, shape_7b, prompt_tokens=0, gpu_free=int(79 * GIB), gpu_total=int(79.6 * GIB), colocated=True,
-        saver_available=True, ranks=0, dp_size=1,
+        saver_available=True, mode="sync", ranks=0, dp_size=1,
     )  # fmt: skip
     assert plan.memory.trainer_resident < one.trainer_resident  # half the base weights per GPU
 
@@ -268,22 +275,35 @@ def test_sglang_on_a_gpu_of_its_own_must_fit_it(shape_7b, tmp_path):
     from lora_rl_core.memory import check_engine_alone
 
     cfg = load_config(None, [*SGLANG_LAUNCHED, "rollout.prompts_per_step=16", "rollout.group_size=8"])
-    check_engine_alone(cfg, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=1)
+    check_engine_alone(cfg, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=1, mode="sync")
     with pytest.raises(ConfigError, match=r"SGLang does not fit a GPU of its own \(16.0 GiB\): a 7.6B-parameter"):
-        check_engine_alone(cfg, shape_7b, prompt_tokens=150, gpu_total=int(16 * GIB), servers=1)
+        check_engine_alone(cfg, shape_7b, prompt_tokens=150, gpu_total=int(16 * GIB), servers=1, mode="sync")
     long = load_config(None, [*SGLANG_LAUNCHED, "rollout.prompts_per_step=64", "rollout.max_new_tokens=8192"])
     with pytest.raises(ConfigError, match="placement.engine_gpus"):
-        check_engine_alone(long, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=1)
-    check_engine_alone(long, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=4)  # a quarter each
+        check_engine_alone(long, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=1, mode="sync")
+    check_engine_alone(
+        long, shape_7b, prompt_tokens=150, gpu_total=int(79.2 * GIB), servers=4, mode="sync"
+    )  # a quarter each
 
 
 def test_split_runs_rollouts_ahead_unless_told_otherwise():
-    """`placement: split` alone uses both sides of the machine: an unset rollout.mode is async there."""
-    assert load_config(None, ["placement=split"]).rollout.mode == "async"
-    assert load_config(None, ["placement={type: split, engine_gpus: 1}"]).rollout.mode == "async"
-    assert load_config(None, ["placement=split", "rollout.mode=sync"]).rollout.mode == "sync"  # told otherwise
-    assert load_config(None, ["placement=colocated"]).rollout.mode == "sync"
-    assert load_config(None, []).rollout.mode == "sync"
+    """`rollout.mode: auto` (the default) is async where SGLang and the trainer have GPUs of their own (`split`,
+    set or picked by `placement: auto` on several GPUs), else sync; a set mode stays."""
+
+    def mode(visible: int, *overrides: str) -> str:
+        cfg = load_config(None, [*SGLANG_LAUNCHED, *overrides])
+        return rollout_mode(cfg, resolve_placement(cfg, visible))[0]
+
+    assert load_config(None, []).rollout.mode == "auto"
+    assert mode(2, "placement=split") == "async" and mode(4, "placement={type: split, engine_gpus: 1}") == "async"
+    assert mode(2) == "async"  # auto on two GPUs: split
+    assert mode(1) == "sync" and mode(2, "placement=colocated") == "sync"
+    assert mode(2, "placement=split", "rollout.mode=sync") == "sync"  # told otherwise
+    assert mode(1, "rollout.mode=async") == "async"
+    why = rollout_mode(
+        *(lambda c: (c, resolve_placement(c, 2)))(load_config(None, [*SGLANG_LAUNCHED, "algorithm.max_staleness=0"]))
+    )
+    assert why == ("sync", "auto: algorithm.max_staleness 0 keeps every rollout on the newest version")
 
 
 def test_without_a_trainer_every_gpu_serves():

@@ -99,7 +99,7 @@ def test_the_library_loop_trains_a_tiny_run_without_prefect(tmp_path, tiny_model
     run = start_run(cfg, f"loop-{mode}")
     try:
         with RunPhases(run) as phases:
-            done = run_steps(phases, steps=2, ahead=cfg.rollouts_ahead())
+            done = run_steps(phases, steps=2, ahead=run.plan.rollouts_ahead())
         assert done.final.version == 2 and [m["step"] for m in done.history] == [1, 2]
         assert run.policy.version == 2 and f"loop-{mode}-v000002" in run.engine.list_adapters()
         assert run.store.versions(f"loop-{mode}") == [0, 1, 2]
