@@ -163,7 +163,7 @@ def main() -> None:
     if args.gpus == 1:  # one GPU of the machine, trainer and SGLang on it
         overrides += ["placement=manual"]
     elif args.placement == "split":  # SGLang on the first half, the trainer on the rest, rollouts one step ahead
-        overrides += [f"placement={{type: split, gpus: {gpus}}}", "rollout.mode=async"]
+        overrides += [f"placement={{type: split, gpus: {gpus}}}"]  # rollout.mode auto: async there
     else:  # a trainer rank and an SGLang data-parallel worker on every GPU
         overrides += [f"placement={{type: colocated, gpus: {gpus}}}"]
     overrides += args.override
