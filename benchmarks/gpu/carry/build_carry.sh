@@ -12,6 +12,7 @@
 #   REPO/.gpu-ours/*.whl               ~40 MB    our own dependencies for the flow (Prefect, ...), cp312
 #   REPO/.gpu-ray1/, REPO/.gpu-ray2/   ~39 MB    each: half of the Ray 2.60 wheel (+ msgpack, protobuf)
 #   REPO/.gpu-data/datasite.tar.xz     ~40 MB    datasets, pyarrow, pandas, math-verify, pebble (own-task runs)
+#   REPO/.gpu-fa3-0 .. .gpu-fa3-N/     40 MB each: FlashAttention-3 (sgl_kernel flash_ops) as xz parts
 set -euo pipefail
 REPO=$(cd "${1:-.}" && pwd)  # absolute: later steps cd elsewhere
 W=${2:-/tmp/sglang-build}
@@ -108,9 +109,23 @@ python3 -m pip install -q --no-index --no-deps --no-compile --only-binary=:all: 
 find "$W/datasite" -name __pycache__ -type d -prune -exec rm -rf {} +
 tar -C "$W/datasite" -cf - . | xz -9 -T0 > "$REPO/.gpu-data/datasite.tar.xz"
 
-# 8. what each call would send (limit: 64 MiB = 67108864 bytes, the tracked tree included)
+# 8. FlashAttention-3 (issue 34): sgl_kernel's flash_ops (1.12 GB, SGLang's attention default on Hopper), left out
+#    of the site above, as an xz stream in 40 MB parts, one per call (.gpu-fa3-0 .. .gpu-fa3-N; the first also
+#    holds fa3.sha256: the stream's sha256 and the number of parts). stage.sh joins, checks and unpacks it into
+#    /tmp/sglsite/sgl_kernel/ once every part came; `engine.launch.attention_backend: auto` then picks fa3.
+rm -rf "$REPO"/.gpu-fa3-*
+unzip -q -o -d "$W/fa3" "$W"/big/sglang_kernel-0.4.5-*.whl 'sgl_kernel/flash_ops.abi3.so'
+xz -6 -T0 -c "$W/fa3/sgl_kernel/flash_ops.abi3.so" > "$W/fa3/flash_ops.abi3.so.xz"
+(cd "$W/fa3" && rm -f flash_ops.abi3.so.xz.part* && split -b 40000000 -d -a 1 flash_ops.abi3.so.xz flash_ops.abi3.so.xz.part)
+n=$(ls "$W"/fa3/flash_ops.abi3.so.xz.part* | wc -l)
+for part in "$W"/fa3/flash_ops.abi3.so.xz.part*; do
+  i=${part##*.part}; mkdir -p "$REPO/.gpu-fa3-$i"; mv "$part" "$REPO/.gpu-fa3-$i/"
+done
+echo "$(sha256sum "$W/fa3/flash_ops.abi3.so.xz" | cut -c1-64) $n" > "$REPO/.gpu-fa3-0/fa3.sha256"
+
+# 9. what each call would send (limit: 64 MiB = 67108864 bytes, the tracked tree included)
 base=$(git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 du -cb) | tail -1 | cut -f1)
 s=$(du -sb "$REPO/.gpu-scripts" | cut -f1)
-for c in .gpu-site .gpu-gguf1 .gpu-gguf2 .gpu-gguf3 .gpu-ours .gpu-ray1 .gpu-ray2 .gpu-data; do
+for c in .gpu-site .gpu-gguf1 .gpu-gguf2 .gpu-gguf3 .gpu-ours .gpu-ray1 .gpu-ray2 .gpu-data .gpu-fa3-0; do
   echo "call carrying [.gpu-scripts, $c]: $(( base + s + $(du -sb "$REPO/$c" | cut -f1) )) bytes (tree $base + scripts $s)"
 done
