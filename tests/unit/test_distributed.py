@@ -285,3 +285,32 @@ def test_worker_start_failure_is_reported(tmp_path, tiny_model_dir):
     with pytest.raises(TrainerWorkerError, match="(?s)rank 0 failed in 'start'.*ModelError"):
         TrainerWorkers(ranks(cfg, 1), start_timeout_s=60)
     assert time.monotonic() - start < 60
+
+
+def test_packed_tensors_cross_a_pipe_as_own_copies_and_leave_no_shared_memory_file(tmp_path):
+    """A rank's tensors cross as one shared-memory buffer per dtype; the parent gets copies that safetensors
+    saves and that later writes to the buffer do not change; /dev/shm keeps no file (unlinked at once)."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file, save_file
+
+    from lora_rl_core.trainer.workers import PackedTensors
+
+    tensors = {
+        "w": torch.randn(3, 4),
+        "step": torch.tensor(7.0),
+        "rng": torch.arange(10, dtype=torch.uint8),
+        "v": torch.randn(5, dtype=torch.float64),
+    }
+    shm_before = set(os.listdir("/dev/shm"))
+    parent, child = mp.get_context("spawn").Pipe()
+    packed = PackedTensors.pack(tensors)
+    assert sorted(packed.buffers) == ["float32", "float64", "uint8"]  # one buffer per dtype, not per tensor
+    child.send(packed)
+    got = parent.recv().unpack()
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t)
+    packed.buffers["float32"].zero_()
+    assert torch.equal(got["w"], tensors["w"])  # its own storage
+    save_file(got, tmp_path / "state.safetensors")  # no tensors sharing memory
+    assert torch.equal(load_file(tmp_path / "state.safetensors")["rng"], tensors["rng"])
+    assert set(os.listdir("/dev/shm")) <= shm_before
