@@ -169,6 +169,7 @@ class MemoryPlan:
             `MIN_MICRO_BATCH`).
         mem_fraction_static: SGLang's `--mem-fraction-static`; None = SGLang's own (no trainer beside it).
         memory_saver: SGLang frees its KV cache during each train phase.
+        memory_saver_reason: why (or why not), for the run log and `run.json`.
         rollout_batch: sequences decoded at once (prompts x group size x rollouts in flight).
         colocated: trainer and SGLang share one GPU.
         gpu_total: the trainer's GPU memory; 0 on a CPU.
@@ -179,6 +180,7 @@ class MemoryPlan:
     micro_batch_size: int
     mem_fraction_static: float | None = None
     memory_saver: bool = False
+    memory_saver_reason: str = "no trainer shares SGLang's GPU"
     rollout_batch: int = 0
     colocated: bool = False
     gpu_total: int = 0
@@ -292,9 +294,11 @@ def plan_memory(
     def worse(choice: tuple[bool, int]) -> tuple[bool, int]:
         return choice[0], -choice[1]
 
-    saver = saver_allowed and (launch.memory_saver is True or worse(choose(room - kv_min)) > worse(choose(room)))
+    side_by_side, released = choose(room - kv_min), choose(room)
+    saver = saver_allowed and (launch.memory_saver is True or worse(side_by_side) > worse(released))
     train_room = room if saver else room - kv_min
     ckpt, micro = choose(train_room)
+    saver_reason = _saver_reason(colocated, launch.memory_saver, saver_available, mode, saver, side_by_side, released)
     needed = act(micro, ckpt)
     if needed > train_room or (colocated and kv_min < kv_needed):
         raise ConfigError(
@@ -323,6 +327,7 @@ def plan_memory(
         micro_batch_size=micro,
         mem_fraction_static=fraction,
         memory_saver=saver,
+        memory_saver_reason=saver_reason,
         rollout_batch=batch,
         colocated=colocated,
         gpu_total=gpu_total,
@@ -366,6 +371,31 @@ def check_engine_alone(
             "rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens, give SGLang more GPUs "
             "(placement.engine_gpus, placement.engine_tp), or use larger GPUs"
         )
+
+
+def _saver_reason(
+    colocated: bool,
+    setting: bool | str,
+    available: bool,
+    mode: RolloutMode,
+    saver: bool,
+    side_by_side: tuple[bool, int],
+    released: tuple[bool, int],
+) -> str:
+    """Why the plan does (not) release SGLang's KV cache while the trainer trains: `(checkpointing, micro-batch)`
+    with the KV cache and activations side by side against with the cache released."""
+    say = lambda c: f"micro-batch {c[1]}{' with recomputation' if c[0] else ''}"  # noqa: E731
+    if not colocated:
+        return "no trainer shares SGLang's GPU"
+    if setting is not True and setting != "auto":
+        return "engine.launch.memory_saver=false"
+    if setting == "auto" and mode != "sync":
+        return "rollout.mode async: SGLang decodes while the trainer trains"
+    if setting == "auto" and not available:
+        return "torch_memory_saver is not installed beside SGLang"
+    if saver:
+        return f"releasing the KV cache while training buys {say(released)} (else {say(side_by_side)})"
+    return f"releasing the KV cache would buy nothing: {say(side_by_side)} either way"
 
 
 def _fit(micro: int, smallest: int, fits: Callable[[int], bool]) -> int:

@@ -346,6 +346,7 @@ def _engine(
             rollout_batch=batch,
             mem_fraction=fraction,
             memory_saver=saver,
+            memory_saver_reason=memory.memory_saver_reason if memory is not None else "no trainer in this run",
         )
         if placement.engine_gpus:  # one SGLang server per group of `engine_tp` GPUs of the placement
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")

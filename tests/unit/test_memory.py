@@ -155,3 +155,17 @@ def test_longer_completions_are_refused_before_step_1_never_planned_past_the_gpu
         accepted.append(tokens)
     assert accepted[:2] == [256, 512] and refused is not None
     assert "does not fit the GPU" in refused[1] and "rollout.max_new_tokens" in refused[1]
+
+
+def test_the_plan_says_why_the_kv_cache_is_or_is_not_released(shapes):
+    """The run log and run.json name the reason, in the plan's own terms (not a generic one)."""
+    one_gpu = _plan(_cfg(), shapes["7b"])  # 80 GB: micro-batch 16 does not fit even with the cache released
+    assert one_gpu.memory_saver_reason == "releasing the KV cache would buy nothing: micro-batch 8 either way"
+    smaller = _plan(_cfg(), shapes["7b"], gib=70.0)
+    assert (
+        smaller.memory_saver_reason == "releasing the KV cache while training buys micro-batch 8 (else micro-batch 4)"
+    )
+    assert _plan(_cfg("async"), shapes["7b"], gib=70.0).memory_saver_reason.startswith("rollout.mode async")
+    assert _plan(_cfg(), shapes["7b"], saver=False).memory_saver_reason == (
+        "torch_memory_saver is not installed beside SGLang"
+    )

@@ -56,6 +56,7 @@ def resolve_launch(
     rollout_batch: int | None = None,
     mem_fraction: float | None = None,
     memory_saver: bool = False,
+    memory_saver_reason: str = "no trainer shares SGLang's GPU",
 ) -> ResolvedLaunch:
     """Resolve `launch`'s `auto` values (module docstring).
 
@@ -65,6 +66,7 @@ def resolve_launch(
         rollout_batch: sequences decoded at once (prompts x group size x rollouts in flight); None = unknown.
         mem_fraction: the memory plan's `--mem-fraction-static` (None: no trainer shares the GPU).
         memory_saver: the memory plan frees SGLang's KV cache during training.
+        memory_saver_reason: the memory plan's reason (`MemoryPlan.memory_saver_reason`).
     """
     reasons: dict[str, str] = {}
     attention: str | None = launch.attention_backend
@@ -92,7 +94,7 @@ def resolve_launch(
     saver = launch.memory_saver
     if saver == "auto":
         saver = memory_saver
-        reasons["memory_saver"] = "the run's memory plan" if memory_saver else "no colocated trainer to make room for"
+        reasons["memory_saver"] = memory_saver_reason
     return ResolvedLaunch(
         attention_backend=attention,
         sampling_backend=sampling,
