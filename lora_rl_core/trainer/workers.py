@@ -22,7 +22,8 @@ shapes and offsets; the receiver copies each tensor out of it. Measured on a
 2-core CPU (`benchmarks/rank_transfer.py`): a 7B adapter (161 MB) 0.18 s
 against 0.59 s as safetensors bytes through the pipe, a 32B checkpoint's state
 (1.6 GB) 2.4 s against 9.8 s. A handful of buffers, not one per tensor, so thousands of
-tensors need no more file descriptors.
+tensors need no more file descriptors. Where /dev/shm has no room (a container's
+default is 64 MB) they travel as safetensors bytes, as before.
 
 Failure: every call has a timeout. When a worker dies, times out or raises, the
 call raises `TrainerWorkerError` (naming the rank, exit code or traceback) and
@@ -52,9 +53,11 @@ from typing import Any, NoReturn, Self
 
 import torch
 import torch.multiprocessing as mp  # also registers torch's shared-memory pickling of tensors (PackedTensors)
+from safetensors.torch import load as load_tensors
 from transformers.utils import logging as hf_logging
 
 from lora_rl_core import distributed
+from lora_rl_core.adapters.io import safetensors_bytes
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
@@ -69,17 +72,26 @@ from lora_rl_core.trainer.spec import TrainerPlan
 class PackedTensors:
     """Named CPU tensors in one flat shared-memory buffer per dtype, to cross a process boundary cheaply.
 
+    Where /dev/shm has no room for them (a container's is often 64 MB, and writing past a full tmpfs kills
+    the process with SIGBUS) they travel as safetensors bytes instead (`blob`).
+
     Attributes:
         buffers: one 1-D tensor per dtype (by dtype name), in shared memory.
         index: `(name, dtype name, shape, offset)` per tensor, in the original order; offset in elements.
+        blob: the tensors as safetensors bytes where shared memory had no room (then no buffers).
     """
 
     buffers: dict[str, torch.Tensor]
     index: tuple[tuple[str, str, tuple[int, ...], int], ...]
+    blob: bytes | None = None
 
     @classmethod
     def pack(cls, tensors: dict[str, torch.Tensor]) -> PackedTensors:
-        """Copy `tensors` (any device; each read once) into fresh shared-memory buffers."""
+        """Copy `tensors` (any device; each read once) into fresh shared-memory buffers, or into safetensors
+        bytes where /dev/shm has no room for them (`shared_memory_room`)."""
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        if need > shared_memory_room():
+            return cls({}, (), safetensors_bytes(tensors, metadata=None))
         sizes: dict[str, int] = {}
         index = []
         for name, t in tensors.items():
@@ -96,10 +108,22 @@ class PackedTensors:
         """The tensors by name, each a copy with its own storage (views of one buffer would be shared tensors to
         safetensors, which refuses to save them, and `torch.set_rng_state` reads a view's storage from its
         start)."""
+        if self.blob is not None:
+            return load_tensors(self.blob)
         return {
             name: self.buffers[dtype][offset : offset + math.prod(shape)].view(shape).clone()
             for name, dtype, shape, offset in self.index
         }
+
+
+def shared_memory_room(margin: float = 0.5) -> int:
+    """Bytes a new shared-memory buffer may take: `margin` of what /dev/shm has free (others use it too); 0
+    where there is no /dev/shm."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return int(st.f_bavail * st.f_frsize * margin)
 
 
 class TrainerWorkerError(LoraRLError):

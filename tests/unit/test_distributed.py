@@ -314,3 +314,18 @@ def test_packed_tensors_cross_a_pipe_as_own_copies_and_leave_no_shared_memory_fi
     save_file(got, tmp_path / "state.safetensors")  # no tensors sharing memory
     assert torch.equal(load_file(tmp_path / "state.safetensors")["rng"], tensors["rng"])
     assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_packed_tensors_travel_as_bytes_where_shared_memory_has_no_room(monkeypatch):
+    """A container's /dev/shm is often 64 MB and writing past a full one kills the process (SIGBUS): tensors
+    that do not fit go as safetensors bytes, and arrive the same."""
+    import lora_rl_core.trainer.workers as workers
+
+    monkeypatch.setattr(workers, "shared_memory_room", lambda margin=0.5: 100)  # bytes
+    tensors = {"w": torch.randn(8, 8), "rng": torch.arange(4, dtype=torch.uint8)}
+    packed = workers.PackedTensors.pack(tensors)
+    assert packed.blob is not None and not packed.buffers
+    got = packed.unpack()
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    small = workers.PackedTensors.pack({"rng": tensors["rng"]})  # 4 bytes: room enough
+    assert small.blob is None and torch.equal(small.unpack()["rng"], tensors["rng"])
