@@ -198,6 +198,9 @@ def main() -> None:
                             "step_seconds": wall,
                             "seconds": times,
                             "completion_tokens": m["completion_tokens"],
+                            # the trainer's own train_step (rank 0 inside its process): the rest of "train" is the
+                            # run around it (the batch, the checkpoint's hand-over)
+                            "trainer_seconds": m.get("train_seconds"),
                             "trained_tokens": trained,
                         }
                     )
