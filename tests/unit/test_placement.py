@@ -304,6 +304,7 @@ def test_split_runs_rollouts_ahead_unless_told_otherwise():
         *(lambda c: (c, resolve_placement(c, 2)))(load_config(None, [*SGLANG_LAUNCHED, "algorithm.max_staleness=0"]))
     )
     assert why == ("sync", "auto: algorithm.max_staleness 0 keeps every rollout on the newest version")
+    assert mode(2, "algorithm.off_policy_correction=none") == "sync"  # no correction asked: stay on-policy
 
 
 def test_without_a_trainer_every_gpu_serves():
