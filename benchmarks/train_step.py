@@ -163,7 +163,12 @@ def measure(rank: int, case: Case, settings: Settings, device: torch.device) -> 
     """Build and shard the model, time the steps; for LoRA also time gathering the full adapter on rank 0."""
     model = build_model(case, settings, device)
     total_params = sum(p.numel() for p in model.parameters())
-    distributed.shard_model(model, mixed_precision=True, activation_checkpointing=settings.activation_checkpointing)
+    distributed.shard_model(
+        model,
+        mixed_precision=True,
+        activation_checkpointing=settings.activation_checkpointing,
+        replicate_trainable=case.mode == "lora",  # full fine-tuning shards every weight
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4 if case.mode == "lora" else 1e-5)
     batch = make_batch(settings, model.config.vocab_size, rank, case.world_size, device)

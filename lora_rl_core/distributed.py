@@ -146,6 +146,7 @@ def shard_model(
     mixed_precision: bool,
     activation_checkpointing: bool,
     device: torch.device | None = None,
+    replicate_trainable: bool = True,
 ) -> nn.Module:
     """Shard `model`'s frozen weights in place with FSDP2: each decoder layer, then the root. Its trainable
     (LoRA) parameters stay whole on every rank, moved to `device`; `sum_gradients` sums their gradients.
@@ -160,6 +161,8 @@ def shard_model(
         mixed_precision: bf16 params / fp32 reduction where CUDA supports bf16 (ignored on CPU).
         activation_checkpointing: recompute each decoder layer's activations in backward.
         device: the rank's device; None = where the model's parameters are.
+        replicate_trainable: keep the trainable parameters whole on every rank (the LoRA weights; module
+            docstring); False shards them too (full fine-tuning: `benchmarks/train_step.py --modes full`).
 
     Returns:
         The same module object (its class is now also an `FSDPModule`).
@@ -167,7 +170,8 @@ def shard_model(
     device = device or next(model.parameters()).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = mixed_precision_policy(device) if mixed_precision else MixedPrecisionPolicy()
-    trainable = {p for p in model.parameters() if p.requires_grad}  # replicated: the module docstring says why
+    # replicated: the module docstring says why
+    trainable = {p for p in model.parameters() if p.requires_grad} if replicate_trainable else set()
     for layer in find_decoder_layers(model):
         if activation_checkpointing:
             from torch.distributed._composable import checkpoint
@@ -187,12 +191,18 @@ def shard_model(
 @torch.no_grad()
 def sum_gradients(params: Sequence[torch.Tensor]) -> None:
     """Sum the gradients of the replicated (FSDP-ignored) trainable parameters over ranks, in place: one
-    all-reduce of them all, flattened (float32 for LoRA). A parameter without a gradient counts as zeros. No-op
-    without a process group, and for DTensor parameters (FSDP2 reduces those itself).
+    all-reduce of them all, flattened (float32 for LoRA). A parameter with a gradient on some ranks only counts
+    as zeros on the others; one with a gradient on no rank keeps none (as in one process, where AdamW then
+    skips it). No-op without a process group, and for DTensor parameters (FSDP2 reduces those itself).
 
     Every rank must call it with the same parameters, once per optimizer step, after its last backward."""
     plain = [p for p in params if not isinstance(p, DTensor)]
     if not is_distributed() or not plain:
+        return
+    has = torch.tensor([float(p.grad is not None) for p in plain], device=_comm_device())
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    plain = [p for p, h in zip(plain, has.tolist(), strict=True) if h > 0]
+    if not plain:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plain]
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -238,6 +238,8 @@ def plan_memory(
     Raises:
         ConfigError: the trainer (and SGLang beside it) cannot fit, naming the settings to change.
     """
+    if mode not in ("sync", "async"):
+        raise ValueError(f"plan_memory needs rollout.mode resolved (sync or async), got {mode!r}")
     batch = rollout_batch(cfg, mode)
     checkpointing = cfg.trainer.gradient_checkpointing
     if shape is None:
@@ -387,8 +389,8 @@ def _saver_reason(
     say = lambda c: f"micro-batch {c[1]}{' with recomputation' if c[0] else ''}"  # noqa: E731
     if not colocated:
         return "no trainer shares SGLang's GPU"
-    if setting is not True and setting != "auto":
-        return "engine.launch.memory_saver=false"
+    if setting is True or setting is False:
+        return f"engine.launch.memory_saver={str(setting).lower()}"
     if setting == "auto" and mode != "sync":
         return "rollout.mode async: SGLang decodes while the trainer trains"
     if setting == "auto" and not available:

@@ -21,6 +21,7 @@ and one field of the plan section its builder reads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -110,8 +111,18 @@ def make_plan(
         else:
             trainer_device = resolve_device(backend.device if isinstance(backend, RankedBackend) else cfg.model.device)
             colocated = sglang_shares_trainer_gpu(cfg, trainer_device)
+        plan_for = functools.partial(
+            _memory, cfg, trainer_device, colocated, launch_env, tokenizer, problems, placement
+        )
+        try:
+            placement, memory = plan_for(mode)
+        except ConfigError:
+            if cfg.rollout.mode != "auto" or mode != "async":
+                raise
+            # async holds twice the rollouts in SGLang's KV cache: where that does not fit, sync may
+            placement, memory = plan_for("sync")
+            mode, mode_reason = "sync", "auto: rollouts one step ahead do not fit SGLang's memory; sync does"
         choices["rollout.mode"] = Choice(mode, mode_reason)
-        placement, memory = _memory(cfg, trainer_device, colocated, launch_env, tokenizer, problems, placement, mode)
         trainer = _trainer(cfg, trainer_device, memory, placement, mode, choices)
     elif placement.engine_gpus:  # servers only: the smallest tensor parallelism whose copy fits (TP_SMALLEST)
         total = torch.cuda.mem_get_info(torch.device("cuda", placement.engine_gpus[0]))[1]

@@ -86,11 +86,12 @@ class PackedTensors:
     blob: bytes | None = None
 
     @classmethod
-    def pack(cls, tensors: dict[str, torch.Tensor]) -> PackedTensors:
+    def pack(cls, tensors: dict[str, torch.Tensor], *, shared: bool = True) -> PackedTensors:
         """Copy `tensors` (any device; each read once) into fresh shared-memory buffers, or into safetensors
-        bytes where /dev/shm has no room for them (`shared_memory_room`)."""
+        bytes where /dev/shm has no room for them (`shared_memory_room`) or `shared` is False (Ray pickles what
+        its actors return itself: a shared-memory buffer would only add a copy beside its object store)."""
         need = sum(t.numel() * t.element_size() for t in tensors.values())
-        if need > shared_memory_room():
+        if not shared or need > shared_memory_room():
             return cls({}, (), safetensors_bytes(tensors, metadata=None))
         sizes: dict[str, int] = {}
         index = []
@@ -203,19 +204,22 @@ class RankCommands:
         answers = self._call("profiled_train_step", batch, row_limit)
         return answers[0][0], "\n\n".join(report for _, report in answers)
 
+    shared_memory = False
+    """Tensors cross in shared memory (`PackedTensors`): for ranks that are this host's own processes."""
+
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The full adapter (PEFT keys, float32 CPU tensors) and its JSON-safe PEFT config, as `lora.adapter_state`."""
-        packed, config = self._call("adapter_state")[0]
+        packed, config = self._call("adapter_state", self.shared_memory)[0]
         return packed.unpack(), config
 
     def state_dict(self) -> dict[str, Any]:
         """The trainer checkpoint (`PolicyTrainer.state_dict` format: full tensors + JSON meta, any world size)."""
-        packed, meta = self._call("state_dict")[0]
+        packed, meta = self._call("state_dict", self.shared_memory)[0]
         return {"tensors": packed.unpack(), "meta": meta}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint from `state_dict()` (of any world size, or an in-process `PolicyTrainer`)."""
-        self._call("load_state_dict", PackedTensors.pack(state["tensors"]), state["meta"])
+        self._call("load_state_dict", PackedTensors.pack(state["tensors"], shared=self.shared_memory), state["meta"])
 
 
 class TrainerWorkers(RankCommands):
@@ -231,6 +235,8 @@ class TrainerWorkers(RankCommands):
     Raises:
         TrainerWorkerError: a worker failed to start (its traceback is in the message).
     """
+
+    shared_memory = True  # the ranks are this host's own processes: tensors cross as shared memory
 
     def __init__(
         self,
@@ -408,7 +414,10 @@ def _serve(trainer: PolicyTrainer, conn: Connection) -> None:
         except BaseException:  # noqa: BLE001 - reported to the parent, which shuts the workers down
             _reply(conn, "error", traceback.format_exc())
             continue
+        finally:
+            del args  # a received PackedTensors' shared memory is not kept until the next command
         _reply(conn, "ok", result)
+        del result  # nor one this rank sent
 
 
 def _reply(conn: Connection, status: str, value: Any) -> None:
@@ -416,14 +425,14 @@ def _reply(conn: Connection, status: str, value: Any) -> None:
         conn.send((status, value))
 
 
-def _adapter_state(trainer: PolicyTrainer) -> tuple[PackedTensors, dict[str, Any]] | None:
+def _adapter_state(trainer: PolicyTrainer, shared: bool) -> tuple[PackedTensors, dict[str, Any]] | None:
     state = trainer.gather_adapter_state()
-    return None if state is None else (PackedTensors.pack(state[0]), state[1])
+    return None if state is None else (PackedTensors.pack(state[0], shared=shared), state[1])
 
 
-def _state_dict(trainer: PolicyTrainer) -> tuple[PackedTensors, dict[str, Any]] | None:
+def _state_dict(trainer: PolicyTrainer, shared: bool) -> tuple[PackedTensors, dict[str, Any]] | None:
     state = trainer.gather_state_dict()
-    return None if state is None else (PackedTensors.pack(state["tensors"]), state["meta"])
+    return None if state is None else (PackedTensors.pack(state["tensors"], shared=shared), state["meta"])
 
 
 def _load_state_dict(trainer: PolicyTrainer, packed: PackedTensors, meta: dict[str, Any]) -> None:

@@ -171,7 +171,7 @@ def test_worker_loop_reports_errors_and_keeps_serving():
             raise ValueError("boom")
 
     parent, child = multiprocessing.Pipe()
-    parent.send(("state_dict", ()))
+    parent.send(("state_dict", (True,)))  # shared memory
     parent.send(("close", ()))
     _serve(Broken(), child)  # returns on "close"
     status, text = parent.recv()
@@ -329,3 +329,18 @@ def test_packed_tensors_travel_as_bytes_where_shared_memory_has_no_room(monkeypa
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
     small = workers.PackedTensors.pack({"rng": tensors["rng"]})  # 4 bytes: room enough
     assert small.blob is None and torch.equal(small.unpack()["rng"], tensors["rng"])
+
+
+def test_summed_gradients_leave_a_parameter_no_rank_trained_without_one():
+    """As in one process (where AdamW then skips it, weight decay included): a parameter no rank has a gradient
+    for keeps `grad None`; the others are summed (one rank here: unchanged)."""
+    from lora_rl_core import distributed
+
+    distributed.init_process_group("cpu", rank=0, world_size=1, port=distributed.free_port())
+    try:
+        used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+        (used * 2).sum().backward()
+        distributed.sum_gradients([used, unused])
+        assert unused.grad is None and torch.equal(used.grad, torch.full((3,), 2.0))
+    finally:
+        distributed.destroy_process_group()

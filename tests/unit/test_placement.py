@@ -396,3 +396,17 @@ def test_tensor_parallelism_divides_the_attention_heads():
     assert p.tp_choices(cfg, heads=12, largest=True) == [4, 2, 1]  # 8 does not divide 12 heads
     assert p.tp_choices(cfg, heads=40) == [1, 2, 4, 8]
     assert p.tp_choices(cfg) == [1, 2, 4, 8]
+
+
+def test_auto_rollouts_fall_back_to_sync_where_async_does_not_fit_sglangs_gpu(monkeypatch, tmp_path):
+    """Async holds two steps of rollouts in SGLang's KV cache. Under `rollout.mode: auto` a split whose async
+    KV cache would not fit SGLang's GPU runs sync instead, saying why; asked for explicitly, async is refused."""
+    make_plan, overrides = pretend_gpus(monkeypatch, tmp_path, 2, "7b")
+    big = [*overrides, "placement=split", "rollout.prompts_per_step=21", "rollout.max_new_tokens=4096"]
+    plan = make_plan(load_config(None, big))
+    assert plan.rollout_mode == "sync" and plan.rollouts_ahead() == 0
+    assert plan.choices["rollout.mode"].reason == "auto: rollouts one step ahead do not fit SGLang's memory; sync does"
+    with pytest.raises(ConfigError, match="SGLang does not fit a GPU of its own"):
+        make_plan(load_config(None, [*big, "rollout.mode=async"]))
+    small = make_plan(load_config(None, [*overrides, "placement=split"]))
+    assert small.rollout_mode == "async" and small.rollouts_ahead() == 1
