@@ -134,7 +134,8 @@ def make_plan(
             heads=shape.attention_heads,
             largest=False,
         )
-    choices["placement"] = Choice(placement.describe(), placement.reason)
+    turns = " (rollout.mode sync: the GPUs take turns; async overlaps them)" if train and mode == "sync" else ""
+    choices["placement"] = Choice(placement.describe(), placement.reason + (turns if placement.kind == "split" else ""))
     engine = _engine(cfg, device, dtype.name, memory, trainer_device, colocated, launch_env, placement, choices)
     if train:
         correction = cfg.algorithm.correction(mode)

@@ -214,7 +214,4 @@ def _place(cfg: RunConfig, kind: str, gpus: list[int], engine_gpus: int | str, v
     k = max(1, len(gpus) // 2) if engine_gpus == "auto" else int(engine_gpus)
     if k >= len(gpus):
         raise ConfigError(f"placement.engine_gpus {k} leaves none of GPUs {gpus} to the trainer")
-    note = " (rollout.mode sync: the GPUs take turns; async overlaps them)" if cfg.rollout.mode == "sync" else ""
-    return Placement(
-        "split", tuple(gpus[k:]), tuple(gpus[:k]), f"{why}: SGLang on {k} GPUs, the trainer on the rest{note}"
-    )
+    return Placement("split", tuple(gpus[k:]), tuple(gpus[:k]), f"{why}: SGLang on {k} GPUs, the trainer on the rest")

@@ -61,12 +61,11 @@ def test_auto_keeps_settings_that_place_the_run(settings, why):
 
 
 def test_split_gives_sglang_the_first_gpus_and_the_trainer_the_rest():
-    two = placed(2, "placement=split")  # rollout.mode unset: async under split
+    two = placed(2, "placement=split")
     assert (two.trainer_gpus, two.engine_gpus, two.ranks, two.dp_size) == ((1,), (0,), 0, 1)  # trainer in process
-    assert not two.shares_gpus and "async overlaps" not in two.reason
-    four = placed(4, "placement=split", "rollout.mode=sync")
+    assert not two.shares_gpus
+    four = placed(4, "placement=split")
     assert (four.trainer_gpus, four.engine_gpus, four.ranks, four.dp_size) == ((2, 3), (0, 1), 2, 2)
-    assert "rollout.mode sync: the GPUs take turns" in four.reason
     one_engine = placed(4, "placement={type: split, engine_gpus: 1, gpus: [1, 2, 3]}")
     assert (one_engine.engine_gpus, one_engine.trainer_gpus) == ((1,), (2, 3))
 
@@ -406,7 +405,9 @@ def test_auto_rollouts_fall_back_to_sync_where_async_does_not_fit_sglangs_gpu(mo
     plan = make_plan(load_config(None, big))
     assert plan.rollout_mode == "sync" and plan.rollouts_ahead() == 0
     assert plan.choices["rollout.mode"].reason == "auto: rollouts one step ahead do not fit SGLang's memory; sync does"
+    assert "rollout.mode sync: the GPUs take turns" in plan.choices["placement"].reason
     with pytest.raises(ConfigError, match="SGLang does not fit a GPU of its own"):
         make_plan(load_config(None, [*big, "rollout.mode=async"]))
     small = make_plan(load_config(None, [*overrides, "placement=split"]))
     assert small.rollout_mode == "async" and small.rollouts_ahead() == 1
+    assert "take turns" not in small.choices["placement"].reason
