@@ -17,6 +17,7 @@ trained again, and their stored versions kept; docs/DESIGN.md "Resume").
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -28,12 +29,15 @@ from lora_rl_core.run.components import RunComponents
 from lora_rl_core.run.state import Restored
 from lora_rl_core.run.versions import sync
 
+log = logging.getLogger(__name__)
+
 
 def checkpoint_state(run: RunComponents, step: int) -> dict[str, Any]:
-    """What a checkpoint after `step` holds, taken now: the trainer state (copies: `Trainer.state_dict`) and
-    the RNG states, so later steps do not change it while it is written."""
+    """What a checkpoint after `step` holds, taken now: the trainer state (copies: `Trainer.state_dict`), the
+    RNG states (so later steps do not change it while it is written) and the resolved `rollout.mode`."""
     return {
         "step": step,
+        "rollout_mode": run.plan.rollout_mode,
         "trainer": run.trainer.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
@@ -69,6 +73,18 @@ def restore(run: RunComponents) -> ResumeInfo:
         torch.set_rng_state(state["torch_rng"])
         version, internal, gauss = state["python_rng"]
         random.setstate((version, tuple(internal), gauss))
+        trained = state.get("rollout_mode")  # absent in checkpoints of older runs
+        if trained is not None and trained != run.plan.rollout_mode:
+            log.warning(
+                "run %s resumes in rollout.mode %s after training in %s up to step %d (%s); set rollout.mode: %s "
+                "to keep it",
+                run.run_id,
+                run.plan.rollout_mode,
+                trained,
+                step,
+                run.plan.choices["rollout.mode"].reason,
+                trained,
+            )
     latest = run.store.latest(run.run_id)
     run.restored = Restored(step=step or 0, newest_version=latest.version if latest else None)
     if latest is not None:

@@ -317,3 +317,22 @@ def test_sglang_launched_on_another_gpu_gets_the_file_transport(monkeypatch):
     assert chosen["split"].value == "file"
     assert not sync_reads_folder(split.engine, "file")
     assert chosen["shared"].value in ("auto", "ipc")  # ipc on the same GPU (where CUDA is here)
+
+
+def test_a_run_resumed_in_another_rollout_mode_says_so(make_run, caplog):
+    """The checkpoint records the resolved rollout.mode; a resume that resolves another one (another machine,
+    another setting) warns, naming the setting that keeps the old one."""
+    first = make_run("modes")
+    assert first.plan.rollout_mode == "sync"  # a CPU: auto is sync
+    write_checkpoint(first, 1, checkpoint_state(first, 1))
+    first.close()
+    second = make_run("modes", "rollout.mode=async")
+    with caplog.at_level("WARNING", logger="lora_rl_core.run.resume"):
+        restore(second)
+    assert "run modes resumes in rollout.mode async after training in sync up to step 1" in caplog.text
+    assert "set rollout.mode: sync to keep it" in caplog.text
+    caplog.clear()
+    third = make_run("modes")
+    with caplog.at_level("WARNING", logger="lora_rl_core.run.resume"):
+        restore(third)
+    assert "resumes in rollout.mode" not in caplog.text
