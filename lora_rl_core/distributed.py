@@ -30,6 +30,9 @@ Choices:
   the LoRA weights too, its float32 reduce-scatters took 0.7 s of a 2.5 s train
   step, and gathering a checkpoint and a version parameter by parameter doubled
   the train phase seen by the run.
+* Where the base weights fit every GPU whole (`trainer.shard_weights: auto` asks the memory plan; a 7B on
+  80 GB GPUs), `shard_model(shard_weights=False)` applies no FSDP2 at all: every rank holds the whole model
+  and only the LoRA gradients cross (`sum_gradients`), as DDP would, with no all-gather per layer and pass.
 * Gradient reduction is a SUM across ranks, not a mean. The trainer weights
   each rank's loss by GLOBAL token / sequence counts, so the summed gradient
   equals the gradient of the global-batch loss and 1-process and N-process runs
@@ -147,6 +150,7 @@ def shard_model(
     activation_checkpointing: bool,
     device: torch.device | None = None,
     replicate_trainable: bool = True,
+    shard_weights: bool = True,
 ) -> nn.Module:
     """Shard `model`'s frozen weights in place with FSDP2: each decoder layer, then the root. Its trainable
     (LoRA) parameters stay whole on every rank, moved to `device`; `sum_gradients` sums their gradients.
@@ -163,11 +167,20 @@ def shard_model(
         device: the rank's device; None = where the model's parameters are.
         replicate_trainable: keep the trainable parameters whole on every rank (the LoRA weights; module
             docstring); False shards them too (full fine-tuning: `benchmarks/train_step.py --modes full`).
+        shard_weights: False = no FSDP2 at all: the model moves whole to `device` on every rank (data parallel
+            for a base that fits each GPU: no all-gathers), only activation checkpointing is applied.
 
     Returns:
         The same module object (its class is now also an `FSDPModule`).
     """
     device = device or next(model.parameters()).device
+    if not shard_weights:
+        if activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            for layer in find_decoder_layers(model):
+                checkpoint(layer)
+        return model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = mixed_precision_policy(device) if mixed_precision else MixedPrecisionPolicy()
     # replicated: the module docstring says why

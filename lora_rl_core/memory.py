@@ -39,6 +39,7 @@ does not fit can be compared against it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -170,6 +171,8 @@ class MemoryPlan:
         mem_fraction_static: SGLang's `--mem-fraction-static`; None = SGLang's own (no trainer beside it).
         memory_saver: SGLang frees its KV cache during each train phase.
         memory_saver_reason: why (or why not), for the run log and `run.json`.
+        shard_weights: several trainer ranks shard the base weights (FSDP2); False: each holds them whole.
+        shard_weights_reason: why.
         rollout_batch: sequences decoded at once (prompts x group size x rollouts in flight).
         colocated: trainer and SGLang share one GPU.
         gpu_total: the trainer's GPU memory; 0 on a CPU.
@@ -181,6 +184,8 @@ class MemoryPlan:
     mem_fraction_static: float | None = None
     memory_saver: bool = False
     memory_saver_reason: str = "no trainer shares SGLang's GPU"
+    shard_weights: bool = True
+    shard_weights_reason: str = "one trainer process"
     rollout_batch: int = 0
     colocated: bool = False
     gpu_total: int = 0
@@ -217,6 +222,7 @@ def plan_memory(
     ranks: int | None = None,
     dp_size: int = 1,
     engine_tp: int = 1,
+    shard_weights: bool | None = None,
 ) -> MemoryPlan:
     """The run's memory plan (module docstring), per GPU; pure arithmetic, no GPU touched.
 
@@ -234,10 +240,67 @@ def plan_memory(
             1/dp_size of the rollout batch, over `engine_tp` GPUs.
         engine_tp: GPUs per SGLang server (tensor parallel): each holds 1/engine_tp of the server's weights,
             LoRA pool, prefill activations and KV cache.
+        shard_weights: with several ranks, shard the base weights over them; None = `trainer.shard_weights`
+            (`auto`: whole on every rank where that plans a micro-batch and recomputation no worse, else sharded).
 
     Raises:
         ConfigError: the trainer (and SGLang beside it) cannot fit, naming the settings to change.
     """
+    world = max(1, cfg.trainer.ranks() if ranks is None else ranks)
+    asked = cfg.trainer.shard_weights if shard_weights is None else shard_weights
+    args = (cfg, shape)
+    kwargs: dict[str, Any] = dict(
+        prompt_tokens=prompt_tokens,
+        gpu_free=gpu_free,
+        gpu_total=gpu_total,
+        colocated=colocated,
+        saver_available=saver_available,
+        mode=mode,
+        world=world,
+        dp_size=dp_size,
+        engine_tp=engine_tp,
+    )
+    if world == 1:
+        return _plan_memory(*args, **kwargs, shard=True, shard_reason="one trainer process")
+    if asked != "auto":
+        return _plan_memory(
+            *args, **kwargs, shard=bool(asked), shard_reason=f"trainer.shard_weights={str(asked).lower()}"
+        )
+    if shape is None:
+        return _plan_memory(*args, **kwargs, shard=True, shard_reason="auto: sharded (no GPU memory to plan)")
+    sharded = _plan_memory(*args, **kwargs, shard=True, shard_reason="")
+    try:
+        whole = _plan_memory(*args, **kwargs, shard=False, shard_reason="")
+    except ConfigError:
+        whole = None
+    rank = lambda p: (p.gradient_checkpointing, -p.micro_batch_size)  # noqa: E731 - smaller is better
+    say = lambda p: _trainer_words((p.gradient_checkpointing, p.micro_batch_size))  # noqa: E731
+    if whole is not None and rank(whole) <= rank(sharded):
+        why = f"auto: the base weights fit every rank whole ({say(whole)}): no all-gathers"
+        return dataclasses.replace(whole, shard_weights_reason=why)
+    cost = "not fit" if whole is None else f"leave {say(whole)}"
+    return dataclasses.replace(
+        sharded, shard_weights_reason=f"auto: whole base weights would {cost}; sharded: {say(sharded)}"
+    )
+
+
+def _plan_memory(
+    cfg: RunConfig,
+    shape: ModelShape | None,
+    *,
+    prompt_tokens: int,
+    gpu_free: int,
+    gpu_total: int,
+    colocated: bool,
+    saver_available: bool,
+    mode: RolloutMode,
+    world: int,
+    dp_size: int,
+    engine_tp: int,
+    shard: bool,
+    shard_reason: str,
+) -> MemoryPlan:
+    """`plan_memory` for one choice of `shard` (the base weights over `world` ranks, or whole on each)."""
     if mode not in ("sync", "async"):
         raise ValueError(f"plan_memory needs rollout.mode resolved (sync or async), got {mode!r}")
     batch = rollout_batch(cfg, mode)
@@ -246,16 +309,17 @@ def plan_memory(
         return MemoryPlan(
             gradient_checkpointing=checkpointing is True,
             micro_batch_size=cfg.trainer.micro_batch_size,
+            shard_weights=shard,
+            shard_weights_reason=shard_reason,
             rollout_batch=batch,
         )
     r, t = cfg.rollout, cfg.trainer
     launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
-    world = max(1, t.ranks() if ranks is None else ranks)
     seq = prompt_tokens + r.max_new_tokens
     # LoRA weights, gradients and AdamW state in float32 on every GPU (replicated over ranks, which also hold the
     # flat buffer of their gradients' all-reduce: distributed.sum_gradients)
     lora_bytes = shape.lora_params * (20 if world > 1 else 16)
-    resident = shape.weight_bytes() // world + lora_bytes + CUDA_CONTEXT_BYTES
+    resident = shape.weight_bytes() // (world if shard else 1) + lora_bytes + CUDA_CONTEXT_BYTES
     budget = gpu_free - SAFETY_BYTES
     kv_needed = -(-batch // dp_size) * seq * shape.kv_bytes_per_token() // engine_tp  # a GPU's share of the batch
     engine_fixed = 0
@@ -330,6 +394,8 @@ def plan_memory(
         mem_fraction_static=fraction,
         memory_saver=saver,
         memory_saver_reason=saver_reason,
+        shard_weights=shard,
+        shard_weights_reason=shard_reason,
         rollout_batch=batch,
         colocated=colocated,
         gpu_total=gpu_total,
@@ -386,7 +452,7 @@ def _saver_reason(
 ) -> str:
     """Why the plan does (not) release SGLang's KV cache while the trainer trains: `(checkpointing, micro-batch)`
     with the KV cache and activations side by side against with the cache released."""
-    say = lambda c: f"micro-batch {c[1]}{' with recomputation' if c[0] else ''}"  # noqa: E731
+    say = _trainer_words
     if not colocated:
         return "no trainer shares SGLang's GPU"
     if setting is True or setting is False:
@@ -398,6 +464,11 @@ def _saver_reason(
     if saver:
         return f"releasing the KV cache while training buys {say(released)} (else {say(side_by_side)})"
     return f"releasing the KV cache would buy nothing: {say(side_by_side)} either way"
+
+
+def _trainer_words(choice: tuple[bool, int]) -> str:
+    """`(checkpointing, micro-batch)` in words, e.g. `micro-batch 8 with recomputation`."""
+    return f"micro-batch {choice[1]}{' with recomputation' if choice[0] else ''}"
 
 
 def _fit(micro: int, smallest: int, fits: Callable[[int], bool]) -> int:

@@ -96,6 +96,12 @@ class TrainerConfig(Section):
     where `liger-kernel` is installed (the `gpu` extra) and the model is a llama, mistral, qwen2 or qwen3,
     off otherwise;
     `true` where that does not hold is a config error (`lora_rl_core.trainer.kernels`)."""
+    shard_weights: bool | Literal["auto"] = "auto"
+    """With several trainer ranks: FSDP2 shards the frozen base weights over them (ZeRO-3: each rank holds its
+    share and all-gathers each layer for every forward and backward), or every rank holds them whole and only the
+    LoRA gradients are summed (data parallel, no all-gathers). `auto`: whole where they fit each GPU with a
+    micro-batch and recomputation no worse than sharded (a 7B on 80 GB GPUs), else sharded (a 32B)
+    (`lora_rl_core.memory.plan_memory`; verl `fsdp_config.fsdp_size`)."""
     lora_compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype the LoRA branches compute in; the LoRA weights, their gradients and the AdamW state stay float32
     (master weights) either way, and logprobs and the loss are computed in float32 from the logits.

@@ -301,6 +301,8 @@ def _trainer(
         if memory.micro_batch_size < min(t.micro_batch_size, cfg.rollout.prompts_per_step * cfg.rollout.group_size)
         else SET,
     )
+    if ranks:
+        choices["trainer.shard_weights"] = Choice(memory.shard_weights, memory.shard_weights_reason)
     return TrainerPlan(
         model=cfg.model,
         lora=cfg.lora,
@@ -321,6 +323,7 @@ def _trainer(
         world_size=ranks,
         gpus=gpus,
         empty_cache_after_step=memory.memory_saver,
+        shard_weights=memory.shard_weights,
         ray_gpus_per_rank=backend.gpus_per_rank
         if isinstance(backend, RayBackend) and backend.device == "cuda"
         else 0.0,

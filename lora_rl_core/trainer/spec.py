@@ -34,6 +34,8 @@ class TrainerPlan(BaseModel):
         ray_gpus_per_rank: GPUs each Ray rank reserves (`trainer.backend.gpus_per_rank`; 0 on a CPU).
         gpus: the CUDA device of each local rank (indices among the driver's visible devices; `placement`);
             () = rank r on `cuda:r`.
+        shard_weights: FSDP2 shards the base weights over the ranks (False: each rank holds them whole and only
+            the LoRA gradients are summed; `trainer.shard_weights` resolved by the memory plan).
         empty_cache_after_step: give the cached CUDA blocks back after each train step (on every rank): a
             launched SGLang on the same GPUs takes its KV cache back then (the memory plan's `memory_saver`).
     """
@@ -60,6 +62,7 @@ class TrainerPlan(BaseModel):
     ray_gpus_per_rank: float
     gpus: tuple[int, ...] = ()
     empty_cache_after_step: bool = False
+    shard_weights: bool = True
 
     @property
     def mixed_precision(self) -> bool:

@@ -150,6 +150,7 @@ def build_sharded_trainer(plan: TrainerPlan, *, device: torch.device) -> PolicyT
         mixed_precision=plan.mixed_precision,
         activation_checkpointing=plan.gradient_checkpointing,
         device=device,
+        shard_weights=plan.shard_weights,
     )
     return PolicyTrainer(peft_model, plan, pad_id=tokenizer.pad_token_id)
 

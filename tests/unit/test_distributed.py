@@ -344,3 +344,22 @@ def test_summed_gradients_leave_a_parameter_no_rank_trained_without_one():
         assert unused.grad is None and torch.equal(used.grad, torch.full((3,), 2.0))
     finally:
         distributed.destroy_process_group()
+
+
+@spawn
+def test_whole_weights_on_every_rank_train_as_one_process_and_checkpoints_move_to_sharded_ranks(
+    cfg, initial_state, workers2
+):
+    """`shard_weights: false` (data parallel: no FSDP2, only the LoRA gradients summed) makes the same updates as
+    one process, and its checkpoint resumes on FSDP2-sharded ranks."""
+    reference = inprocess_trainer(cfg)
+    plan = ranks(cfg, 2).model_copy(update={"shard_weights": False})
+    with TrainerWorkers(plan, timeout_s=120) as whole:
+        whole.load_state_dict(initial_state)
+        for batch in BATCHES:
+            assert_metrics_close(whole.train_step(batch), reference.train_step(batch))
+        got, _ = whole.adapter_state()
+        assert_adapters_close(got, adapter_state(reference.model)[0], atol=1e-5)
+        saved = whole.state_dict()
+    workers2.load_state_dict(saved)
+    assert_metrics_close(workers2.train_step(BATCHES[0]), reference.train_step(BATCHES[0]))

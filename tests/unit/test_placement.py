@@ -126,7 +126,7 @@ def test_the_memory_plan_is_per_gpu(shape_7b):
         "mode": "sync",
     }
     one = plan_memory(cfg, shape_7b, **common)
-    two = plan_memory(cfg, shape_7b, ranks=2, dp_size=2, **common)
+    two = plan_memory(cfg, shape_7b, ranks=2, dp_size=2, shard_weights=True, **common)
     # half the base weights less; the LoRA weights are whole on each rank, with their gradients' all-reduce buffer
     saved = shape_7b.weight_bytes() / 2 - shape_7b.lora_params * 4
     assert one.trainer_resident - two.trainer_resident == pytest.approx(saved, rel=1e-6)
@@ -254,7 +254,10 @@ def test_the_plan_of_a_colocated_two_gpu_run(two_gpus, shape_7b):
         cfg, shape_7b, prompt_tokens=0, gpu_free=int(79 * GIB), gpu_total=int(79.6 * GIB), colocated=True,
         saver_available=True, mode="sync", ranks=0, dp_size=1,
     )  # fmt: skip
-    assert plan.memory.trainer_resident < one.trainer_resident  # half the base weights per GPU
+    # a 7B fits each GPU whole beside its SGLang server: no all-gathers (trainer.shard_weights auto)
+    assert not plan.trainer.shard_weights and plan.memory.trainer_resident >= one.trainer_resident
+    sharded = make_plan(load_config(None, [*overrides, "placement=colocated", "trainer.shard_weights=true"]))
+    assert sharded.memory is not None and sharded.memory.trainer_resident < one.trainer_resident  # half the base
 
 
 def test_the_plan_of_a_split_two_gpu_run(two_gpus):
@@ -411,3 +414,24 @@ def test_auto_rollouts_fall_back_to_sync_where_async_does_not_fit_sglangs_gpu(mo
     small = make_plan(load_config(None, [*overrides, "placement=split"]))
     assert small.rollout_mode == "async" and small.rollouts_ahead() == 1
     assert "take turns" not in small.choices["placement"].reason
+
+
+def test_ranks_hold_the_base_weights_whole_where_they_fit_and_shard_them_where_not(monkeypatch, tmp_path):
+    """`trainer.shard_weights: auto`: a 7B split over 4 80 GB GPUs trains data parallel (no all-gathers), a 32B
+    shards; the choice and its reason reach the trainer plan and `run.json`; a setting overrides it."""
+    make_plan, overrides = pretend_gpus(monkeypatch, tmp_path, 4, "7b")
+    seven = make_plan(load_config(None, [*overrides, "placement=split"]))
+    assert seven.trainer is not None and seven.memory is not None
+    assert not seven.trainer.shard_weights and not seven.memory.shard_weights
+    assert seven.choices["trainer.shard_weights"].reason.startswith("auto: the base weights fit every rank whole")
+    assert (
+        seven.memory.trainer_resident
+        > ModelShape.of(ModelConfig(name_or_path=str(tmp_path / "7b")), LoRAConfig()).weight_bytes()
+    )  # the whole base on each GPU
+    forced = make_plan(load_config(None, [*overrides, "placement=split", "trainer.shard_weights=true"]))
+    assert forced.trainer is not None and forced.trainer.shard_weights
+    assert forced.choices["trainer.shard_weights"].reason == "trainer.shard_weights=true"
+    make_plan, overrides = pretend_gpus(monkeypatch, tmp_path, 4, "32b")
+    big = make_plan(load_config(None, [*overrides, "placement=split"]))
+    assert big.trainer is not None and big.trainer.shard_weights
+    assert big.choices["trainer.shard_weights"].reason.startswith("auto: whole base weights would leave micro-batch")
