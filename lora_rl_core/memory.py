@@ -11,6 +11,10 @@ two peaks do not add up:
                                                                              + trainer activations <= budget
     trainer resident = base weights (bf16) + LoRA weights, gradients and AdamW moments (float32, 16 B each)
 
+With several trainer ranks each GPU is planned alone: the base weights whole on every rank where that costs
+the trainer no smaller micro-batch and no recomputation (data parallel), else 1/ranks of them (FSDP2), the
+LoRA state whole on every rank plus its gradients' all-reduce buffer (`trainer.shard_weights`).
+
 Without the saver (async rollouts keep SGLang busy while training, or `torch_memory_saver` is missing) the
 KV cache and the activations add up. The saver costs a release, a resume and emptying the trainer's CUDA
 cache every step (re-allocating its activations), so `auto` uses it only where it buys the trainer a larger
@@ -41,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -508,26 +511,6 @@ def _does_not_fit(
             else "or shard the trainer over more GPUs (placement: split or colocated on 2 or more GPUs)"
         )
     )
-
-
-def physical_gpu(device: torch.device, visible: str | None) -> str:
-    """The physical GPU id a process's `device` is, given its `CUDA_VISIBLE_DEVICES` (None: all visible)."""
-    index = device.index or 0
-    ids = [v.strip() for v in visible.split(",")] if visible else None
-    return ids[index] if ids and index < len(ids) else str(index)
-
-
-def sglang_shares_trainer_gpu(cfg: RunConfig, trainer_device: torch.device) -> bool:
-    """A launched SGLang (one server, tensor parallel 1) runs on the trainer's GPU: its first visible GPU
-    (`engine.launch.env`'s `CUDA_VISIBLE_DEVICES`, else this process's) is the trainer's (FSDP ranks: any of
-    `cuda:0 .. trainer.backend.world_size - 1`)."""
-    e = cfg.engine
-    if trainer_device.type != "cuda" or not isinstance(e, SGLangEngineConfig) or not e.launch.enabled or e.ray_replicas:
-        return False
-    ours = os.environ.get("CUDA_VISIBLE_DEVICES")
-    server = physical_gpu(torch.device("cuda", 0), e.launch.env.get("CUDA_VISIBLE_DEVICES", ours))
-    ranks = range(cfg.trainer.ranks()) if cfg.trainer.ranks() else [trainer_device.index or 0]
-    return any(physical_gpu(torch.device("cuda", i), ours) == server for i in ranks)
 
 
 def log_plan(plan: MemoryPlan) -> None:

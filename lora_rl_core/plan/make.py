@@ -45,15 +45,9 @@ from lora_rl_core.engines.launch.resolve import ResolvedLaunch, resolve_launch
 from lora_rl_core.engines.registry import sync_reads_folder
 from lora_rl_core.engines.remote.ipc import is_loopback
 from lora_rl_core.errors import ConfigError
-from lora_rl_core.memory import (
-    MemoryPlan,
-    ModelShape,
-    check_engine_alone,
-    physical_gpu,
-    plan_memory,
-    sglang_shares_trainer_gpu,
-)
+from lora_rl_core.memory import MemoryPlan, ModelShape, check_engine_alone, plan_memory
 from lora_rl_core.models import model_folder, resolve_device
+from lora_rl_core.plan.gpus import physical_gpu, sglang_shares_trainer_gpu
 from lora_rl_core.plan.placement import (
     TP_LARGEST,
     TP_SMALLEST,

@@ -11,7 +11,8 @@ import torch
 from lora_rl_core.config import LoRAConfig, ModelConfig
 from lora_rl_core.config.load import config_from_dict
 from lora_rl_core.errors import ConfigError
-from lora_rl_core.memory import GIB, ModelShape, plan_memory, sglang_shares_trainer_gpu
+from lora_rl_core.memory import GIB, ModelShape, plan_memory
+from lora_rl_core.plan.gpus import sglang_shares_trainer_gpu
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "model_configs"
 

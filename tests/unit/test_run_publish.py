@@ -297,7 +297,7 @@ def test_which_syncs_wait_for_the_upload(engine, reads):
 def test_sglang_launched_on_another_gpu_gets_the_file_transport(monkeypatch):
     """`auto` for a launched SGLang that cannot see the trainer's GPU: a local folder per load (`file`), which
     does not wait for the store write (the published folder, `disk`, waits behind the step's checkpoint)."""
-    from lora_rl_core.memory import sglang_shares_trainer_gpu
+    from lora_rl_core.plan.gpus import sglang_shares_trainer_gpu
     from lora_rl_core.plan.make import _transport
     from lora_rl_core.plan.placement import Placement
 
