@@ -171,25 +171,22 @@ def shard_model(
             for a base that fits each GPU: no all-gathers), only activation checkpointing is applied.
 
     Returns:
-        The same module object (its class is now also an `FSDPModule`).
+        The same module object (its class is now also an `FSDPModule`, unless `shard_weights` is False).
     """
     device = device or next(model.parameters()).device
-    if not shard_weights:
-        if activation_checkpointing:
-            from torch.distributed._composable import checkpoint
+    layers = find_decoder_layers(model)
+    if activation_checkpointing:
+        from torch.distributed._composable import checkpoint
 
-            for layer in find_decoder_layers(model):
-                checkpoint(layer)
+        for layer in layers:
+            checkpoint(layer)
+    if not shard_weights:
         return model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = mixed_precision_policy(device) if mixed_precision else MixedPrecisionPolicy()
     # replicated: the module docstring says why
     trainable = {p for p in model.parameters() if p.requires_grad} if replicate_trainable else set()
-    for layer in find_decoder_layers(model):
-        if activation_checkpointing:
-            from torch.distributed._composable import checkpoint
-
-            checkpoint(layer)
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=trainable & set(layer.parameters()))
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=trainable)
     with torch.no_grad():

@@ -177,6 +177,9 @@ class RankCommands:
         ValueError: `world_size` < 1.
     """
 
+    shared_memory = False
+    """Tensors cross in shared memory (`PackedTensors`): for ranks that are this host's own processes."""
+
     def __init__(self, world_size: int, timeout_s: float) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -204,9 +207,6 @@ class RankCommands:
         (`PolicyTrainer.profiled_train_step`)."""
         answers = self._call("profiled_train_step", batch, row_limit)
         return answers[0][0], "\n\n".join(report for _, report in answers)
-
-    shared_memory = False
-    """Tensors cross in shared memory (`PackedTensors`): for ranks that are this host's own processes."""
 
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The full adapter (PEFT keys, float32 CPU tensors) and its JSON-safe PEFT config, as `lora.adapter_state`."""

@@ -1,45 +1,5 @@
-"""The GPU memory plan of a run: what the trainer and a colocated SGLang need, decided before step 1.
-
-A run whose trainer and SGLang share one GPU (the default on a one-GPU machine) holds two copies of the base
-weights; the rest goes to SGLang's KV cache during the rollout and to the trainer's activations during the
-train phase. With SGLang's memory saver (`--enable-memory-saver`) the KV cache is freed while the trainer
-trains and taken back before the next rollout (verl does the same in its LoRA mode, verl PR #5769), so the
-two peaks do not add up:
-
-    rollout phase:  engine weights + LoRA pool + engine overhead + KV cache  + trainer resident   <= budget
-    train phase:    engine weights + LoRA pool + engine overhead             + trainer resident
-                                                                             + trainer activations <= budget
-    trainer resident = base weights (bf16) + LoRA weights, gradients and AdamW moments (float32, 16 B each)
-
-With several trainer ranks each GPU is planned alone: the base weights whole on every rank where that costs
-the trainer no smaller micro-batch and no recomputation (data parallel), else 1/ranks of them (FSDP2), the
-LoRA state whole on every rank plus its gradients' all-reduce buffer (`trainer.shard_weights`).
-
-Without the saver (async rollouts keep SGLang busy while training, or `torch_memory_saver` is missing) the
-KV cache and the activations add up. The saver costs a release, a resume and emptying the trainer's CUDA
-cache every step (re-allocating its activations), so `auto` uses it only where it buys the trainer a larger
-micro-batch or no recomputation. `plan_memory` chooses `trainer.gradient_checkpointing` (`auto`: on only
-where a micro-batch's activations would not fit even halved down to `MIN_MICRO_BATCH`; the micro-batch is
-halved as far as needed either way), SGLang's `--mem-fraction-static` (`auto`: weights plus the KV cache
-this plan gives it: what the activations leave) and the memory saver, and raises `ConfigError` naming the
-settings to change where even checkpointed activations do not fit. The estimates (bytes) are deliberately simple:
-
-    activations per token and decoder layer, kept for backward:  34 h + 8 I bytes (bf16 matmul inputs kept
-        for the LoRA branches, float32 RMSNorm inputs, SDPA q/k/v/out, SwiGLU gate/up/act), h = hidden size,
-        I = intermediate size (Korthikanti et al. 2022, "Reducing Activation Recomputation", section 4,
-        for the method; the coefficients counted for PEFT LoRA on Llama/Qwen2 blocks with frozen bases)
-    with gradient checkpointing per decoder layer: 2 h bytes per token and layer, plus one layer's set
-    logits of the completion positions: 20 V bytes per token (bf16 head output, float32 copy, log-softmax,
-        entropy, their gradient), V = vocabulary size
-    the activations times ACTIVATION_CALIBRATION (1.15, measured on an H100 at 7B with float32 LoRA compute,
-        where PEFT keeps a float32 copy of every adapted layer's input for the backward pass; in bfloat16,
-        `trainer.lora_compute_dtype`'s `auto` on CUDA, the LoRA branch keeps the bf16 input the base layer
-        keeps anyway, so the estimate stays an upper bound there, not re-measured)
-    KV cache: 2 (K and V) x layers x kv heads x head dim x 2 bytes per token
-
-The plan's figures are logged and written to the run's `run.json` (`runtime.memory_plan`), so a run that
-does not fit can be compared against it.
-"""
+"""`plan_memory`: what the trainer and a launched SGLang get of each GPU, decided before step 1 (the package
+docstring, `lora_rl_core.memory`, says how)."""
 
 from __future__ import annotations
 
@@ -49,19 +9,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
-from lora_rl_core.config import (
-    LoRAConfig,
-    ModelConfig,
-    RolloutMode,
-    RunConfig,
-    SGLangEngineConfig,
-    SGLangLaunchConfig,
-)
+from lora_rl_core.config import RolloutMode, RunConfig, SGLangEngineConfig, SGLangLaunchConfig
 from lora_rl_core.errors import ConfigError
+from lora_rl_core.memory.shape import GIB, ModelShape
 
-GIB = 1024**3
 _log = logging.getLogger(__name__)
 
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)
@@ -70,96 +21,10 @@ SAFETY_BYTES = 2 * GIB
 """Left free on the GPU: allocator fragmentation, NCCL and cuBLAS workspaces, estimate error."""
 ENGINE_OVERHEAD_BYTES = int(2.5 * GIB)
 """SGLang outside its static pool, besides prefill activations: its CUDA context, decode CUDA graphs, sampling."""
-ACTIVATION_CALIBRATION = 1.15
-"""Measured over estimated activations: the trainer of a Qwen2.5-7B run on an H100 (micro-batch 8 x 304 tokens,
-no checkpointing, float32 LoRA compute) reserved 41.6 GiB at its peak against 38.7 GiB estimated (allocator
-rounding, cuBLAS workspaces, autograd temporaries the count leaves out);
-benchmarks/results/gpu_scale/earlier/7b-1gpu-fad8b3c.json."""
 MIN_MICRO_BATCH = 4
 """The smallest micro-batch the plan halves to before it turns on gradient checkpointing instead."""
 SGLANG_CHUNKED_PREFILL = 8192
 """SGLang's `--chunked-prefill-size` on an 80 GB GPU (sglang 0.5.17 `_handle_gpu_memory_settings`)."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a causal LM and of its LoRA adapter that the memory plan reads.
-
-    Attributes:
-        params: base parameters (embeddings and head included).
-        lora_params: trainable LoRA parameters for the run's `lora` section.
-        hidden / intermediate / layers / vocab: `hidden_size`, `intermediate_size`, `num_hidden_layers`,
-            `vocab_size`.
-        kv_dim: key/value width per token and layer (`num_key_value_heads x head_dim`).
-        attention_heads: `num_attention_heads` (SGLang's tensor parallelism must divide it); 0 = unknown.
-    """
-
-    params: int
-    lora_params: int
-    hidden: int
-    intermediate: int
-    layers: int
-    vocab: int
-    kv_dim: int
-    attention_heads: int = 0
-
-    @classmethod
-    def of(cls, model: ModelConfig, lora: LoRAConfig) -> ModelShape:
-        """Read the model's config (no weights) and count its parameters on the meta device.
-
-        Raises:
-            ModelError: the model folder cannot be had.
-            ConfigError: `lora.target_modules` names no linear module of the model.
-        """
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from lora_rl_core.lora import resolve_target_modules
-        from lora_rl_core.models import model_folder
-
-        config = AutoConfig.from_pretrained(model_folder(model), trust_remote_code=model.trust_remote_code)
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
-        targets = set(resolve_target_modules(meta, lora))
-        lora_params = sum(
-            lora.rank * (mod.in_features + mod.out_features)
-            for name, mod in meta.named_modules()
-            if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
-        )
-        text = getattr(config, "text_config", None) or config
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        return cls(
-            params=sum(p.numel() for p in meta.parameters()),
-            lora_params=lora_params,
-            hidden=text.hidden_size,
-            intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
-            layers=text.num_hidden_layers,
-            vocab=text.vocab_size,
-            kv_dim=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
-            attention_heads=heads,
-        )
-
-    def weight_bytes(self, dtype_bytes: int = 2) -> int:
-        """The base weights, bytes."""
-        return self.params * dtype_bytes
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """KV cache per token, all layers, bytes."""
-        return 2 * self.layers * self.kv_dim * dtype_bytes
-
-    def activation_bytes(self, tokens: int, frame_tokens: int, *, checkpointing: bool) -> int:
-        """Peak activation memory of one micro-batch's forward and backward (module docstring), bytes.
-
-        Args:
-            tokens: padded tokens of the micro-batch (`[batch, seq]` numel).
-            frame_tokens: positions whose logits are kept (the completions).
-            checkpointing: gradient checkpointing per decoder layer.
-        """
-        per_layer = 34 * self.hidden + 8 * self.intermediate
-        body = (
-            tokens * (2 * self.hidden * self.layers + per_layer) if checkpointing else tokens * per_layer * self.layers
-        )
-        return int((body + frame_tokens * 20 * self.vocab) * ACTIVATION_CALIBRATION)
 
 
 @dataclass(frozen=True)
@@ -212,6 +77,21 @@ def rollout_batch(cfg: RunConfig, mode: RolloutMode) -> int:
     return cfg.rollout.prompts_per_step * cfg.rollout.group_size * (1 + cfg.rollouts_ahead(mode))
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """What `plan_memory` was told of the GPU, the engine beside it and the ranks (its arguments)."""
+
+    prompt_tokens: int
+    gpu_free: int
+    gpu_total: int
+    colocated: bool
+    saver_available: bool
+    mode: RolloutMode
+    world: int
+    dp_size: int
+    engine_tp: int
+
+
 def plan_memory(
     cfg: RunConfig,
     shape: ModelShape | None,
@@ -251,29 +131,18 @@ def plan_memory(
     """
     world = max(1, cfg.trainer.ranks() if ranks is None else ranks)
     asked = cfg.trainer.shard_weights if shard_weights is None else shard_weights
-    args = (cfg, shape)
-    kwargs: dict[str, Any] = dict(
-        prompt_tokens=prompt_tokens,
-        gpu_free=gpu_free,
-        gpu_total=gpu_total,
-        colocated=colocated,
-        saver_available=saver_available,
-        mode=mode,
-        world=world,
-        dp_size=dp_size,
-        engine_tp=engine_tp,
-    )
+    gpu = _Inputs(prompt_tokens, gpu_free, gpu_total, colocated, saver_available, mode, world, dp_size, engine_tp)
     if world == 1:
-        return _plan_memory(*args, **kwargs, shard=True, shard_reason="one trainer process")
+        return _plan_memory(cfg, shape, gpu, shard=True, shard_reason="one trainer process")
     if asked != "auto":
         return _plan_memory(
-            *args, **kwargs, shard=bool(asked), shard_reason=f"trainer.shard_weights={str(asked).lower()}"
+            cfg, shape, gpu, shard=bool(asked), shard_reason=f"trainer.shard_weights={str(asked).lower()}"
         )
     if shape is None:
-        return _plan_memory(*args, **kwargs, shard=True, shard_reason="auto: sharded (no GPU memory to plan)")
-    sharded = _plan_memory(*args, **kwargs, shard=True, shard_reason="")
+        return _plan_memory(cfg, shape, gpu, shard=True, shard_reason="auto: sharded (no GPU memory to plan)")
+    sharded = _plan_memory(cfg, shape, gpu, shard=True, shard_reason="")
     try:
-        whole = _plan_memory(*args, **kwargs, shard=False, shard_reason="")
+        whole = _plan_memory(cfg, shape, gpu, shard=False, shard_reason="")
     except ConfigError:
         whole = None
     rank = lambda p: (p.gradient_checkpointing, -p.micro_batch_size)  # noqa: E731 - smaller is better
@@ -288,25 +157,12 @@ def plan_memory(
 
 
 def _plan_memory(
-    cfg: RunConfig,
-    shape: ModelShape | None,
-    *,
-    prompt_tokens: int,
-    gpu_free: int,
-    gpu_total: int,
-    colocated: bool,
-    saver_available: bool,
-    mode: RolloutMode,
-    world: int,
-    dp_size: int,
-    engine_tp: int,
-    shard: bool,
-    shard_reason: str,
+    cfg: RunConfig, shape: ModelShape | None, gpu: _Inputs, *, shard: bool, shard_reason: str
 ) -> MemoryPlan:
-    """`plan_memory` for one choice of `shard` (the base weights over `world` ranks, or whole on each)."""
-    if mode not in ("sync", "async"):
-        raise ValueError(f"plan_memory needs rollout.mode resolved (sync or async), got {mode!r}")
-    batch = rollout_batch(cfg, mode)
+    """`plan_memory` for one choice of `shard` (the base weights over `gpu.world` ranks, or whole on each)."""
+    if gpu.mode not in ("sync", "async"):
+        raise ValueError(f"plan_memory needs rollout.mode resolved (sync or async), got {gpu.mode!r}")
+    batch = rollout_batch(cfg, gpu.mode)
     checkpointing = cfg.trainer.gradient_checkpointing
     if shape is None:
         return MemoryPlan(
@@ -318,30 +174,31 @@ def _plan_memory(
         )
     r, t = cfg.rollout, cfg.trainer
     launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
-    seq = prompt_tokens + r.max_new_tokens
+    seq = gpu.prompt_tokens + r.max_new_tokens
     # LoRA weights, gradients and AdamW state in float32 on every GPU (replicated over ranks, which also hold the
     # flat buffer of their gradients' all-reduce: distributed.sum_gradients)
-    lora_bytes = shape.lora_params * (20 if world > 1 else 16)
-    resident = shape.weight_bytes() // (world if shard else 1) + lora_bytes + CUDA_CONTEXT_BYTES
-    budget = gpu_free - SAFETY_BYTES
-    kv_needed = -(-batch // dp_size) * seq * shape.kv_bytes_per_token() // engine_tp  # a GPU's share of the batch
+    lora_bytes = shape.lora_params * (20 if gpu.world > 1 else 16)
+    resident = shape.weight_bytes() // (gpu.world if shard else 1) + lora_bytes + CUDA_CONTEXT_BYTES
+    budget = gpu.gpu_free - SAFETY_BYTES
+    # a GPU's share of the batch
+    kv_needed = -(-batch // gpu.dp_size) * seq * shape.kv_bytes_per_token() // gpu.engine_tp
     engine_fixed = 0
     saver_allowed = False
     fraction: float | None = None
-    if colocated:
+    if gpu.colocated:
         prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2
         lora_pool = cfg.engine.max_loras_per_batch * shape.lora_params * 2
-        engine_fixed = (shape.weight_bytes() + lora_pool + prefill) // engine_tp + ENGINE_OVERHEAD_BYTES
+        engine_fixed = (shape.weight_bytes() + lora_pool + prefill) // gpu.engine_tp + ENGINE_OVERHEAD_BYTES
         # the KV cache can be released only while SGLang is idle (sync rollouts); every rank then gives its cached
         # blocks back after its step (TrainerPlan.empty_cache_after_step)
         saver_allowed = launch.memory_saver is True or (
-            launch.memory_saver == "auto" and saver_available and mode == "sync"
+            launch.memory_saver == "auto" and gpu.saver_available and gpu.mode == "sync"
         )
     room = budget - resident - engine_fixed  # for the KV cache and the activations
     kv_min = 0
-    if colocated and isinstance(launch.mem_fraction_static, float):
-        kv_min = int(launch.mem_fraction_static * gpu_total) - shape.weight_bytes() - (gpu_total - gpu_free)
-    elif colocated:
+    if gpu.colocated and isinstance(launch.mem_fraction_static, float):
+        kv_min = int(launch.mem_fraction_static * gpu.gpu_total) - shape.weight_bytes() - (gpu.gpu_total - gpu.gpu_free)
+    elif gpu.colocated:
         kv_min = max(int(kv_needed * 1.5), GIB)
 
     def act(micro: int, ckpt: bool) -> int:
@@ -367,9 +224,11 @@ def _plan_memory(
     saver = saver_allowed and (launch.memory_saver is True or worse(side_by_side) > worse(released))
     train_room = room if saver else room - kv_min
     ckpt, micro = choose(train_room)
-    saver_reason = _saver_reason(colocated, launch.memory_saver, saver_available, mode, saver, side_by_side, released)
+    saver_reason = _saver_reason(
+        gpu.colocated, launch.memory_saver, gpu.saver_available, gpu.mode, saver, side_by_side, released
+    )
     needed = act(micro, ckpt)
-    if needed > train_room or (colocated and kv_min < kv_needed):
+    if needed > train_room or (gpu.colocated and kv_min < kv_needed):
         raise ConfigError(
             _does_not_fit(
                 cfg,
@@ -378,19 +237,21 @@ def _plan_memory(
                 train_room,
                 kv_min,
                 kv_needed,
-                colocated,
-                gpu_total,
+                gpu.colocated,
+                gpu.gpu_total,
                 micro,
                 seq,
             )
         )
     kv = kv_min
-    if colocated:
+    if gpu.colocated:
         if launch.mem_fraction_static == "auto":
             # the rest of the room goes to the KV cache: all of it with the saver (freed while training), else
             # what the activations leave (a larger cache keeps more prefixes; SGLang never has to retract)
             kv = max(kv_min, room - GIB if saver else room - needed - GIB)
-        fraction = min(0.95, (kv + shape.weight_bytes() // engine_tp + (gpu_total - gpu_free)) / gpu_total)
+        fraction = min(
+            0.95, (kv + shape.weight_bytes() // gpu.engine_tp + (gpu.gpu_total - gpu.gpu_free)) / gpu.gpu_total
+        )
     return MemoryPlan(
         gradient_checkpointing=ckpt,
         micro_batch_size=micro,
@@ -400,8 +261,8 @@ def _plan_memory(
         shard_weights=shard,
         shard_weights_reason=shard_reason,
         rollout_batch=batch,
-        colocated=colocated,
-        gpu_total=gpu_total,
+        colocated=gpu.colocated,
+        gpu_total=gpu.gpu_total,
         trainer_resident=resident,
         activations=needed,
         engine_fixed=engine_fixed,
