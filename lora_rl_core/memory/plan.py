@@ -199,7 +199,9 @@ def _plan_memory(
     if gpu.colocated and isinstance(launch.mem_fraction_static, float):
         kv_min = int(launch.mem_fraction_static * gpu.gpu_total) - shape.weight_bytes() - (gpu.gpu_total - gpu.gpu_free)
     elif gpu.colocated:
-        kv_min = max(int(kv_needed * 1.5), GIB)
+        # half again the rollout batch's KV (SGLang's pages, the prefixes it keeps), less where the GPU has no
+        # more room beside the trainer's weights, never less than the batch needs
+        kv_min = max(kv_needed, min(max(int(kv_needed * 1.5), GIB), room - GIB))
 
     def act(micro: int, ckpt: bool) -> int:
         return shape.activation_bytes(micro * seq, micro * (r.max_new_tokens + 1), checkpointing=ckpt)
@@ -220,15 +222,21 @@ def _plan_memory(
     def worse(choice: tuple[bool, int]) -> tuple[bool, int]:
         return choice[0], -choice[1]
 
-    side_by_side, released = choose(room - kv_min), choose(room)
-    saver = saver_allowed and (launch.memory_saver is True or worse(side_by_side) > worse(released))
+    side_by_side: tuple[bool, int] | None = choose(room - kv_min)
+    released = choose(room)
+    if act(*side_by_side) > room - kv_min:  # choose gives its smallest even where that does not fit
+        side_by_side = None
+    saver = saver_allowed and (
+        launch.memory_saver is True or side_by_side is None or worse(side_by_side) > worse(released)
+    )
     train_room = room if saver else room - kv_min
     ckpt, micro = choose(train_room)
     saver_reason = _saver_reason(
         gpu.colocated, launch.memory_saver, gpu.saver_available, gpu.mode, saver, side_by_side, released
     )
     needed = act(micro, ckpt)
-    if needed > train_room or (gpu.colocated and kv_min < kv_needed):
+    # the KV cache lives beside the trainer's weights in every phase (released or not, it comes back)
+    if needed > train_room or (gpu.colocated and not kv_needed <= kv_min <= room):
         raise ConfigError(
             _does_not_fit(
                 cfg,
@@ -237,6 +245,7 @@ def _plan_memory(
                 train_room,
                 kv_min,
                 kv_needed,
+                room,
                 gpu.colocated,
                 gpu.gpu_total,
                 micro,
@@ -311,11 +320,12 @@ def _saver_reason(
     available: bool,
     mode: RolloutMode,
     saver: bool,
-    side_by_side: tuple[bool, int],
+    side_by_side: tuple[bool, int] | None,
     released: tuple[bool, int],
 ) -> str:
     """Why the plan does (not) release SGLang's KV cache while the trainer trains: `(checkpointing, micro-batch)`
-    with the KV cache and activations side by side against with the cache released."""
+    with the KV cache and activations side by side (None: no micro-batch fits beside the cache) against with the
+    cache released."""
     say = _trainer_words
     if not colocated:
         return "no trainer shares SGLang's GPU"
@@ -325,6 +335,9 @@ def _saver_reason(
         return "rollout.mode async: SGLang decodes while the trainer trains"
     if setting == "auto" and not available:
         return "torch_memory_saver is not installed beside SGLang"
+    if side_by_side is None:
+        what = f"no micro-batch fits beside the KV cache; released, {say(released)}"
+        return f"releasing the KV cache while training is needed: {what}" if saver else what
     if saver:
         return f"releasing the KV cache while training buys {say(released)} (else {say(side_by_side)})"
     return f"releasing the KV cache would buy nothing: {say(side_by_side)} either way"
@@ -349,18 +362,28 @@ def _does_not_fit(
     room: int,
     kv: int,
     kv_needed: int,
+    beside_weights: int,
     colocated: bool,
     total: int,
     micro: int,
     seq: int,
 ) -> str:
+    """The refusal: what does not fit (the KV cache or the activations, in GiB) and the settings that change it.
+    `room` is what the activations may take, `beside_weights` what both models' weights leave."""
     g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
-    what = (
-        f"the rollout batch's KV cache needs {g(kv_needed)} but SGLang gets {g(kv)}"
-        if colocated and kv < kv_needed and act[True] <= room
-        else f"a micro-batch of {micro} sequences x {seq} tokens needs {g(act[False])} of activations "
-        f"({g(act[True])} with gradient checkpointing) and {g(room)} are left"
-    )
+    if colocated and kv < kv_needed:
+        what = f"the rollout batch's KV cache needs {g(kv_needed)} but SGLang gets {g(kv)}"
+    elif colocated and kv > beside_weights:
+        what = (
+            f"the rollout batch's KV cache needs {g(kv)}{f' ({g(kv_needed)} at least)' if kv > kv_needed else ''} "
+            "and the trainer's and SGLang's "
+            f"weights leave {g(beside_weights)}"
+        )
+    else:
+        what = (
+            f"a micro-batch of {micro} sequences x {seq} tokens needs {g(act[False])} of activations "
+            f"({g(act[True])} with gradient checkpointing) and {g(room)} are left"
+        )
     beside = " beside SGLang's copy of the model" if colocated else ""
     return (
         f"this run does not fit the GPU ({g(total)}, a {shape.params / 1e9:.1f}B-parameter model{beside}): {what}. "

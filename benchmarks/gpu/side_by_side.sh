@@ -1,0 +1,42 @@
+#!/bin/bash
+# One-GPU A/B arms run at the same time on one host of several GPUs (issue 34): arm k on GPU k, its own
+# SGLang port, the same shape, batch and steps, so every arm sees the same machine and the same minutes.
+# After the GPU-scale staging calls of docs/SGLANG.md ("GPU host"). From the repo root:
+#   bash benchmarks/gpu/side_by_side.sh SHAPE STEPS NAME="override ..." NAME="override ..." ...
+# e.g. bash benchmarks/gpu/side_by_side.sh 1.5b 6 base="" liger="trainer.liger_kernels=true"
+# Each arm writes $OUT/SHAPE-1gpu-NAME.json and .log; afterwards any SGLang left is killed and what
+# `nvidia-smi` shows goes to $OUT/nvidia-smi.txt. The arms share the host's CPUs and disk: compare them with
+# each other, and a number against a run made alone only with that said.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+shape=$1 steps=$2; shift 2
+if [ -d .gpu-ours ] && [ ! -f /tmp/ours/.complete ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ours .gpu-ours/*.whl
+  touch /tmp/ours/.complete
+fi
+if [ -d .gpu-liger ] && [ ! -d /tmp/ours/liger_kernel ]; then  # trainer.liger_kernels (not in .gpu-ours before)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ours .gpu-liger/*.whl
+fi
+export PYTHONPATH=/tmp/ours:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false OMP_WAIT_POLICY=PASSIVE
+# the model once, before the arms (each would otherwise race to write the same folder)
+python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import gpu_scale as g; \
+g.build_model('$shape', Path('/tmp/models/meta'), Path('/tmp/models/qwen2.5-$shape-random'))" 2>&1 | tail -2
+gpu=0; pids=()
+for arm in "$@"; do
+  name=${arm%%=*} overrides=${arm#*=}
+  args=(); for o in $overrides; do args+=(--override "$o"); done
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM -k 60 "${SCALE_TIMEOUT_S:-540}" python3 benchmarks/gpu_scale.py \
+    --sglang-pythonpath /tmp/sglsite --shape "$shape" --gpus 1 --steps "$steps" \
+    --out "$OUT/$shape-1gpu-$name.json" --override "engine.launch.port=$((30000 + 100 * gpu))" "${args[@]}" \
+    > "$OUT/$shape-1gpu-$name.log" 2>&1 &
+  pids+=($!); gpu=$((gpu + 1))
+done
+rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+for arm in "$@"; do name=${arm%%=*}; echo "== $name"; grep -E "^step |^│" "$OUT/$shape-1gpu-$name.log" | tail -8; done
+pkill -f sglang.launch_server && echo "[side_by_side] an SGLang server was left running: killed" || true
+sleep 2
+echo "[side_by_side] GPU processes afterwards:" | tee -a "$OUT/nvidia-smi.txt"
+nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv | tee -a "$OUT/nvidia-smi.txt"
+nvidia-smi --query-gpu=index,memory.used --format=csv | tee -a "$OUT/nvidia-smi.txt"
+exit "$rc"
