@@ -14,9 +14,6 @@ if [ -d .gpu-ours ] && [ ! -f /tmp/ours/.complete ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ours .gpu-ours/*.whl
   touch /tmp/ours/.complete
 fi
-if [ -d .gpu-liger ] && [ ! -d /tmp/ours/liger_kernel ]; then  # trainer.liger_kernels (not in .gpu-ours before)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ours .gpu-liger/*.whl
-fi
 export PYTHONPATH=/tmp/ours:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false OMP_WAIT_POLICY=PASSIVE
 # the model once, before the arms (each would otherwise race to write the same folder)

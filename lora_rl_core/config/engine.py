@@ -60,7 +60,9 @@ class SGLangLaunchConfig(Section):
     slower)."""
     attention_backend: str = "auto"
     """`--attention-backend`. `auto`: SGLang's own choice (FlashAttention-3 on Hopper) where the installed
-    SGLang has its kernels; else `flashinfer` where usable, else `triton` (the offline carry lacks FA3)."""
+    SGLang has its kernels; else `flashinfer` where usable, else `triton` (the offline carry brings FA3 only in
+    parts: docs/SGLANG.md, "GPU host"). On one H100 the 1.5B rollout took 1.72 s with FA3 and 1.64 s with
+    `triton` (LoRA-bound decoding; `benchmarks/results/gpu_scale/README.md`, "One GPU, A/B")."""
     sampling_backend: str = "auto"
     """`--sampling-backend`. `auto`: SGLang's own choice (`flashinfer`) where usable, else `pytorch`."""
     lora_backend: str = "auto"

@@ -222,10 +222,10 @@ def _plan_memory(
     def worse(choice: tuple[bool, int]) -> tuple[bool, int]:
         return choice[0], -choice[1]
 
-    side_by_side: tuple[bool, int] | None = choose(room - kv_min)
+    beside = choose(room - kv_min)
     released = choose(room)
-    if act(*side_by_side) > room - kv_min:  # choose gives its smallest even where that does not fit
-        side_by_side = None
+    # choose gives its smallest even where that does not fit: None = nothing fits beside the KV cache
+    side_by_side = beside if act(*beside) <= room - kv_min else None
     saver = saver_allowed and (
         launch.memory_saver is True or side_by_side is None or worse(side_by_side) > worse(released)
     )

@@ -290,21 +290,24 @@ class PolicyTrainer:
         return _on_rank0(self.gather_state_dict(), "state_dict")
 
     def gather_adapter_state(
-        self, adapter_name: str = "default"
+        self, adapter_name: str = "default", *, to_cpu: bool = True
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """The adapter's full weights (PEFT keys, float32 CPU) and JSON-safe PEFT config, like `lora.adapter_state`.
 
-        Sharded: every rank must call it; rank 0 gets the result, other ranks None.
+        Sharded: every rank must call it; rank 0 gets the result, other ranks None. `to_cpu=False`: the tensors
+        where they are, not copies (`distributed.gather_lora_state`), for a caller that copies them at once.
         """
-        tensors = distributed.gather_lora_state(self.model, adapter_name)
+        tensors = distributed.gather_lora_state(self.model, adapter_name, to_cpu=to_cpu)
         if tensors is None:
             return None
         return tensors, peft_config_dict(self.model.peft_config[adapter_name])
 
-    def gather_state_dict(self) -> dict[str, Any] | None:
+    def gather_state_dict(self, *, to_cpu: bool = True) -> dict[str, Any] | None:
         """Everything needed to resume: LoRA weights, AdamW state, scheduler, torch RNG of every rank.
 
-        Sharded: every rank must call it; rank 0 gets the result, other ranks None.
+        Sharded: every rank must call it; rank 0 gets the result, other ranks None. `to_cpu=False`: the
+        weights and moments where they are, not copies, for a caller that copies them at once
+        (`workers.PackedTensors.pack`).
 
         Returns:
             `{"tensors": {name: CPU tensor}, "meta": JSON-safe dict}`, full (unsharded) whatever the world size,
@@ -312,7 +315,7 @@ class PolicyTrainer:
             `step`, `exp_avg`, `exp_avg_sq`), `rng/rank<r>/cpu` (and `/cuda`). Meta: format, param_names,
             param_groups (hyper-parameters, current lr), scheduler state, world_size.
         """
-        tensors = self._gather_tensors()
+        tensors = self._gather_tensors(to_cpu=to_cpu)
         rng_by_rank = distributed.gather_objects(_rng_state())
         if rng_by_rank is None:
             return None
@@ -328,8 +331,9 @@ class PolicyTrainer:
         }
         return {"tensors": tensors, "meta": meta}
 
-    def _gather_tensors(self) -> dict[str, torch.Tensor]:
-        """Full CPU copies of parameters and optimizer state, one tensor at a time (kept on rank 0 only)."""
+    def _gather_tensors(self, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        """Full CPU copies of parameters and optimizer state, one tensor at a time (kept on rank 0 only);
+        `to_cpu=False`: the full tensors where they are."""
         out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.param_names, self.params, strict=True):
             state = sorted(self.optimizer.state.get(p, {}).items())
@@ -339,7 +343,7 @@ class PolicyTrainer:
             for key, value in items:
                 full = distributed.full_tensor(value)
                 if self.rank == 0:
-                    out[key] = full.detach().to("cpu", copy=True).contiguous()
+                    out[key] = full.detach().to("cpu", copy=True).contiguous() if to_cpu else full.detach()
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -426,13 +426,14 @@ def _reply(conn: Connection, status: str, value: Any) -> None:
         conn.send((status, value))
 
 
+# The rank's tensors go from where they are (GPU) straight into the shared-memory buffer: no CPU copy between.
 def _adapter_state(trainer: PolicyTrainer, shared: bool) -> tuple[PackedTensors, dict[str, Any]] | None:
-    state = trainer.gather_adapter_state()
+    state = trainer.gather_adapter_state(to_cpu=False)
     return None if state is None else (PackedTensors.pack(state[0], shared=shared), state[1])
 
 
 def _state_dict(trainer: PolicyTrainer, shared: bool) -> tuple[PackedTensors, dict[str, Any]] | None:
-    state = trainer.gather_state_dict()
+    state = trainer.gather_state_dict(to_cpu=False)
     return None if state is None else (PackedTensors.pack(state["tensors"], shared=shared), state["meta"])
 
 

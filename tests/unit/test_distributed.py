@@ -167,7 +167,7 @@ def test_find_decoder_layers_finds_the_block_list(cfg):
 
 def test_worker_loop_reports_errors_and_keeps_serving():
     class Broken:
-        def gather_state_dict(self):
+        def gather_state_dict(self, *, to_cpu: bool = True):
             raise ValueError("boom")
 
     parent, child = multiprocessing.Pipe()

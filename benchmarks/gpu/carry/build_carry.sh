@@ -79,12 +79,15 @@ mkdir -p "$REPO/.gpu-gguf3"; rm -f "$REPO"/.gpu-gguf?/smollm2.gguf.part*
 for i in 0 1 2; do mv "$W/model/smollm2.gguf.part$i" "$REPO/.gpu-gguf$((i + 1))/"; done
 echo "gguf sha256 (expect b179c952...db53): $(sha256sum "$G" | cut -c1-64)"
 
-# 5. our own dependencies for the flow on the host (Prefect 3.8 and what it needs, fastapi<0.151, pydantic, gguf),
+# 5. our own dependencies for the flow on the host (Prefect 3.8 and what it needs, fastapi<0.151, pydantic, gguf,
+#    liger-kernel),
 #    cp312 wheels; the host's torch, numpy, transformers and peft are used as they are
 mkdir -p "$REPO/.gpu-ours"
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp $PLAT --platform any \
   -d "$W/ours" "prefect==3.8.8" "fastapi==0.150.0" "pydantic==2.14.3" "gguf==0.19.0" "uvicorn==0.54.0"
 find "$W/ours" -name 'numpy-*.whl' -delete
+# Liger's kernels for `trainer.liger_kernels` (pure Python on the host's torch and Triton: no dependencies)
+python3 -m pip download -q --no-deps -d "$W/ours" "liger-kernel==0.8.5"
 cp "$W"/ours/*.whl "$REPO/.gpu-ours/"
 
 # 6. Ray 2.60 for the Ray runs on the host (issue: Ray): its wheel (79 MB) in two halves, with msgpack and
