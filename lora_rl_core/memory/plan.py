@@ -225,7 +225,7 @@ def _plan_memory(
     beside = choose(room - kv_min)
     released = choose(room)
     # choose gives its smallest even where that does not fit: None = nothing fits beside the KV cache
-    side_by_side = beside if act(*beside) <= room - kv_min else None
+    side_by_side = beside if act(beside[1], beside[0]) <= room - kv_min else None
     saver = saver_allowed and (
         launch.memory_saver is True or side_by_side is None or worse(side_by_side) > worse(released)
     )

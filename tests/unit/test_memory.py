@@ -171,6 +171,12 @@ def test_the_plan_says_why_the_kv_cache_is_or_is_not_released(shapes):
         smaller.memory_saver_reason == "releasing the KV cache while training buys micro-batch 8 (else micro-batch 4)"
     )
     assert _plan(_cfg("async"), shapes["7b"], gib=70.0).memory_saver_reason.startswith("rollout.mode async")
+    long = _cfg()
+    long.rollout.max_new_tokens = 6144  # the KV cache alone leaves no room for any micro-batch beside it
+    assert _plan(long, shapes["7b"], gib=79.18).memory_saver_reason == (
+        "releasing the KV cache while training is needed: no micro-batch fits beside the KV cache; released, "
+        "micro-batch 1 with recomputation"
+    )
     assert _plan(_cfg(), shapes["7b"], saver=False).memory_saver_reason == (
         "torch_memory_saver is not installed beside SGLang"
     )
