@@ -34,9 +34,5 @@ case "$1" in
     ;;
 esac
 [ -n "${NO_CLEANUP:-}" ] && exit "$rc"  # another run shares the host: the caller cleans up after both
-pkill -f sglang.launch_server && echo "[multi_gpu] an SGLang server was left running: killed" || true
-sleep 2
-echo "[multi_gpu] GPU processes afterwards:" | tee -a "$OUT/nvidia-smi.txt"
-nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv | tee -a "$OUT/nvidia-smi.txt"
-nvidia-smi --query-gpu=index,memory.used --format=csv | tee -a "$OUT/nvidia-smi.txt"
+source "$(dirname "$0")/after_run.sh"; after_run multi_gpu
 exit "$rc"

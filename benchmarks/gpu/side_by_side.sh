@@ -31,9 +31,5 @@ for arm in "$@"; do
 done
 rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 for arm in "$@"; do name=${arm%%=*}; echo "== $name"; grep -E "^step |^│" "$OUT/$shape-1gpu-$name.log" | tail -8; done
-pkill -f sglang.launch_server && echo "[side_by_side] an SGLang server was left running: killed" || true
-sleep 2
-echo "[side_by_side] GPU processes afterwards:" | tee -a "$OUT/nvidia-smi.txt"
-nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv | tee -a "$OUT/nvidia-smi.txt"
-nvidia-smi --query-gpu=index,memory.used --format=csv | tee -a "$OUT/nvidia-smi.txt"
+source "$(dirname "$0")/after_run.sh"; after_run side_by_side
 exit "$rc"
