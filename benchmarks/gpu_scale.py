@@ -201,6 +201,10 @@ def main() -> None:
                             # the trainer's own train_step (rank 0 inside its process): the rest of "train" is the
                             # run around it (the batch, the checkpoint's hand-over)
                             "trainer_seconds": m.get("train_seconds"),
+                            # the update seen from the run (ranks: the batch there, the answers back) and the
+                            # checkpoint's snapshot (its copy from the trainer or rank 0)
+                            "update_seconds": m.get("update_seconds"),
+                            "snapshot_seconds": m.get("snapshot_seconds"),
                             "trained_tokens": trained,
                         }
                     )

@@ -212,6 +212,12 @@ class TrainStats(Stats):
     version_lag: dict[int, int] = {}
     """Histogram of the step's completions by version lag, `{lag: completions}`: 0 = sampled by the version
     the trainer held (on-policy), 1 = one version older, ... (stale ones, dropped, included)."""
+    update_seconds: float = 0.0
+    """Wall seconds of the update as this process saw it: the trainer's own `train_seconds` plus, for trainer
+    ranks, the batch going to them and their answers coming back."""
+    snapshot_seconds: float = 0.0
+    """Wall seconds taking the step's checkpoint (copies of the LoRA weights, AdamW state and RNG states from the
+    trainer or its rank 0) before the writer stores it in the background; 0 without a checkpoint."""
 
     def metrics(self) -> dict[str, Any]:
         """The trainer's metrics at the top level, with the selection counts."""

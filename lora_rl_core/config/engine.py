@@ -46,7 +46,9 @@ class SGLangLaunchConfig(Section):
     """Fraction of GPU memory SGLang takes for weights and KV cache (`--mem-fraction-static`). `auto`: sized by
     the run's memory plan (`lora_rl_core.memory`) from the model, the rollout batch and what a trainer on the
     same GPU needs; SGLang's own default where no trainer shares the GPU (`lora-rl serve`, split GPUs).
-    None = SGLang's own default (about 0.84 on an 80 GB GPU)."""
+    None = SGLang's own default (about 0.84 on an 80 GB GPU); refused where a trainer shares SGLang's GPU (it
+    leaves the trainer too little). A number beside a trainer is checked by the plan: its KV cache must hold the
+    rollout batch and fit beside both models' weights."""
     memory_saver: bool | Literal["auto"] = "auto"
     """`--enable-memory-saver`: SGLang frees its KV cache during each train phase and takes it back before the
     next rollout (`/release_memory_occupation`, tag `kv_cache`; base weights and LoRA buffers stay). `auto`:

@@ -196,8 +196,18 @@ def _plan_memory(
         )
     room = budget - resident - engine_fixed  # for the KV cache and the activations
     kv_min = 0
+    if gpu.colocated and launch.mem_fraction_static is None:
+        raise ConfigError(
+            "engine.launch.mem_fraction_static: null leaves SGLang its own fraction of a GPU the trainer shares "
+            "(about 0.84 of an 80 GB GPU, more than a trainer beside it leaves): set it to auto (the run's memory "
+            "plan) or to a number"
+        )
     if gpu.colocated and isinstance(launch.mem_fraction_static, float):
-        kv_min = int(launch.mem_fraction_static * gpu.gpu_total) - shape.weight_bytes() - (gpu.gpu_total - gpu.gpu_free)
+        kv_min = (
+            int(launch.mem_fraction_static * gpu.gpu_total)
+            - shape.weight_bytes() // gpu.engine_tp
+            - (gpu.gpu_total - gpu.gpu_free)
+        )
     elif gpu.colocated:
         # half again the rollout batch's KV (SGLang's pages, the prefixes it keeps), less where the GPU has no
         # more room beside the trainer's weights, never less than the batch needs
@@ -222,10 +232,18 @@ def _plan_memory(
     def worse(choice: tuple[bool, int]) -> tuple[bool, int]:
         return choice[0], -choice[1]
 
-    beside = choose(room - kv_min)
+    def fits_beside(kv: int) -> tuple[bool, int] | None:
+        """The choice beside a KV cache of `kv`; None where not even the smallest fits (choose gives it anyway)."""
+        choice = choose(room - kv)
+        return choice if act(choice[1], choice[0]) <= room - kv else None
+
+    side_by_side = fits_beside(kv_min)
+    if side_by_side is None and launch.mem_fraction_static == "auto" and kv_min > kv_needed:
+        # nothing fits beside half again the batch's cache: the batch's own is all SGLang must have (and the
+        # figure a refusal then names)
+        kv_min = kv_needed
+        side_by_side = fits_beside(kv_min)
     released = choose(room)
-    # choose gives its smallest even where that does not fit: None = nothing fits beside the KV cache
-    side_by_side = beside if act(beside[1], beside[0]) <= room - kv_min else None
     saver = saver_allowed and (
         launch.memory_saver is True or side_by_side is None or worse(side_by_side) > worse(released)
     )
@@ -374,10 +392,10 @@ def _does_not_fit(
     if colocated and kv < kv_needed:
         what = f"the rollout batch's KV cache needs {g(kv_needed)} but SGLang gets {g(kv)}"
     elif colocated and kv > beside_weights:
+        takes = f"SGLang's KV cache takes {g(kv)} (the rollout batch needs {g(kv_needed)})"
         what = (
-            f"the rollout batch's KV cache needs {g(kv)}{f' ({g(kv_needed)} at least)' if kv > kv_needed else ''} "
-            "and the trainer's and SGLang's "
-            f"weights leave {g(beside_weights)}"
+            f"{takes if kv > kv_needed else f'the rollout batch needs a KV cache of {g(kv)}'} and the trainer's and "
+            f"SGLang's weights leave {g(beside_weights)}"
         )
     else:
         what = (

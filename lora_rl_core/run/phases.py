@@ -105,6 +105,7 @@ def train(run: RunComponents, step: int) -> TrainStats:
     batch = TrainBatch.from_scored(
         rows, step=step, max_staleness=algo.max_staleness, skip_uniform=algo.skip_uniform_groups
     )
+    start = time.perf_counter()
     with run.engine_memory_released():  # a colocated SGLang's KV cache is free while the trainer trains
         metrics = run.trainer.train_step(batch)
     checkpointed = step % run.cfg.trainer.checkpoint_every == 0
@@ -116,21 +117,27 @@ def train(run: RunComponents, step: int) -> TrainStats:
         reward_skipped=batch.reward_skipped,
         checkpointed=checkpointed,
         version_lag=batch.version_lag,
+        update_seconds=time.perf_counter() - start,
     )
-    record_train(run, step, stats)
-    return stats
+    return record_train(run, step, stats)
 
 
-def record_train(run: RunComponents, step: int, stats: TrainStats) -> None:
+def record_train(run: RunComponents, step: int, stats: TrainStats) -> TrainStats:
     """Hand step `step`'s stats and, when `stats.checkpointed`, a snapshot of the checkpoint (taken now) to the
     run's writer, which writes the stats first, then the checkpoint.
+
+    Returns:
+        `stats` with `snapshot_seconds`, as recorded.
 
     Raises:
         BackgroundWriteError: an earlier background write failed.
     """
+    start = time.perf_counter()
     state = checkpoint_state(run, step) if stats.checkpointed else None
+    stats = stats.model_copy(update={"snapshot_seconds": time.perf_counter() - start if state is not None else 0.0})
     label = f"the checkpoint of step {step}" if state is not None else f"the train record of step {step}"
     run.writer.submit(f"{label} of run {run.run_id}", functools.partial(_write_trained, run, step, stats, state))
+    return stats
 
 
 def _write_trained(run: RunComponents, step: int, stats: TrainStats, state: dict[str, Any] | None) -> None:

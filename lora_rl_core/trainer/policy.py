@@ -292,7 +292,8 @@ class PolicyTrainer:
     def gather_adapter_state(
         self, adapter_name: str = "default", *, to_cpu: bool = True
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        """The adapter's full weights (PEFT keys, float32 CPU) and JSON-safe PEFT config, like `lora.adapter_state`.
+        """The adapter's full weights (PEFT keys, float32; CPU copies unless `to_cpu` is False) and JSON-safe PEFT
+        config, like `lora.adapter_state`.
 
         Sharded: every rank must call it; rank 0 gets the result, other ranks None. `to_cpu=False`: the tensors
         where they are, not copies (`distributed.gather_lora_state`), for a caller that copies them at once.
@@ -310,7 +311,8 @@ class PolicyTrainer:
         (`workers.PackedTensors.pack`).
 
         Returns:
-            `{"tensors": {name: CPU tensor}, "meta": JSON-safe dict}`, full (unsharded) whatever the world size,
+            `{"tensors": {name: tensor}, "meta": JSON-safe dict}` (CPU copies unless `to_cpu` is False), full
+            (unsharded) whatever the world size,
             so it saves as safetensors + JSON. Tensor names: `params/<fqn>`, `optimizer/<fqn>/<key>` (AdamW
             `step`, `exp_avg`, `exp_avg_sq`), `rng/rank<r>/cpu` (and `/cuda`). Meta: format, param_names,
             param_groups (hyper-parameters, current lr), scheduler state, world_size.
@@ -332,7 +334,7 @@ class PolicyTrainer:
         return {"tensors": tensors, "meta": meta}
 
     def _gather_tensors(self, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
-        """Full CPU copies of parameters and optimizer state, one tensor at a time (kept on rank 0 only);
+        """Full parameters and optimizer state as CPU copies, one tensor at a time (kept on rank 0 only);
         `to_cpu=False`: the full tensors where they are."""
         out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.param_names, self.params, strict=True):

@@ -131,8 +131,9 @@ def test_sglang_on_another_gpu_is_not_colocated(monkeypatch):
     )
 
 
+@pytest.mark.parametrize("saver", [True, False], ids=["memory-saver", "no-memory-saver"])
 @pytest.mark.parametrize("shape_name", ["1.5b", "7b"])
-def test_longer_completions_are_refused_before_step_1_never_planned_past_the_gpu(shapes, shape_name):
+def test_longer_completions_are_refused_before_step_1_never_planned_past_the_gpu(shapes, shape_name, saver):
     """Raising `rollout.max_new_tokens` on one 80 GB GPU (the default batch, 16 x 8, trainer and SGLang side by
     side): every accepted length is planned within the GPU (the trainer's resident weights and activations, the
     KV cache, SGLang's copy and overhead, less the safety margin), and past the largest one the plan refuses
@@ -144,7 +145,7 @@ def test_longer_completions_are_refused_before_step_1_never_planned_past_the_gpu
         cfg = _cfg(mode="sync")
         cfg.rollout.max_new_tokens = tokens
         try:
-            plan = _plan(cfg, shapes[shape_name], gib=79.18)
+            plan = _plan(cfg, shapes[shape_name], gib=79.18, saver=saver)
         except ConfigError as exc:
             refused = (tokens, str(exc))
             break
@@ -160,6 +161,27 @@ def test_longer_completions_are_refused_before_step_1_never_planned_past_the_gpu
         accepted.append(tokens)
     assert accepted[:3] == [256, 384, 512] and refused is not None
     assert "does not fit the GPU" in refused[1] and "rollout.max_new_tokens" in refused[1]
+    assert "the trainer's and SGLang's weights leave" in refused[1] or "of activations" in refused[1]
+    # without the saver SGLang keeps only the batch's own cache where half again would leave no micro-batch
+    # room: a 7B still takes 3072 new tokens (it was refused while the cache was always 1.5 x the batch's)
+    assert (
+        accepted[-1]
+        >= {(True, "1.5b"): 6144, (True, "7b"): 6144, (False, "1.5b"): 6144, (False, "7b"): 3072}[saver, shape_name]
+    )
+
+
+def test_a_fraction_that_leaves_the_trainer_no_room_is_refused(shapes):
+    """`engine.launch.mem_fraction_static` set by hand, beside a trainer: a fraction whose KV cache does not fit
+    beside both models' weights is refused naming it; null (SGLang's own, ~0.84) is refused on a shared GPU."""
+    cfg = _cfg()
+    cfg.engine.launch.mem_fraction_static = 0.9
+    with pytest.raises(ConfigError, match="SGLang's KV cache takes .* and the trainer's and SGLang's weights leave"):
+        _plan(cfg, shapes["7b"], gib=79.18)
+    cfg.engine.launch.mem_fraction_static = 0.5
+    assert _plan(cfg, shapes["7b"], gib=79.18).mem_fraction_static == pytest.approx(0.5, abs=0.01)
+    cfg.engine.launch.mem_fraction_static = None
+    with pytest.raises(ConfigError, match="engine.launch.mem_fraction_static: null"):
+        _plan(cfg, shapes["7b"], gib=79.18)
 
 
 def test_the_plan_says_why_the_kv_cache_is_or_is_not_released(shapes):
