@@ -268,6 +268,8 @@ def _plan_memory(
                 gpu.gpu_total,
                 micro,
                 seq,
+                gpu.mode,
+                saver_allowed,
             )
         )
     kv = kv_min
@@ -385,9 +387,12 @@ def _does_not_fit(
     total: int,
     micro: int,
     seq: int,
+    mode: RolloutMode,
+    saver_allowed: bool,
 ) -> str:
-    """The refusal: what does not fit (the KV cache or the activations, in GiB) and the settings that change it.
-    `room` is what the activations may take, `beside_weights` what both models' weights leave."""
+    """The refusal: what does not fit (the KV cache or the activations, in GiB) and the settings that change it
+    (only those not already taken). `room` is what the activations may take, `beside_weights` what both models'
+    weights leave."""
     g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     if colocated and kv < kv_needed:
         what = f"the rollout batch's KV cache needs {g(kv_needed)} but SGLang gets {g(kv)}"
@@ -403,15 +408,25 @@ def _does_not_fit(
             f"({g(act[True])} with gradient checkpointing) and {g(room)} are left"
         )
     beside = " beside SGLang's copy of the model" if colocated else ""
+    fixes = [f"lower rollout.max_new_tokens{' or trainer.micro_batch_size' if micro > 1 else ''}"]
+    if cfg.trainer.gradient_checkpointing is False:
+        fixes.append("set trainer.gradient_checkpointing: auto")
+    launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
+    if colocated and isinstance(launch.mem_fraction_static, float):
+        fixes.append("lower engine.launch.mem_fraction_static or set it to auto")
+    if colocated and mode == "async":
+        fixes.append("set rollout.mode: sync (frees the KV cache while training)")
+    elif colocated and not saver_allowed and launch.memory_saver is not False:
+        fixes.append("install torch-memory-saver beside SGLang (frees the KV cache while training)")
+    fixes.append(
+        "give SGLang GPUs of its own (placement: split, on a machine of several GPUs)"
+        if colocated
+        else "shard the trainer over more GPUs (placement: split or colocated on 2 or more GPUs)"
+    )
+    fix = "; ".join(fixes)
     return (
         f"this run does not fit the GPU ({g(total)}, a {shape.params / 1e9:.1f}B-parameter model{beside}): {what}. "
-        "Lower trainer.micro_batch_size or rollout.max_new_tokens, set trainer.gradient_checkpointing: true, "
-        + (
-            "lower or unset engine.launch.mem_fraction_static, set rollout.mode: sync (frees the KV cache while "
-            "training), or give SGLang GPUs of its own (placement: split, on a machine of several GPUs)"
-            if colocated
-            else "or shard the trainer over more GPUs (placement: split or colocated on 2 or more GPUs)"
-        )
+        f"{fix[0].upper()}{fix[1:]}"
     )
 
 

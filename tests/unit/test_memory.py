@@ -98,10 +98,17 @@ def test_a_run_that_cannot_fit_says_so_naming_the_settings(shapes):
         _plan(_cfg(), shapes["7b"], gib=24.0)
     message = str(err.value)
     assert "does not fit the GPU" in message and "7.6B" in message
-    for setting in ("trainer.micro_batch_size", "rollout.max_new_tokens", "engine.launch.mem_fraction_static"):
-        assert setting in message
-    with pytest.raises(ConfigError, match="activations"):
+    # only the settings that would change it: the micro-batch is 1 already, the fraction is the plan's own
+    assert "rollout.max_new_tokens" in message and "placement: split" in message
+    assert "trainer.micro_batch_size" not in message and "mem_fraction_static" not in message
+    with pytest.raises(ConfigError, match="activations") as err:
         _plan(_cfg(micro_batch_size=128, gradient_checkpointing=False), shapes["7b"])
+    assert "trainer.micro_batch_size" in str(err.value) and "trainer.gradient_checkpointing: auto" in str(err.value)
+    hand_set = _cfg("async")
+    hand_set.engine.launch.mem_fraction_static = 0.9
+    with pytest.raises(ConfigError) as err:
+        _plan(hand_set, shapes["7b"])
+    assert "engine.launch.mem_fraction_static" in str(err.value) and "rollout.mode: sync" in str(err.value)
 
 
 def test_on_a_cpu_auto_checkpointing_is_off():
