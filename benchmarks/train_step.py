@@ -58,6 +58,7 @@ from _common import TINY_CONFIG  # noqa: E402  (benchmarks/ is on sys.path when 
 
 from lora_rl_core import distributed  # noqa: E402
 from lora_rl_core.algorithm import ppo_clip_loss, selective_log_softmax  # noqa: E402
+from lora_rl_core.lora import cpu_copies  # noqa: E402
 
 GIB = 1024**3
 
@@ -209,7 +210,7 @@ def time_adapter_gather(model: torch.nn.Module, device: torch.device) -> dict[st
     """What publishing a version costs the trainer: gathering the full adapter onto rank 0's CPU, and its size."""
     _sync(device)
     start = time.perf_counter()
-    state = distributed.gather_lora_state(model) or {}
+    state = cpu_copies(distributed.gather_lora_state(model) or {})
     seconds = time.perf_counter() - start
     held = distributed.all_reduce_sum({"tensors": float(len(state))})["tensors"]  # only rank 0 holds them
     return {

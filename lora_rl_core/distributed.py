@@ -258,27 +258,22 @@ def copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def gather_lora_state(
-    model: nn.Module, adapter_name: str = "default", *, to_cpu: bool = True
-) -> dict[str, torch.Tensor] | None:
+def gather_lora_state(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor] | None:
     """The adapter's full weights, gathered one parameter at a time; every rank must call it.
 
-    Args:
-        to_cpu: CPU copies (default); False: the full tensors where they are (a replicated parameter itself, not
-            a copy), for a caller that copies them at once (`workers.PackedTensors.pack`: straight from the GPU
-            into shared memory, without a CPU copy between).
-
     Returns:
-        On rank 0: PEFT-keyed detached tensors (the keys `get_peft_model_state_dict` gives for the
+        On rank 0: PEFT-keyed detached tensors where they are (the keys `get_peft_model_state_dict` gives for the
         unsharded model, e.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), dtype as
-        stored (float32 for LoRA). On other ranks: None.
+        stored (float32 for LoRA): a replicated parameter itself, a sharded one gathered whole on rank 0's
+        device. Not copies: the caller copies them before the model changes (to CPU, or straight into shared
+        memory: `workers.PackedTensors.pack`). On other ranks: None.
     """
     rank, _ = rank_and_world_size()
     gathered: dict[str, torch.Tensor] = {}
     for key, value in get_peft_model_state_dict(model, adapter_name=adapter_name).items():
         full = full_tensor(value.detach())
         if rank == 0:
-            gathered[key] = full.to("cpu", copy=True).contiguous() if to_cpu else full
+            gathered[key] = full
     return gathered if rank == 0 else None
 
 

@@ -93,8 +93,13 @@ def adapter_state(model: PeftModel, adapter_name: str = "default") -> tuple[dict
         as `PeftModel.save_pretrained` writes them; `adapter_config` is what goes to `adapter_config.json`.
     """
     state = get_peft_model_state_dict(model, adapter_name=adapter_name)
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-    return tensors, peft_config_dict(model.peft_config[adapter_name])
+    return cpu_copies(state), peft_config_dict(model.peft_config[adapter_name])
+
+
+def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU copies of `tensors` (any device, any dtype kept), so that later steps of the
+    trainer cannot change them."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
 
 
 def peft_config_dict(config: PeftConfig) -> dict[str, Any]:

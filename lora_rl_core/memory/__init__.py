@@ -18,7 +18,10 @@ LoRA state whole on every rank plus its gradients' all-reduce buffer (`trainer.s
 Without the saver (async rollouts keep SGLang busy while training, or `torch_memory_saver` is missing) the
 KV cache and the activations add up. The saver costs a release, a resume and emptying the trainer's CUDA
 cache every step (re-allocating its activations), so `auto` uses it only where it buys the trainer a larger
-micro-batch or no recomputation. `plan_memory` chooses `trainer.gradient_checkpointing` (`auto`: on only
+micro-batch or no recomputation, or where no micro-batch fits beside the cache at all. SGLang's KV cache gets
+half again what the rollout batch needs where a micro-batch still fits beside it, else what the batch needs; it
+always stays within what both models' weights leave (it comes back after every train phase).
+`plan_memory` chooses `trainer.gradient_checkpointing` (`auto`: on only
 where a micro-batch's activations would not fit even halved down to `MIN_MICRO_BATCH`; the micro-batch is
 halved as far as needed either way), SGLang's `--mem-fraction-static` (`auto`: weights plus the KV cache
 this plan gives it: what the activations leave) and the memory saver, and raises `ConfigError` naming the

@@ -71,6 +71,27 @@ class MemoryPlan:
         }
 
 
+def _engine_bytes(cfg: RunConfig, shape: ModelShape, *, seq: int, batch: int, servers: int, tp: int) -> tuple[int, int]:
+    """What one SGLang server takes of each of its `tp` GPUs, bytes: (its share of the weights, the LoRA pool and
+    the prefill activations plus `ENGINE_OVERHEAD_BYTES`; the KV cache of its share of `batch` sequences of
+    `seq` tokens, the rollout batch spread over `servers`)."""
+    prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2
+    pool = cfg.engine.max_loras_per_batch * shape.lora_params * 2
+    fixed = (shape.weight_bytes() + pool + prefill) // tp + ENGINE_OVERHEAD_BYTES
+    return fixed, -(-batch // servers) * seq * shape.kv_bytes_per_token() // tp
+
+
+def _gib(size: int) -> str:
+    """`size` bytes in GiB for a message, e.g. `12.3 GiB`."""
+    return f"{size / GIB:.1f} GiB"
+
+
+def _cost(choice: tuple[bool, int]) -> tuple[bool, int]:
+    """The order of the trainer's `(checkpointing, micro-batch)` choices, smaller is better: no recomputation
+    beats recomputation (~1/3 more compute), then a larger micro-batch beats a smaller one."""
+    return choice[0], -choice[1]
+
+
 def rollout_batch(cfg: RunConfig, mode: RolloutMode) -> int:
     """Sequences an engine decodes at once in rollout `mode`: prompts x group size x rollouts in flight
     (1 + `RunConfig.rollouts_ahead`)."""
@@ -145,9 +166,9 @@ def plan_memory(
         whole = _plan_memory(cfg, shape, gpu, shard=False, shard_reason="")
     except ConfigError:
         whole = None
-    rank = lambda p: (p.gradient_checkpointing, -p.micro_batch_size)  # noqa: E731 - smaller is better
-    say = lambda p: _trainer_words((p.gradient_checkpointing, p.micro_batch_size))  # noqa: E731
-    if whole is not None and rank(whole) <= rank(sharded):
+    choice = lambda p: (p.gradient_checkpointing, p.micro_batch_size)  # noqa: E731
+    say = lambda p: _trainer_words(choice(p))  # noqa: E731
+    if whole is not None and _cost(choice(whole)) <= _cost(choice(sharded)):
         why = f"auto: the base weights fit every rank whole ({say(whole)}): no all-gathers"
         return dataclasses.replace(whole, shard_weights_reason=why)
     cost = "not fit" if whole is None else f"leave {say(whole)}"
@@ -180,20 +201,15 @@ def _plan_memory(
     lora_bytes = shape.lora_params * (20 if gpu.world > 1 else 16)
     resident = shape.weight_bytes() // (gpu.world if shard else 1) + lora_bytes + CUDA_CONTEXT_BYTES
     budget = gpu.gpu_free - SAFETY_BYTES
-    # a GPU's share of the batch
-    kv_needed = -(-batch // gpu.dp_size) * seq * shape.kv_bytes_per_token() // gpu.engine_tp
-    engine_fixed = 0
-    saver_allowed = False
+    # a GPU's share of SGLang (only where it shares the trainer's GPU) and of the batch's KV cache
+    fixed, kv_needed = _engine_bytes(cfg, shape, seq=seq, batch=batch, servers=gpu.dp_size, tp=gpu.engine_tp)
+    engine_fixed = fixed if gpu.colocated else 0
+    # the KV cache can be released only while SGLang is idle (sync rollouts); every rank then gives its cached
+    # blocks back after its step (TrainerPlan.empty_cache_after_step)
+    saver_allowed = gpu.colocated and (
+        launch.memory_saver is True or (launch.memory_saver == "auto" and gpu.saver_available and gpu.mode == "sync")
+    )
     fraction: float | None = None
-    if gpu.colocated:
-        prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2
-        lora_pool = cfg.engine.max_loras_per_batch * shape.lora_params * 2
-        engine_fixed = (shape.weight_bytes() + lora_pool + prefill) // gpu.engine_tp + ENGINE_OVERHEAD_BYTES
-        # the KV cache can be released only while SGLang is idle (sync rollouts); every rank then gives its cached
-        # blocks back after its step (TrainerPlan.empty_cache_after_step)
-        saver_allowed = launch.memory_saver is True or (
-            launch.memory_saver == "auto" and gpu.saver_available and gpu.mode == "sync"
-        )
     room = budget - resident - engine_fixed  # for the KV cache and the activations
     kv_min = 0
     if gpu.colocated and launch.mem_fraction_static is None:
@@ -209,9 +225,7 @@ def _plan_memory(
             - (gpu.gpu_total - gpu.gpu_free)
         )
     elif gpu.colocated:
-        # half again the rollout batch's KV (SGLang's pages, the prefixes it keeps), less where the GPU has no
-        # more room beside the trainer's weights, never less than the batch needs
-        kv_min = max(kv_needed, min(max(int(kv_needed * 1.5), GIB), room - GIB))
+        kv_min = max(int(kv_needed * 1.5), GIB)  # half again the batch's (SGLang's pages, the prefixes it keeps)
 
     def act(micro: int, ckpt: bool) -> int:
         return shape.activation_bytes(micro * seq, micro * (r.max_new_tokens + 1), checkpointing=ckpt)
@@ -226,26 +240,23 @@ def _plan_memory(
         ckpt = act(_fit(micro, MIN_MICRO_BATCH, lambda m: act(m, False) <= train_room), False) > train_room
         return ckpt, _fit(micro, 1 if ckpt else MIN_MICRO_BATCH, lambda m: act(m, ckpt) <= train_room)
 
-    # The memory saver (release the KV cache for each train phase) costs a release, a resume and the trainer's
-    # CUDA cache every step: `auto` uses it where it buys a better choice than KV cache and activations side by
-    # side (no recomputation beats recomputation, then a larger micro-batch beats a smaller one).
-    def worse(choice: tuple[bool, int]) -> tuple[bool, int]:
-        return choice[0], -choice[1]
-
     def fits_beside(kv: int) -> tuple[bool, int] | None:
         """The choice beside a KV cache of `kv`; None where not even the smallest fits (choose gives it anyway)."""
         choice = choose(room - kv)
         return choice if act(choice[1], choice[0]) <= room - kv else None
 
     side_by_side = fits_beside(kv_min)
-    if side_by_side is None and launch.mem_fraction_static == "auto" and kv_min > kv_needed:
-        # nothing fits beside half again the batch's cache: the batch's own is all SGLang must have (and the
-        # figure a refusal then names)
+    if side_by_side is None and launch.mem_fraction_static == "auto":
+        # no room for a micro-batch beside half again the batch's cache (or for that cache beside both models'
+        # weights): the batch's own cache is all SGLang must have (and the figure a refusal then names)
         kv_min = kv_needed
         side_by_side = fits_beside(kv_min)
     released = choose(room)
+    # The memory saver (release the KV cache for each train phase) costs a release, a resume and the trainer's
+    # CUDA cache every step: `auto` uses it where it buys a better choice than KV cache and activations side by
+    # side, or where nothing fits beside the cache.
     saver = saver_allowed and (
-        launch.memory_saver is True or side_by_side is None or worse(side_by_side) > worse(released)
+        launch.memory_saver is True or side_by_side is None or _cost(side_by_side) > _cost(released)
     )
     train_room = room if saver else room - kv_min
     ckpt, micro = choose(train_room)
@@ -259,17 +270,15 @@ def _plan_memory(
             _does_not_fit(
                 cfg,
                 shape,
-                {c: act(micro, c) for c in (False, True)},
-                train_room,
-                kv_min,
-                kv_needed,
-                room,
-                gpu.colocated,
-                gpu.gpu_total,
-                micro,
-                seq,
-                gpu.mode,
-                saver_allowed,
+                gpu,
+                act={c: act(micro, c) for c in (False, True)},
+                room=train_room,
+                kv=kv_min,
+                kv_needed=kv_needed,
+                beside_weights=room,
+                micro=micro,
+                seq=seq,
+                saver_allowed=saver_allowed,
             )
         )
     kv = kv_min
@@ -319,15 +328,12 @@ def check_engine_alone(
     """
     seq = prompt_tokens + cfg.rollout.max_new_tokens
     batch = rollout_batch(cfg, mode)
-    kv = -(-batch // servers) * seq * shape.kv_bytes_per_token() // tp
-    prefill = SGLANG_CHUNKED_PREFILL * (6 * shape.hidden + 3 * shape.intermediate) * 2 // tp
-    pool = cfg.engine.max_loras_per_batch * shape.lora_params * 2
-    fixed = (shape.weight_bytes() + pool) // tp + ENGINE_OVERHEAD_BYTES
-    if fixed + prefill + kv > gpu_total - SAFETY_BYTES:
-        g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    fixed, kv = _engine_bytes(cfg, shape, seq=seq, batch=batch, servers=servers, tp=tp)
+    if fixed + kv > gpu_total - SAFETY_BYTES:
+        g = _gib
         raise ConfigError(
             f"SGLang does not fit a GPU of its own ({g(gpu_total)}): a {shape.params / 1e9:.1f}B-parameter model "
-            f"over {tp} GPU{'s' if tp > 1 else ''} per server needs {g(fixed + prefill)} per GPU with its LoRA pool, "
+            f"over {tp} GPU{'s' if tp > 1 else ''} per server needs {g(fixed)} per GPU with its LoRA pool, "
             f"and the KV cache of {-(-batch // servers)} sequences x {seq} tokens {g(kv)}. Lower "
             "rollout.prompts_per_step, rollout.group_size or rollout.max_new_tokens, give SGLang more GPUs "
             "(placement.engine_gpus, placement.engine_tp), or use larger GPUs"
@@ -378,22 +384,22 @@ def _fit(micro: int, smallest: int, fits: Callable[[int], bool]) -> int:
 def _does_not_fit(
     cfg: RunConfig,
     shape: ModelShape,
+    gpu: _Inputs,
+    *,
     act: dict[bool, int],
     room: int,
     kv: int,
     kv_needed: int,
     beside_weights: int,
-    colocated: bool,
-    total: int,
     micro: int,
     seq: int,
-    mode: RolloutMode,
     saver_allowed: bool,
 ) -> str:
     """The refusal: what does not fit (the KV cache or the activations, in GiB) and the settings that change it
-    (only those not already taken). `room` is what the activations may take, `beside_weights` what both models'
-    weights leave."""
-    g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    (only those not already taken). `act`: a micro-batch's activations without and with recomputation; `room`:
+    what the activations may take; `kv` / `kv_needed`: the KV cache SGLang gets / the rollout batch needs;
+    `beside_weights`: what both models' weights leave; all bytes."""
+    g, colocated = _gib, gpu.colocated
     if colocated and kv < kv_needed:
         what = f"the rollout batch's KV cache needs {g(kv_needed)} but SGLang gets {g(kv)}"
     elif colocated and kv > beside_weights:
@@ -414,7 +420,7 @@ def _does_not_fit(
     launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
     if colocated and isinstance(launch.mem_fraction_static, float):
         fixes.append("lower engine.launch.mem_fraction_static or set it to auto")
-    if colocated and mode == "async":
+    if colocated and gpu.mode == "async":
         fixes.append("set rollout.mode: sync (frees the KV cache while training)")
     elif colocated and not saver_allowed and launch.memory_saver is not False:
         fixes.append("install torch-memory-saver beside SGLang (frees the KV cache while training)")
@@ -425,7 +431,8 @@ def _does_not_fit(
     )
     fix = "; ".join(fixes)
     return (
-        f"this run does not fit the GPU ({g(total)}, a {shape.params / 1e9:.1f}B-parameter model{beside}): {what}. "
+        f"this run does not fit the GPU ({g(gpu.gpu_total)}, a {shape.params / 1e9:.1f}B-parameter model{beside}): "
+        f"{what}. "
         f"{fix[0].upper()}{fix[1:]}"
     )
 

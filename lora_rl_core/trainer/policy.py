@@ -57,7 +57,7 @@ from lora_rl_core.algorithm import (
     selective_log_softmax,
 )
 from lora_rl_core.errors import LoraRLError
-from lora_rl_core.lora import peft_config_dict, set_input_dtype_casting
+from lora_rl_core.lora import cpu_copies, peft_config_dict, set_input_dtype_casting
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import DTYPES
 from lora_rl_core.trainer.batching import PackedBatch, dummy_batch, frame, pack, rank_micro_batches, split_even
@@ -279,45 +279,45 @@ class PolicyTrainer:
         Raises:
             LoraRLError: called on a rank other than 0 of a sharded trainer (use `gather_adapter_state`).
         """
-        return _on_rank0(self.gather_adapter_state(), "adapter_state")
+        tensors, config = _on_rank0(self.gather_adapter_state(), "adapter_state")
+        return cpu_copies(tensors), config
 
     def state_dict(self) -> dict[str, Any]:
-        """`gather_state_dict()` of an unsharded trainer (or rank 0).
+        """`gather_state_dict()` of an unsharded trainer (or rank 0), its tensors copied to the CPU.
 
         Raises:
             LoraRLError: called on a rank other than 0 of a sharded trainer (use `gather_state_dict`).
         """
-        return _on_rank0(self.gather_state_dict(), "state_dict")
+        state = _on_rank0(self.gather_state_dict(), "state_dict")
+        return {**state, "tensors": cpu_copies(state["tensors"])}
 
     def gather_adapter_state(
-        self, adapter_name: str = "default", *, to_cpu: bool = True
+        self, adapter_name: str = "default"
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        """The adapter's full weights (PEFT keys, float32; CPU copies unless `to_cpu` is False) and JSON-safe PEFT
-        config, like `lora.adapter_state`.
+        """The adapter's full weights (PEFT keys, float32, where they are: not copies,
+        `distributed.gather_lora_state`) and JSON-safe PEFT config, like `lora.adapter_state`.
 
-        Sharded: every rank must call it; rank 0 gets the result, other ranks None. `to_cpu=False`: the tensors
-        where they are, not copies (`distributed.gather_lora_state`), for a caller that copies them at once.
+        Sharded: every rank must call it; rank 0 gets the result, other ranks None.
         """
-        tensors = distributed.gather_lora_state(self.model, adapter_name, to_cpu=to_cpu)
+        tensors = distributed.gather_lora_state(self.model, adapter_name)
         if tensors is None:
             return None
         return tensors, peft_config_dict(self.model.peft_config[adapter_name])
 
-    def gather_state_dict(self, *, to_cpu: bool = True) -> dict[str, Any] | None:
+    def gather_state_dict(self) -> dict[str, Any] | None:
         """Everything needed to resume: LoRA weights, AdamW state, scheduler, torch RNG of every rank.
 
-        Sharded: every rank must call it; rank 0 gets the result, other ranks None. `to_cpu=False`: the
-        weights and moments where they are, not copies, for a caller that copies them at once
-        (`workers.PackedTensors.pack`).
+        Sharded: every rank must call it; rank 0 gets the result, other ranks None.
 
         Returns:
-            `{"tensors": {name: tensor}, "meta": JSON-safe dict}` (CPU copies unless `to_cpu` is False), full
-            (unsharded) whatever the world size,
-            so it saves as safetensors + JSON. Tensor names: `params/<fqn>`, `optimizer/<fqn>/<key>` (AdamW
-            `step`, `exp_avg`, `exp_avg_sq`), `rng/rank<r>/cpu` (and `/cuda`). Meta: format, param_names,
-            param_groups (hyper-parameters, current lr), scheduler state, world_size.
+            `{"tensors": {name: tensor}, "meta": JSON-safe dict}`, full (unsharded) whatever the world size, so it
+            saves as safetensors + JSON. The weights and moments are where they are, not copies: the caller copies
+            them before the next step (`state_dict`: to the CPU; a rank: into shared memory). Tensor names:
+            `params/<fqn>`, `optimizer/<fqn>/<key>` (AdamW `step`, `exp_avg`, `exp_avg_sq`), `rng/rank<r>/cpu`
+            (and `/cuda`). Meta: format, param_names, param_groups (hyper-parameters, current lr), scheduler
+            state, world_size.
         """
-        tensors = self._gather_tensors(to_cpu=to_cpu)
+        tensors = self._gather_tensors()
         rng_by_rank = distributed.gather_objects(_rng_state())
         if rng_by_rank is None:
             return None
@@ -333,9 +333,8 @@ class PolicyTrainer:
         }
         return {"tensors": tensors, "meta": meta}
 
-    def _gather_tensors(self, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
-        """Full parameters and optimizer state as CPU copies, one tensor at a time (kept on rank 0 only);
-        `to_cpu=False`: the full tensors where they are."""
+    def _gather_tensors(self) -> dict[str, torch.Tensor]:
+        """Full parameters and optimizer state where they are, one tensor at a time (kept on rank 0 only)."""
         out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.param_names, self.params, strict=True):
             state = sorted(self.optimizer.state.get(p, {}).items())
@@ -345,7 +344,7 @@ class PolicyTrainer:
             for key, value in items:
                 full = distributed.full_tensor(value)
                 if self.rank == 0:
-                    out[key] = full.detach().to("cpu", copy=True).contiguous() if to_cpu else full.detach()
+                    out[key] = full.detach()
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

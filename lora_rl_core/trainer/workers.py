@@ -428,12 +428,12 @@ def _reply(conn: Connection, status: str, value: Any) -> None:
 
 # The rank's tensors go from where they are (GPU) straight into the shared-memory buffer: no CPU copy between.
 def _adapter_state(trainer: PolicyTrainer, shared: bool) -> tuple[PackedTensors, dict[str, Any]] | None:
-    state = trainer.gather_adapter_state(to_cpu=False)
+    state = trainer.gather_adapter_state()
     return None if state is None else (PackedTensors.pack(state[0], shared=shared), state[1])
 
 
 def _state_dict(trainer: PolicyTrainer, shared: bool) -> tuple[PackedTensors, dict[str, Any]] | None:
-    state = trainer.gather_state_dict(to_cpu=False)
+    state = trainer.gather_state_dict()
     return None if state is None else (PackedTensors.pack(state["tensors"], shared=shared), state["meta"])
 
 

@@ -167,7 +167,7 @@ def test_find_decoder_layers_finds_the_block_list(cfg):
 
 def test_worker_loop_reports_errors_and_keeps_serving():
     class Broken:
-        def gather_state_dict(self, *, to_cpu: bool = True):
+        def gather_state_dict(self):
             raise ValueError("boom")
 
     parent, child = multiprocessing.Pipe()
@@ -285,6 +285,23 @@ def test_worker_start_failure_is_reported(tmp_path, tiny_model_dir):
     with pytest.raises(TrainerWorkerError, match="(?s)rank 0 failed in 'start'.*ModelError"):
         TrainerWorkers(ranks(cfg, 1), start_timeout_s=60)
     assert time.monotonic() - start < 60
+
+
+def test_an_in_process_trainers_snapshots_are_copies_that_training_does_not_change(cfg):
+    """`state_dict` and `adapter_state` of an in-process trainer are CPU copies: the gathers give the live
+    tensors (a rank packs them straight into shared memory), so the copy is theirs; a checkpoint taken before a
+    step must still hold the weights and moments of before it while the writer stores it."""
+    trainer = inprocess_trainer(cfg)
+    trainer.train_step(BATCHES[0])  # AdamW moments exist
+    state, (adapter, _) = trainer.state_dict(), trainer.adapter_state()
+    before = {k: v.clone() for k, v in state["tensors"].items()}
+    adapter_before = {k: v.clone() for k, v in adapter.items()}
+    assert all(t.device.type == "cpu" for t in [*state["tensors"].values(), *adapter.values()])
+    trainer.train_step(BATCHES[1])
+    moved = [k for k, v in trainer.gather_state_dict()["tensors"].items() if not torch.equal(v.cpu(), before[k])]
+    assert any(k.startswith("params/") for k in moved) and any(k.endswith("/exp_avg") for k in moved)
+    assert all(torch.equal(state["tensors"][k], v) for k, v in before.items())
+    assert all(torch.equal(adapter[k], v) for k, v in adapter_before.items())
 
 
 def test_packed_tensors_cross_a_pipe_as_own_copies_and_leave_no_shared_memory_file(tmp_path):

@@ -292,9 +292,12 @@ def test_split_runs_rollouts_ahead_unless_told_otherwise():
     """`rollout.mode: auto` (the default) is async where SGLang and the trainer have GPUs of their own (`split`,
     set or picked by `placement: auto` on several GPUs), else sync; a set mode stays."""
 
-    def mode(visible: int, *overrides: str) -> str:
+    def resolved(visible: int, *overrides: str) -> tuple[str, str]:
         cfg = load_config(None, [*SGLANG_LAUNCHED, *overrides])
-        return rollout_mode(cfg, resolve_placement(cfg, visible))[0]
+        return rollout_mode(cfg, resolve_placement(cfg, visible))
+
+    def mode(visible: int, *overrides: str) -> str:
+        return resolved(visible, *overrides)[0]
 
     assert load_config(None, []).rollout.mode == "auto"
     assert mode(2, "placement=split") == "async" and mode(4, "placement={type: split, engine_gpus: 1}") == "async"
@@ -302,10 +305,8 @@ def test_split_runs_rollouts_ahead_unless_told_otherwise():
     assert mode(1) == "sync" and mode(2, "placement=colocated") == "sync"
     assert mode(2, "placement=split", "rollout.mode=sync") == "sync"  # told otherwise
     assert mode(1, "rollout.mode=async") == "async"
-    why = rollout_mode(
-        *(lambda c: (c, resolve_placement(c, 2)))(load_config(None, [*SGLANG_LAUNCHED, "algorithm.max_staleness=0"]))
-    )
-    assert why == ("sync", "auto: algorithm.max_staleness 0 keeps every rollout on the newest version")
+    newest = "auto: algorithm.max_staleness 0 keeps every rollout on the newest version"
+    assert resolved(2, "algorithm.max_staleness=0") == ("sync", newest)
     assert mode(2, "algorithm.off_policy_correction=none") == "sync"  # no correction asked: stay on-policy
 
 
