@@ -213,7 +213,7 @@ def off_policy_weights(
     floor: float = 0.0,
     geo_low: float = 0.99,
     geo_high: float = 1.01,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Importance weights for completions sampled by another policy than the trainer's, and diagnostics.
 
     With ``log r_t = old_logprobs_t - inference_logprobs_t`` (trainer over sampler; the sampler is an older
@@ -244,9 +244,10 @@ def off_policy_weights(
         geo_low / geo_high: the kept range of the geometric mean (``geometric-mask``).
 
     Returns:
-        ``(weights_BT, metrics)``: ``[B, T]`` float32 detached weights, 0 on padding; python floats
-        ``is_weight_mean`` / ``is_weight_max`` (over real tokens, after truncation and masking) and
-        ``is_masked_fraction`` (real tokens whose weight a mask set to 0).
+        ``(weights_BT, metrics)``: ``[B, T]`` float32 detached weights, 0 on padding; 0-dim float32 tensors on
+        the inputs' device (no device sync: the caller reads them once per step) ``is_weight_mean`` /
+        ``is_weight_max`` (over real tokens, after truncation and masking) and ``is_masked_fraction`` (real
+        tokens whose weight a mask set to 0).
 
     Raises:
         ValueError: an unknown mode, bad bounds or mismatched shapes.
@@ -277,14 +278,12 @@ def off_policy_weights(
             weights_BT = ratio_BT
         weights_BT = torch.where(keep_BT, weights_BT, 0.0)
         n = real_BT.sum().clamp(min=1)
-        stats = torch.stack(
-            [
-                weights_BT.sum() / n,
-                weights_BT.amax() if weights_BT.numel() else weights_BT.new_zeros(()),
-                (real_BT & ~keep_BT).sum() / n,
-            ]
-        ).tolist()
-    return weights_BT, dict(zip(("is_weight_mean", "is_weight_max", "is_masked_fraction"), stats, strict=True))
+        stats = {
+            "is_weight_mean": weights_BT.sum() / n,
+            "is_weight_max": weights_BT.amax() if weights_BT.numel() else weights_BT.new_zeros(()),
+            "is_masked_fraction": (real_BT & ~keep_BT).sum() / n,
+        }
+    return weights_BT, stats
 
 
 def _check_ppo_inputs(
@@ -316,7 +315,7 @@ def ppo_clip_loss(
     ref_logprobs_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     max_tokens: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss per token, optionally importance-weighted and KL-penalised.
 
     Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7,
@@ -346,7 +345,8 @@ def ppo_clip_loss(
         max_tokens: constant length, only for aggregation ``"seq-mean-token-sum-norm"``.
 
     Returns:
-        ``(loss, metrics)``: scalar float32 loss, and python floats, each a
+        ``(loss, metrics)``: scalar float32 loss, and detached 0-dim float32 tensors (no device sync: a
+        trainer reads them once per step, not once per micro-batch), each a
         mean over real tokens unless said: ``clip_fraction`` (tokens where
         the clipped term is the active one, so their gradient is zero),
         ``ratio_mean``, ``ratio_max`` (max over real tokens; 0.0 if none),
@@ -384,8 +384,8 @@ def ppo_clip_loss(
 
 def _ppo_metrics(
     mask_BT: Tensor, ratio_BT: Tensor, clipped_BT: Tensor, kl_BT: Tensor | None, pg_loss: Tensor
-) -> dict[str, float]:
-    """Token-mean diagnostics of one PPO loss call as python floats (one device sync)."""
+) -> dict[str, Tensor]:
+    """Token-mean diagnostics of one PPO loss call as detached 0-dim float32 tensors (no device sync)."""
     with torch.no_grad():
         zero = ratio_BT.new_zeros(())
         values = {
@@ -396,5 +396,4 @@ def _ppo_metrics(
             "kl": zero if kl_BT is None else aggregate(kl_BT, mask_BT, "token-mean"),
             "pg_loss": pg_loss,
         }
-        floats = torch.stack([v.float() for v in values.values()]).tolist()
-    return dict(zip(values, floats, strict=True))
+        return {k: v.detach().float() for k, v in values.items()}

@@ -186,27 +186,38 @@ class PolicyTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(len(batch.completion_ids[i]) for i in rows)
-        metrics: dict[str, float] = {}
-        for micro in plan:  # an empty micro-batch is a zero-weight dummy pass (keeps FSDP collectives matched)
-            tokens = sum(len(batch.completion_ids[i]) for i in micro)
+        # Every micro-batch goes to the device before the first forward: a copy from pageable memory waits for
+        # the GPU's queue to drain, so packing between backward passes would leave the GPU idle at each one.
+        # Likewise the metrics stay on the device until the minibatch ends (one sync, not one per micro-batch).
+        packed = [
+            pack(batch.select(micro) if micro else dummy_batch(self.pad_id), self.pad_id, self.device) for micro in plan
+        ]
+        sums: dict[str, torch.Tensor] = {}
+        for micro, micro_packed in zip(plan, packed, strict=True):  # an empty micro is a zero-weight dummy pass
+            tokens = sum(len(batch.completion_ids[i]) for i in micro)  # (keeps FSDP collectives matched)
             weight = tokens / total_tokens if self.algo.loss_aggregation == "token-mean" else len(micro) / len(rows)
             micro_old = [old[i] for i in micro] if old is not None and micro else None
-            m = self._micro_backward(batch.select(micro) if micro else dummy_batch(self.pad_id), micro_old, weight)
-            _accumulate(metrics, m if micro else dict.fromkeys(m, 0.0), weight, tokens / total_tokens)
-        metrics = _all_reduce_metrics(metrics)
+            m = self._micro_backward(micro_packed, micro_old, weight)
+            _accumulate(
+                sums, m if micro else {k: torch.zeros_like(v) for k, v in m.items()}, weight, tokens / total_tokens
+            )
+        metrics = _all_reduce_metrics(sums)
         distributed.sum_gradients(self.params)  # the ranks' shares of the minibatch (no-op in one process)
         grad_norm = distributed.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         self.optimizer.step()
         self.model.eval()
         return {**metrics, "grad_norm": grad_norm}
 
-    def _micro_backward(self, micro: TrainBatch, old: list[torch.Tensor] | None, weight: float) -> dict[str, float]:
-        packed = pack(micro, self.pad_id, self.device)
+    def _micro_backward(
+        self, packed: PackedBatch, old: list[torch.Tensor] | None, weight: float
+    ) -> dict[str, torch.Tensor]:
+        """Forward, loss and backward of one packed micro-batch (gradients scaled by `weight`); its metrics as
+        0-dim tensors on the device (read once per minibatch)."""
         logits = self._logits(packed)  # [b, F, V]
         logprobs_BT = selective_log_softmax(logits, packed.targets_BT)
         old_BT = logprobs_BT.detach() if old is None else frame(old, packed.mask_BT)
         ref_BT = self._ref_logprobs(packed) if self.algo.kl_coef > 0 else None
-        weights_BT, is_metrics = None, dict[str, float]()
+        weights_BT, is_metrics = None, dict[str, torch.Tensor]()
         if self.correction.type != "none":
             weights_BT, is_metrics = off_policy_weights(
                 old_BT,
@@ -231,20 +242,19 @@ class PolicyTrainer:
         (loss * weight).backward()
         with torch.no_grad():
             n = packed.mask_BT.sum().clamp(min=1)
-            m["entropy"] = float((entropy_from_logits(logits.detach()) * packed.mask_BT).sum() / n)
+            m["entropy"] = (entropy_from_logits(logits.detach()) * packed.mask_BT).sum() / n
             diff = (logprobs_BT.detach() - packed.inference_logprobs_BT).abs() * packed.mask_BT
-            m["logprob_mismatch"] = float(diff.sum() / n)
+            m["logprob_mismatch"] = diff.sum() / n
             m.update(is_metrics)
-            m["loss"] = float(loss)
+            m["loss"] = loss.detach()
         return m
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
         """Tempered float32 logits `[b, F, V]` of the frame's positions (no logits for the prompt before it)."""
         keep = packed.input_ids.shape[1] - packed.frame_start  # positions frame_start .. L-1
         with self._autocast():
-            out = self.model(
-                input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False, logits_to_keep=keep
-            )
+            # no attention mask: right padding under causal attention touches no real token (`PackedBatch`)
+            out = self.model(input_ids=packed.input_ids, use_cache=False, logits_to_keep=keep)
         return out.logits[:, :-1].float() / self.temperature
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -396,17 +406,25 @@ def _on_rank0(value: Any, what: str) -> Any:
     return value
 
 
-def _accumulate(metrics: dict[str, float], m: dict[str, float], weight: float, token_share: float) -> None:
-    """Add one micro-batch's metrics: losses combine like the backward pass; per-token metrics are token-weighted."""
+def _accumulate(
+    metrics: dict[str, torch.Tensor], m: dict[str, torch.Tensor], weight: float, token_share: float
+) -> None:
+    """Add one micro-batch's metrics (0-dim tensors, on the device: no sync): losses combine like the backward
+    pass; per-token metrics are token-weighted; maxima take the max."""
     for k, v in m.items():
-        if k in _MAX_KEYS:
-            metrics[k] = max(metrics.get(k, v), v)
+        if k not in metrics:
+            metrics[k] = v if k in _MAX_KEYS else v * (weight if k in _LOSS_KEYS else token_share)
+        elif k in _MAX_KEYS:
+            metrics[k] = torch.maximum(metrics[k], v)
         else:
-            metrics[k] = metrics.get(k, 0.0) + v * (weight if k in _LOSS_KEYS else token_share)
+            metrics[k] = metrics[k] + v * (weight if k in _LOSS_KEYS else token_share)
 
 
-def _all_reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Global metrics from each rank's share: shares were weighted by global counts, so they sum; maxima max."""
+def _all_reduce_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Global metrics from each rank's share, read from the device at once: shares were weighted by global
+    counts, so they sum; maxima max."""
+    values = torch.stack([v.detach().float().reshape(()) for v in sums.values()]).tolist() if sums else []
+    metrics = dict(zip(sums, values, strict=True))
     maxed = {k: v for k, v in metrics.items() if k in _MAX_KEYS}
     summed = {k: v for k, v in metrics.items() if k not in _MAX_KEYS}
     return {**distributed.all_reduce_sum(summed), **distributed.all_reduce_max(maxed)}

@@ -91,25 +91,25 @@ def test_pack_right_pads():
         device=torch.device("cpu"),
     )
     assert packed.input_ids.tolist() == [[5, 6, 9, 0, 0, 0], [5, 6, 7, 8, 9, 9]]
-    assert packed.attention_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
     assert packed.frame_start == 1  # the frame drops input position 0, which predicts no completion token
     assert packed.targets_BT.tolist() == [[9, 0, 0, 0], [7, 8, 9, 9]]
     assert packed.mask_BT.tolist() == [[1, 0, 0, 0], [0, 0, 1, 1]]
 
 
-def test_frame_logprobs_equal_a_full_forward(make_trainer):
-    """Logits only from the frame start on (`logits_to_keep`) give the completion logprobs of a full forward."""
+def test_frame_logprobs_equal_each_row_alone(make_trainer):
+    """The trainer's completion logprobs of a right-padded batch, with logits only from the frame start on
+    (`logits_to_keep`) and no attention mask, equal those of each row's own full forward without padding."""
     trainer = make_trainer(nonzero_b=True)
-    batch = random_batch([1.0, -1.0, 0.5, 2.0], seed=3)
+    batch = random_batch([1.0, -1.0, 0.5, 2.0, 1.5, -0.5], seed=3)
     packed = pack(batch, trainer.pad_id, trainer.device)
-    assert packed.frame_start > 0
+    assert packed.frame_start > 0 and (packed.input_ids == trainer.pad_id).any()
     with torch.no_grad():
         cut = selective_log_softmax(trainer._logits(packed), packed.targets_BT)
-        full_logits = trainer.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-        full = selective_log_softmax(full_logits[:, :-1].float(), packed.input_ids[:, 1:])
-    for i, (p, c) in enumerate(zip(batch.prompt_ids, batch.completion_ids, strict=True)):
-        want = full[i, len(p) - 1 : len(p) - 1 + len(c)]
-        torch.testing.assert_close(cut[i][packed.mask_BT[i].bool()], want, rtol=1e-5, atol=1e-5)
+        for i, (p, c) in enumerate(zip(batch.prompt_ids, batch.completion_ids, strict=True)):
+            ids = torch.tensor([p + c])
+            alone = selective_log_softmax(trainer.model(input_ids=ids).logits[:, :-1].float(), ids[:, 1:])[0]
+            want = alone[len(p) - 1 :]
+            torch.testing.assert_close(cut[i][packed.mask_BT[i].bool()], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum"])
