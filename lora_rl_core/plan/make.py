@@ -4,6 +4,7 @@
     trainer.backend                        as set (`trainer.backend.type`; recorded so the log names it)
     trainer.lora_compute_dtype             runtime.choose_lora_compute_dtype
     trainer.liger_kernels                  trainer.kernels.choose_kernels
+    trainer.torch_compile                  trainer.kernels.choose_compile
     trainer.gradient_checkpointing,        memory.plan_memory (on a GPU: the model's shape, the batch, the GPU,
       trainer.micro_batch_size,              and a launched SGLang beside the trainer)
       engine.launch.mem_fraction_static,
@@ -58,7 +59,7 @@ from lora_rl_core.plan.placement import (
 )
 from lora_rl_core.plan.record import Choice, EnginePlan, RunPlan
 from lora_rl_core.runtime import choose_dtype, choose_lora_compute_dtype, cpu_threads
-from lora_rl_core.trainer.kernels import choose_kernels
+from lora_rl_core.trainer.kernels import choose_compile, choose_kernels
 from lora_rl_core.trainer.spec import TrainerPlan
 
 SET = "set in the config"
@@ -274,7 +275,9 @@ def _trainer(
     lora = choose_lora_compute_dtype(t.lora_compute_dtype, device, base.name)
     choices["trainer.lora_compute_dtype"] = Choice(lora.name, lora.reason)
     kernels = choose_kernels(t.liger_kernels, device, _model_type(cfg) if t.liger_kernels else "")
-    choices["trainer.liger_kernels"] = Choice(kernels.liger, kernels.reason)
+    choices["trainer.liger_kernels"] = Choice(kernels.enabled, kernels.reason)
+    compiled = choose_compile(t.torch_compile, device, ranks)
+    choices["trainer.torch_compile"] = Choice(compiled.enabled, compiled.reason)
     on_gpu = memory.gpu_total > 0
     choices["trainer.gradient_checkpointing"] = Choice(
         memory.gradient_checkpointing,
@@ -308,7 +311,8 @@ def _trainer(
         device=rank_device,
         dtype=base.name,
         lora_compute_dtype=lora.name,  # type: ignore[arg-type]  # choose_lora_compute_dtype: float32 | bfloat16
-        liger_kernels=kernels.liger,
+        liger_kernels=kernels.enabled,
+        torch_compile=compiled.enabled,
         gradient_checkpointing=memory.gradient_checkpointing,
         micro_batch_size=memory.micro_batch_size,
         off_policy_correction=cfg.algorithm.correction(mode),

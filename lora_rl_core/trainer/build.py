@@ -5,7 +5,7 @@ from __future__ import annotations
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
 from lora_rl_core.trainer.base import Trainer
-from lora_rl_core.trainer.kernels import apply_kernels
+from lora_rl_core.trainer.kernels import apply_kernels, compile_layers
 from lora_rl_core.trainer.policy import PolicyTrainer
 from lora_rl_core.trainer.spec import TrainerPlan
 
@@ -28,4 +28,7 @@ def build_trainer(plan: TrainerPlan, *, pad_id: int) -> Trainer:
         return TrainerWorkers(plan)
     model, _ = load_model(plan.model, device=plan.device, dtype=plan.dtype)
     apply_kernels(model, plan.liger_kernels)
-    return PolicyTrainer(apply_lora(model, plan.lora), plan, pad_id=pad_id)
+    peft_model = apply_lora(model, plan.lora)
+    if plan.torch_compile:
+        compile_layers(peft_model)
+    return PolicyTrainer(peft_model, plan, pad_id=pad_id)

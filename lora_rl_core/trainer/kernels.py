@@ -44,9 +44,10 @@ PATCHED = {"rope": False, "rms_norm": True, "swiglu": True, "cross_entropy": Fal
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """Whether the trainer's model gets Liger's fused kernels, and why (one line for the run log)."""
+    """Whether the trainer's model gets a kernel option (Liger's fused kernels, compiled layers), and why (one
+    line for the run log)."""
 
-    liger: bool
+    enabled: bool
     reason: str
 
 
@@ -110,3 +111,45 @@ def apply_kernels(model: Any, liger: bool) -> None:
             for name, value in before.items():
                 if vars(module).get(name) is not value:
                     setattr(module, name, value)
+
+
+def choose_compile(requested: bool | Literal["auto"], device: torch.device | str, ranks: int) -> KernelChoice:
+    """Resolve `trainer.torch_compile` for a trainer on `device` with `ranks` FSDP2 ranks (0: in-process).
+
+    Raises:
+        ConfigError: `true` on a CPU or with FSDP2 ranks (names the setting and the fix).
+    """
+    device = torch.device(device)
+    if requested is False:
+        return KernelChoice(False, "trainer.torch_compile=false")
+    problem = None
+    if ranks:
+        problem = f"the trainer runs as {ranks} FSDP2 ranks (compiled layers are built for the in-process trainer)"
+    elif device.type != "cuda":
+        problem = f"the trainer is on {device.type} (compiling pays off on a GPU only)"
+    if problem is None:
+        auto = "auto: " if requested == "auto" else ""
+        return KernelChoice(True, f"{auto}each decoder layer compiled (torch.compile, dynamic shapes)")
+    if requested == "auto":
+        return KernelChoice(False, f"auto: off, {problem}")
+    raise ConfigError(f"trainer.torch_compile=true but {problem}; set trainer.torch_compile=auto or false")
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """Compile each decoder layer of `model` in place (`nn.Module.compile`, dynamic shapes): regional
+    compilation, as PyTorch's recipe for repeated blocks, so the layers share one compiled graph (a second for
+    the first layer, whose input needs no gradient). Call after LoRA is applied; compilation happens at the
+    first forward.
+
+    Returns:
+        the number of layers compiled.
+
+    Raises:
+        ValueError: the model has no list of identical decoder blocks (`distributed.find_decoder_layers`).
+    """
+    from lora_rl_core.distributed import find_decoder_layers
+
+    layers = find_decoder_layers(model)
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)

@@ -28,6 +28,7 @@ class TrainerPlan(BaseModel):
         dtype: the base weights' dtype (`model.dtype` resolved on the trainer's device).
         lora_compute_dtype: `float32` or `bfloat16` (`trainer.lora_compute_dtype` resolved).
         liger_kernels: Liger's fused kernels patched into the trainer's model.
+        torch_compile: each decoder layer of the in-process trainer's model compiled (`trainer.torch_compile`).
         gradient_checkpointing / micro_batch_size: from the memory plan.
         off_policy_correction: `algorithm.off_policy_correction` resolved for `rollout.mode` (never `auto`).
         backend / world_size: where the ranks run and how many (0: in this process; `trainer.backend`).
@@ -63,6 +64,7 @@ class TrainerPlan(BaseModel):
     gpus: tuple[int, ...] = ()
     empty_cache_after_step: bool = False
     shard_weights: bool = True
+    torch_compile: bool = False
 
     @property
     def mixed_precision(self) -> bool:

@@ -35,8 +35,8 @@ def liger_missing(monkeypatch):
 
 def test_auto_is_on_for_a_supported_family_on_cuda(liger_installed):
     choice = choose_kernels("auto", "cuda:0", "qwen2")
-    assert choice.liger and choice.reason.startswith("auto: ")
-    assert choose_kernels(True, "cuda", "llama").liger
+    assert choice.enabled and choice.reason.startswith("auto: ")
+    assert choose_kernels(True, "cuda", "llama").enabled
 
 
 @pytest.mark.parametrize(
@@ -51,19 +51,19 @@ def test_auto_is_on_for_a_supported_family_on_cuda(liger_installed):
 def test_auto_is_off_and_true_is_refused_where_liger_cannot_run(request, device, model_type, fixture, names):
     request.getfixturevalue(fixture)
     choice = choose_kernels("auto", device, model_type)
-    assert not choice.liger and names in choice.reason
+    assert not choice.enabled and names in choice.reason
     with pytest.raises(ConfigError, match="trainer.liger_kernels=true") as err:
         choose_kernels(True, device, model_type)
     assert names in str(err.value) and "trainer.liger_kernels=auto or false" in str(err.value)
 
 
 def test_false_is_off_everywhere(liger_installed):
-    assert not choose_kernels(False, "cuda", "qwen2").liger
+    assert not choose_kernels(False, "cuda", "qwen2").enabled
 
 
 def test_auto_on_a_cpu_never_imports_liger(monkeypatch):
     monkeypatch.setattr(kernels, "liger_model_types", lambda: pytest.fail("liger-kernel was imported on a CPU"))
-    assert not choose_kernels("auto", "cpu", "qwen2").liger
+    assert not choose_kernels("auto", "cpu", "qwen2").enabled
 
 
 def test_the_real_lookup_says_why_liger_is_unusable_here():
@@ -107,7 +107,7 @@ def test_auto_on_a_cpu_leaves_the_model_unpatched(tiny_model_dir):
     cfg = RunConfig.model_validate({"model": {"name_or_path": str(tiny_model_dir)}})
     model, _ = load_model(cfg.model)
     before = {name: type(m).forward for name, m in model.named_modules()}
-    assert kernels.choose_kernels("auto", "cpu", model.config.model_type).liger is False
+    assert kernels.choose_kernels("auto", "cpu", model.config.model_type).enabled is False
     kernels.apply_kernels(model, False)
     assert {name: type(m).forward for name, m in model.named_modules()} == before
     assert not any("forward" in vars(m) for m in model.modules())  # no forward bound on an instance
@@ -144,4 +144,51 @@ def test_the_run_records_what_it_resolved_and_hands_the_trainer_a_bool(tiny_mode
 
 def test_off_by_default(liger_installed):
     assert RunConfig().trainer.liger_kernels is False
-    assert not choose_kernels(RunConfig().trainer.liger_kernels, "cuda", "qwen2").liger
+    assert not choose_kernels(RunConfig().trainer.liger_kernels, "cuda", "qwen2").enabled
+
+
+# ------------------------------------------------------------------ trainer.torch_compile
+
+
+def test_compile_auto_is_on_only_for_an_in_process_trainer_on_cuda():
+    assert kernels.choose_compile("auto", "cuda:0", 0).enabled
+    assert kernels.choose_compile(True, "cuda", 0).reason.startswith("each decoder layer compiled")
+    off_cpu, off_ranks = kernels.choose_compile("auto", "cpu", 0), kernels.choose_compile("auto", "cuda", 2)
+    assert not off_cpu.enabled and "the trainer is on cpu" in off_cpu.reason
+    assert not off_ranks.enabled and "2 FSDP2 ranks" in off_ranks.reason
+    assert not kernels.choose_compile(False, "cuda", 0).enabled
+
+
+@pytest.mark.parametrize(("device", "ranks", "names"), [("cpu", 0, "on cpu"), ("cuda", 4, "4 FSDP2 ranks")])
+def test_compile_true_is_refused_where_it_is_not_built_for(device, ranks, names):
+    with pytest.raises(ConfigError, match="trainer.torch_compile=true but") as err:
+        kernels.choose_compile(True, device, ranks)
+    assert names in str(err.value) and "trainer.torch_compile=auto or false" in str(err.value)
+
+
+def test_compile_layers_wraps_every_decoder_layer_and_nothing_else(tiny_model_dir):
+    """Each decoder layer gets its compiled call (regional compilation); the embeddings, final norm and head
+    stay eager. Compilation itself happens at the first forward (checked on a GPU: tests/gpu/test_torch_compile.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from lora_rl_core.config import LoRAConfig
+    from lora_rl_core.lora import apply_lora
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoRAConfig(rank=4))
+    layers = model.get_base_model().model.layers
+    assert kernels.compile_layers(model) == len(layers) > 0
+    compiled = {name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    assert compiled == {f"base_model.model.model.layers.{i}" for i in range(len(layers))}
+
+
+def test_compile_true_on_a_cpu_run_is_refused_before_anything_is_built(tmp_path, tiny_model_dir):
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"name_or_path": str(tiny_model_dir)},
+            "trainer": {"torch_compile": True},
+            "store": {"uri": f"file://{tmp_path}/store"},
+        }
+    )
+    with pytest.raises(ConfigError, match="trainer.torch_compile=true but the trainer is on cpu"):
+        components.start_run(cfg, "compile-cpu")
+    assert not (tmp_path / "store").exists()
