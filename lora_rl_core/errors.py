@@ -43,3 +43,9 @@ class EngineError(LoraRLError):
 
 class EngineUnavailable(EngineError):
     """The engine could not be reached, or did not answer in time; the call may succeed later."""
+
+
+class TrainerOutOfMemoryError(LoraRLError):
+    """The trainer's update did not fit the GPU (the message names the batch's longest row, the micro-batch and
+    the settings that lower the need); its memory was given back first, so a colocated SGLang takes its KV cache
+    back and the run stops with this error, every finished step kept in the store."""

@@ -66,6 +66,19 @@ def completion_logprobs(trainer: PolicyTrainer, rows: TrainBatch) -> torch.Tenso
         return torch.cat(list(trainer._old_logprobs(rows, plan).values()))
 
 
-def lora_weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
-    """Copies of the trainer's LoRA weights by name."""
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+def lora_gradients(trainer: PolicyTrainer) -> torch.Tensor:
+    """The LoRA gradients the trainer's last step left (after clipping), flattened into one float32 vector."""
+    return torch.cat([p.grad.float().flatten() for p in trainer.params if p.grad is not None])
+
+
+def assert_same_update(got: PolicyTrainer, want: PolicyTrainer, *, min_cosine: float = 0.99) -> None:
+    """Two trainers' last steps agree to bfloat16 precision: their LoRA gradients point the same way (cosine
+    similarity at least `min_cosine`) with the same norm (5 %). Gradients, not the weights after AdamW: its first
+    step moves every weight by about `lr` in its gradient's sign, so a gradient near 0 flips that sign on
+    bfloat16 noise alone."""
+    g_got, g_want = lora_gradients(got), lora_gradients(want)
+    assert g_got.shape == g_want.shape and g_want.norm() > 0
+    cosine = float(torch.nn.functional.cosine_similarity(g_got, g_want, dim=0))
+    assert cosine >= min_cosine, f"LoRA gradients differ: cosine similarity {cosine:.4f} < {min_cosine}"
+    norms = float(g_got.norm()), float(g_want.norm())
+    assert abs(norms[0] - norms[1]) <= 0.05 * norms[1], f"LoRA gradient norms differ: {norms}"

@@ -22,7 +22,7 @@ export TOKENIZERS_PARALLELISM=false OMP_WAIT_POLICY=PASSIVE
 # the model once, before the arms (each would otherwise race to write the same folder)
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import gpu_scale as g; \
 g.build_model('$shape', Path('/tmp/models/meta'), Path('/tmp/models/qwen2.5-$shape-random'))" 2>&1 | tail -2
-gpu=0; pids=(); ports=()
+gpu=${FIRST_GPU:-0}; pids=(); ports=()  # FIRST_GPU=k: arms on GPUs k, k+1, ... (another shape's arms below k)
 for arm in "$@"; do
   name=${arm%%=*} overrides=${arm#*=} src=$PWD
   args=()

@@ -10,6 +10,7 @@ components of open runs in `tasks.registry`.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -35,6 +36,8 @@ from lora_rl_core.run.writer import StoreWriter
 from lora_rl_core.runtime import configure_threads
 from lora_rl_core.store import AdapterStore, validate_run_id
 from lora_rl_core.trainer import Trainer, build_trainer
+
+log = logging.getLogger(__name__)
 
 
 def plan_run(cfg: RunConfig, *, train: bool = True) -> tuple[RunPlan, RunInputs]:
@@ -165,17 +168,27 @@ class RunComponents:
         cache back (the trainer gave its cached CUDA blocks back at the end of its step, on every rank:
         `TrainerPlan.empty_cache_after_step`).
 
+        A block that raised still gives the KV cache back where it can, but its own error is the one raised: a
+        resume that fails after a failed update (the trainer's out-of-memory error leaves its blocks cached)
+        is logged, never raised in its place.
+
         Raises:
-            EngineError: a server refused the release or the resume.
+            EngineError: a server refused the release, or the resume after a block that succeeded.
         """
         servers = [s for s in self.built.servers if s.memory_saver]
         for server in servers:
             server.release_memory()
         try:
             yield
-        finally:
+        except BaseException:
             for server in servers:
-                server.resume_memory()
+                try:
+                    server.resume_memory()
+                except Exception as exc:  # noqa: BLE001 - the block's error is the one that propagates
+                    log.warning("taking the KV cache back after the failed update failed too: %s", exc)
+            raise
+        for server in servers:
+            server.resume_memory()
 
     def close(self) -> None:
         """Wait for the store writes still queued and stop the writer's thread, then stop the trainer's worker

@@ -21,14 +21,10 @@ class PackedBatch:
     completion token, so the model computes no logits there (`logits_to_keep`). On the default arithmetic
     job half of each row is prompt, and the 49k-wide logits and their log-softmax were about 40 % of a
     micro-batch's forward time on a 2-core CPU.
-
-    There is no attention mask: the rows are right-padded and the model's attention is causal, so no real token
-    attends to the padding after it, and the padding's own outputs are masked out of the loss (`mask_BT`). Without
-    a mask the forward takes attention's causal kernels (FlashAttention in PyTorch's SDPA) instead of a masked one,
-    and transformers builds no padding mask, which reads the mask on the host (a device sync per forward).
     """
 
-    input_ids: torch.Tensor  # [b, L] long, right-padded with the pad id
+    input_ids: torch.Tensor  # [b, L] long
+    attention_mask: torch.Tensor  # [b, L] long
     frame_start: int  # first input position of the frame
     targets_BT: torch.Tensor  # [b, F] long: input_ids[:, frame_start + 1:]
     mask_BT: torch.Tensor  # [b, F] float: 1 on completion tokens
@@ -43,16 +39,19 @@ def pack(batch: TrainBatch, pad_id: int, device: torch.device) -> PackedBatch:
     b, width = len(rows), max(len(r) for r in rows)
     start = max(0, min(len(p) for p in batch.prompt_ids) - 1)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
     mask = torch.zeros((b, width - 1 - start))
     inf_lp = torch.zeros((b, width - 1 - start))
     for i, (p, c) in enumerate(zip(batch.prompt_ids, batch.completion_ids, strict=True)):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, : len(p) + len(c)] = 1
         # token c[j] sits at input position len(p)+j and is predicted from position len(p)+j-1
         first = len(p) - 1 - start
         mask[i, first : first + len(c)] = 1.0
         inf_lp[i, first : first + len(c)] = torch.tensor(batch.inference_logprobs[i][: len(c)])
     return PackedBatch(
         input_ids=ids.to(device),
+        attention_mask=attn.to(device),
         frame_start=start,
         targets_BT=ids[:, start + 1 :].to(device),
         mask_BT=mask.to(device),

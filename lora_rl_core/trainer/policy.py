@@ -56,7 +56,7 @@ from lora_rl_core.algorithm import (
     ppo_clip_loss,
     selective_log_softmax,
 )
-from lora_rl_core.errors import LoraRLError
+from lora_rl_core.errors import LoraRLError, TrainerOutOfMemoryError
 from lora_rl_core.lora import cpu_copies, peft_config_dict, set_input_dtype_casting
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import DTYPES
@@ -131,15 +131,29 @@ class PolicyTrainer:
             }
         chunks = list(split_even(len(batch), self.algo.num_minibatches))
         plans = [self._micro_plan(batch, rows) for rows in chunks]
-        old_logprobs = self._old_logprobs(batch, plans) if self.algo.num_minibatches > 1 else None
         sums: dict[str, float] = {}
-        for rows, plan in zip(chunks, plans, strict=True):
-            for k, v in self._minibatch_update(batch, rows, plan, old_logprobs).items():
-                sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
-        self.scheduler.step()
-        tokens = sum(len(c) for c in batch.completion_ids)
+        out_of_memory = None
+        try:
+            old_logprobs = self._old_logprobs(batch, plans) if self.algo.num_minibatches > 1 else None
+            for rows, plan in zip(chunks, plans, strict=True):
+                for k, v in self._minibatch_update(batch, rows, plan, old_logprobs).items():
+                    sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
+        except torch.OutOfMemoryError as exc:  # raised below, once the frames holding the activations are gone
+            out_of_memory = str(exc).splitlines()[0]
+        if out_of_memory is not None:
+            self.optimizer.zero_grad(set_to_none=True)  # half-summed gradients: a retry starts clean
         if self.plan.empty_cache_after_step and self.device.type == "cuda":
             torch.cuda.empty_cache()  # SGLang takes its KV cache back on this GPU next (the memory saver)
+        if out_of_memory is not None:
+            longest = max(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True))
+            raise TrainerOutOfMemoryError(
+                f"the trainer ran out of GPU memory in its update ({len(batch)} rows, the longest {longest} tokens, "
+                f"micro-batch {self.plan.micro_batch_size}, gradient checkpointing "
+                f"{'on' if self.plan.gradient_checkpointing else 'off'}): {out_of_memory}. Lower "
+                "rollout.max_new_tokens or trainer.micro_batch_size, or set trainer.gradient_checkpointing=true"
+            )
+        self.scheduler.step()
+        tokens = sum(len(c) for c in batch.completion_ids)
         return {
             **sums,
             "train_sequences": float(len(batch)),
@@ -187,8 +201,9 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(len(batch.completion_ids[i]) for i in rows)
         # Every micro-batch goes to the device before the first forward: a copy from pageable memory waits for
-        # the GPU's queue to drain, so packing between backward passes would leave the GPU idle at each one.
-        # Likewise the metrics stay on the device until the minibatch ends (one sync, not one per micro-batch).
+        # the GPU's queue to drain, so packing between backward passes would stall it at each one. Likewise the
+        # metrics stay on the device until the minibatch ends. What still waits once per forward is transformers'
+        # padding-mask check (tests/gpu/test_trainer_syncs.py).
         packed = [
             pack(batch.select(micro) if micro else dummy_batch(self.pad_id), self.pad_id, self.device) for micro in plan
         ]
@@ -253,8 +268,9 @@ class PolicyTrainer:
         """Tempered float32 logits `[b, F, V]` of the frame's positions (no logits for the prompt before it)."""
         keep = packed.input_ids.shape[1] - packed.frame_start  # positions frame_start .. L-1
         with self._autocast():
-            # no attention mask: right padding under causal attention touches no real token (`PackedBatch`)
-            out = self.model(input_ids=packed.input_ids, use_cache=False, logits_to_keep=keep)
+            out = self.model(
+                input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False, logits_to_keep=keep
+            )
         return out.logits[:, :-1].float() / self.temperature
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -280,7 +296,12 @@ class PolicyTrainer:
         return result
 
     def close(self) -> None:
-        """Nothing to release in-process; lets callers treat `PolicyTrainer` and `TrainerWorkers` alike."""
+        """Stop the compile workers Inductor started for compiled layers (`trainer.torch_compile`); lets callers
+        treat `PolicyTrainer` and `TrainerWorkers` alike."""
+        if self.plan.torch_compile:
+            from torch._inductor.async_compile import shutdown_compile_workers
+
+            shutdown_compile_workers()
 
     # ------------------------------------------------------------------ export and checkpoints
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

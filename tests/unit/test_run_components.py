@@ -140,3 +140,28 @@ def test_the_kv_cache_is_released_for_the_block_and_taken_back_even_when_it_fail
         calls.append("train")
         raise RuntimeError("out of memory")
     assert calls == ["release a", "train", "resume a"]
+
+
+def test_a_failed_resume_after_a_failed_update_does_not_hide_the_update_error(caplog):
+    """SGLang's resume fails when the trainer's failed step still holds the GPU: the trainer's error is the one
+    the run reports (it names the fix), the resume's is logged."""
+    from types import SimpleNamespace
+
+    from lora_rl_core.errors import EngineError, TrainerOutOfMemoryError
+    from lora_rl_core.run.components import RunComponents
+
+    class Server:
+        memory_saver = True
+
+        def release_memory(self) -> float:
+            return 0.0
+
+        def resume_memory(self) -> float:
+            raise EngineError("SGLang /resume_memory_occupation failed: server disconnected")
+
+    run = SimpleNamespace(built=SimpleNamespace(servers=[Server()]))
+    with pytest.raises(TrainerOutOfMemoryError, match="lower"), RunComponents.engine_memory_released(run):  # type: ignore[arg-type]
+        raise TrainerOutOfMemoryError("out of GPU memory: lower rollout.max_new_tokens")
+    assert "resume_memory_occupation failed" in caplog.text
+    with pytest.raises(EngineError, match="resume_memory_occupation"), RunComponents.engine_memory_released(run):  # type: ignore[arg-type]
+        pass  # after an update that succeeded, a failed resume is the error

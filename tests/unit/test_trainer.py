@@ -91,6 +91,7 @@ def test_pack_right_pads():
         device=torch.device("cpu"),
     )
     assert packed.input_ids.tolist() == [[5, 6, 9, 0, 0, 0], [5, 6, 7, 8, 9, 9]]
+    assert packed.attention_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
     assert packed.frame_start == 1  # the frame drops input position 0, which predicts no completion token
     assert packed.targets_BT.tolist() == [[9, 0, 0, 0], [7, 8, 9, 9]]
     assert packed.mask_BT.tolist() == [[1, 0, 0, 0], [0, 0, 1, 1]]
@@ -98,7 +99,7 @@ def test_pack_right_pads():
 
 def test_frame_logprobs_equal_each_row_alone(make_trainer):
     """The trainer's completion logprobs of a right-padded batch, with logits only from the frame start on
-    (`logits_to_keep`) and no attention mask, equal those of each row's own full forward without padding."""
+    (`logits_to_keep`), equal those of each row's own full forward without padding."""
     trainer = make_trainer(nonzero_b=True)
     batch = random_batch([1.0, -1.0, 0.5, 2.0, 1.5, -0.5], seed=3)
     packed = pack(batch, trainer.pad_id, trainer.device)
@@ -321,3 +322,38 @@ def test_bf16_lora_compute_over_a_float32_base_is_a_config_error():
         trainer_plan(
             trainer=TrainerConfig(lora_compute_dtype="bfloat16"), model=ModelConfig(device="cpu", dtype="float32")
         )
+
+
+def test_an_update_out_of_memory_says_what_to_lower_and_drops_its_gradients(make_trainer, monkeypatch):
+    """A CUDA out-of-memory error in the update comes out as one error naming the batch's longest row, the
+    micro-batch and the settings that lower the need; the trainer is left as before the step (no half-summed
+    gradients, the scheduler not stepped), so a retry starts clean."""
+    from lora_rl_core.errors import TrainerOutOfMemoryError
+
+    trainer = make_trainer(micro_batch_size=2)
+    batch = random_batch([1.0, -1.0, 0.5, -0.5])
+    before = lora_weights(trainer)
+    original = PolicyTrainer._micro_backward
+    calls = []
+
+    def fails_on_the_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PolicyTrainer, "_micro_backward", fails_on_the_second)
+    lr = trainer.scheduler.get_last_lr()
+    longest = max(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True))
+    with pytest.raises(TrainerOutOfMemoryError) as err:
+        trainer.train_step(batch)
+    message = str(err.value)
+    assert f"the longest {longest} tokens" in message and "micro-batch 2" in message
+    assert "Tried to allocate 2.00 GiB" in message and "more detail" not in message
+    assert "rollout.max_new_tokens" in message and "trainer.gradient_checkpointing=true" in message
+    assert trainer.scheduler.get_last_lr() == lr
+    for name, w in lora_weights(trainer).items():
+        assert torch.equal(w, before[name]), name
+    assert all(p.grad is None for p in trainer.params)
+    monkeypatch.setattr(PolicyTrainer, "_micro_backward", original)
+    assert math.isfinite(trainer.train_step(batch)["loss"])  # the next attempt trains
