@@ -43,7 +43,8 @@ def qwen2_trainer(*, liger: bool = False, compiled: bool = False, micro_batch_si
         compile_layers(model)
     trainer = TrainerConfig(lr=1e-3, micro_batch_size=micro_batch_size, lora_compute_dtype="bfloat16")
     plan = trainer_plan(trainer=trainer, model=ModelConfig(device="cpu", dtype="bfloat16"))  # the plan's sections
-    return PolicyTrainer(model, plan, pad_id=0)
+    # the plan was made for a CPU (no compilation there): it says what was done here, so `close` stops the workers
+    return PolicyTrainer(model, plan.model_copy(update={"torch_compile": compiled}), pad_id=0)
 
 
 def mixed_batch(seed: int = 2) -> TrainBatch:

@@ -188,7 +188,9 @@ def _plan_memory(
     if shape is None:
         return MemoryPlan(
             gradient_checkpointing=checkpointing is True,
-            micro_batch_size=cfg.trainer.micro_batch_size,
+            micro_batch_size=cfg.trainer.micro_batch_start(
+                cfg.rollout.prompts_per_step * cfg.rollout.group_size, on_gpu=False
+            ),
             shard_weights=shard,
             shard_weights_reason=shard_reason,
             rollout_batch=batch,
@@ -234,7 +236,7 @@ def _plan_memory(
         """(checkpointing, micro-batch) for this much room: without recomputation where a micro-batch of at
         least MIN_MICRO_BATCH fits (halving it costs less than the ~1/3 more compute of recomputing every
         layer), else with it, at the largest halving that fits."""
-        micro = min(t.micro_batch_size, r.prompts_per_step * r.group_size)
+        micro = t.micro_batch_start(r.prompts_per_step * r.group_size, on_gpu=True)
         if checkpointing != "auto":
             return bool(checkpointing), micro
         ckpt = act(_fit(micro, MIN_MICRO_BATCH, lambda m: act(m, False) <= train_room), False) > train_room

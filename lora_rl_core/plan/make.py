@@ -292,11 +292,13 @@ def _trainer(
         if on_gpu
         else f"auto: off on {device.type}",
     )
+    start = t.micro_batch_start(cfg.rollout.prompts_per_step * cfg.rollout.group_size, on_gpu=on_gpu)
+    auto = "auto: " if t.micro_batch_size == "auto" else ""
     choices["trainer.micro_batch_size"] = Choice(
         memory.micro_batch_size,
-        f"the memory plan halved {t.micro_batch_size} to fit the GPU"
-        if memory.micro_batch_size < min(t.micro_batch_size, cfg.rollout.prompts_per_step * cfg.rollout.group_size)
-        else SET,
+        f"{auto}the memory plan halved {start} to fit the GPU"
+        if memory.micro_batch_size < start
+        else (f"{auto}{'the largest that fits the GPU' if on_gpu else 'without a GPU to plan'}" if auto else SET),
     )
     if ranks:
         choices["trainer.shard_weights"] = Choice(memory.shard_weights, memory.shard_weights_reason)

@@ -37,12 +37,12 @@ def _cfg(mode: str = "sync", **trainer) -> object:
     )
 
 
-def _plan(cfg, shape, gib: float = 79.1, saver: bool = True):
+def _plan(cfg, shape, gib: float = 79.1, saver: bool = True, prompt_tokens: int = 150):
     total = int(gib * GIB)
     return plan_memory(
         cfg,
         shape,
-        prompt_tokens=150,
+        prompt_tokens=prompt_tokens,
         gpu_free=total,
         gpu_total=total,
         colocated=True,
@@ -209,3 +209,28 @@ def test_the_plan_says_why_the_kv_cache_is_or_is_not_released(shapes):
     assert _plan(_cfg(), shapes["7b"], saver=False).memory_saver_reason == (
         "torch_memory_saver is not installed beside SGLang"
     )
+
+
+@pytest.mark.parametrize(("shape_name", "want"), [("1.5b", 32), ("7b", 8)])
+def test_auto_micro_batch_is_the_largest_that_fits_beside_the_kv_cache(shapes, shape_name, want):
+    """`trainer.micro_batch_size: auto` starts from the batch's rows up to 64 and halves to fit: on one 80 GB GPU,
+    with the default job's prompts (~60 tokens) and 256 new tokens, a 1.5B trains in micro-batches of 32 and a 7B
+    of 8, both beside SGLang's KV cache (no memory saver): the plans of the arms measured on an H100
+    (benchmarks/results/gpu_scale/s40-one-gpu/: 1.5b-1gpu-mb32, 7b-1gpu-default). Twice the chosen micro-batch
+    does not fit, and a set number is where the plan starts instead."""
+    plan = _plan(_cfg(), shapes[shape_name], prompt_tokens=60)
+    assert plan.micro_batch_size == want and not plan.memory_saver and not plan.gradient_checkpointing
+    with pytest.raises(ConfigError):
+        _plan(_cfg(micro_batch_size=2 * want, gradient_checkpointing=False), shapes[shape_name], prompt_tokens=60)
+    assert _plan(_cfg(micro_batch_size=4), shapes[shape_name], prompt_tokens=60).micro_batch_size == 4
+
+
+def test_auto_micro_batch_without_a_gpu_to_plan_is_16_or_the_batch():
+    from lora_rl_core.config import TrainerConfig
+
+    assert TrainerConfig().micro_batch_start(128, on_gpu=False) == 16
+    assert TrainerConfig().micro_batch_start(128, on_gpu=True) == 64
+    assert TrainerConfig().micro_batch_start(12, on_gpu=True) == 12
+    assert TrainerConfig(micro_batch_size=8).micro_batch_start(128, on_gpu=True) == 8
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        TrainerConfig(micro_batch_size=0)
