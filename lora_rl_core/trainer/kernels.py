@@ -88,12 +88,17 @@ def choose_kernels(requested: bool | Literal["auto"], device: torch.device | str
         else:
             if model_type not in supported:
                 problem = f"Liger's RMSNorm + SwiGLU kernels are not used for model_type {model_type!r}"
+    return _resolve("trainer.liger_kernels", requested, problem, "Liger's fused RMSNorm and SwiGLU kernels on cuda")
+
+
+def _resolve(setting: str, requested: bool | Literal["auto"], problem: str | None, on: str) -> KernelChoice:
+    """`auto` or `true` of a kernel option, given what stops it here (`problem`, None: nothing): on where nothing
+    does, off for `auto` where something does, a `ConfigError` naming `setting` and the fix for `true`."""
     if problem is None:
-        auto = "auto: " if requested == "auto" else ""
-        return KernelChoice(True, f"{auto}Liger's fused RMSNorm and SwiGLU kernels on cuda")
+        return KernelChoice(True, f"{'auto: ' if requested == 'auto' else ''}{on}")
     if requested == "auto":
         return KernelChoice(False, f"auto: off, {problem}")
-    raise ConfigError(f"trainer.liger_kernels=true but {problem}; set trainer.liger_kernels=auto or false")
+    raise ConfigError(f"{setting}=true but {problem}; set {setting}=auto or false")
 
 
 def apply_kernels(model: Any, liger: bool) -> None:
@@ -127,12 +132,9 @@ def choose_compile(requested: bool | Literal["auto"], device: torch.device | str
         problem = f"the trainer runs as {ranks} FSDP2 ranks (compiled layers are built for the in-process trainer)"
     elif device.type != "cuda":
         problem = f"the trainer is on {device.type} (compiling pays off on a GPU only)"
-    if problem is None:
-        auto = "auto: " if requested == "auto" else ""
-        return KernelChoice(True, f"{auto}each decoder layer compiled (torch.compile, dynamic shapes)")
-    if requested == "auto":
-        return KernelChoice(False, f"auto: off, {problem}")
-    raise ConfigError(f"trainer.torch_compile=true but {problem}; set trainer.torch_compile=auto or false")
+    return _resolve(
+        "trainer.torch_compile", requested, problem, "each decoder layer compiled (torch.compile, dynamic shapes)"
+    )
 
 
 def compile_layers(model: torch.nn.Module) -> int:
