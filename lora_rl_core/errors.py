@@ -47,5 +47,6 @@ class EngineUnavailable(EngineError):
 
 class TrainerOutOfMemoryError(LoraRLError):
     """The trainer's update did not fit the GPU (the message names the batch's longest row, the micro-batch and
-    the settings that lower the need); its memory was given back first, so a colocated SGLang takes its KV cache
-    back and the run stops with this error, every finished step kept in the store."""
+    the settings that lower the need); its gradients and cached CUDA blocks were given back first, so a
+    colocated SGLang takes its KV cache back and the run stops with this error, every finished step kept in the
+    store."""

@@ -84,19 +84,20 @@ class TrainerConfig(Section):
     """Clip the global L2 norm of the LoRA gradients to this before each optimizer step (across ranks when
     sharded); the pre-clip norm is logged as `grad_norm` (TRL `max_grad_norm`, verl `actor.grad_clip`)."""
     micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
-    """Sequences per forward/backward pass (gradient accumulation over the rest); the memory plan halves it where
-    it does not fit the GPU. `auto` (the default): on a GPU the largest that fits, starting from the rollout
-    batch's rows up to `MICRO_BATCH_AUTO_MAX` (64): fewer, larger passes launch fewer kernels per token (one H100:
-    a 1.5B's train phase 1.27 -> 1.04 s at 32 instead of 16; a 7B gets 8 either way); without a GPU to plan,
-    `MICRO_BATCH_NO_PLAN` (16). A number is where the plan starts instead (verl `ppo_micro_batch_size_per_gpu`,
-    TRL `per_device_train_batch_size`)."""
+    """Sequences per forward/backward pass (gradient accumulation over the rest). `auto` (the default): on a GPU
+    the largest that fits, the memory plan halving from the rollout batch's rows up to `MICRO_BATCH_AUTO_MAX`
+    (64): fewer, larger passes launch fewer kernels per token (one H100: a 1.5B's train phase 1.27 -> 1.04 s at
+    32 instead of 16; a 7B gets 8 either way); without a GPU to plan, `MICRO_BATCH_NO_PLAN` (16). A number is
+    where the plan starts instead: halved to fit while `gradient_checkpointing` is `auto`, taken as set (or
+    refused before step 1) when both are set (verl `ppo_micro_batch_size_per_gpu`, TRL
+    `per_device_train_batch_size`)."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute activations in the backward pass instead of keeping them: less memory for about one more
     forward per micro-batch; with FSDP2 ranks (`backend` local or ray) it is applied per decoder layer (TRL/transformers
     `gradient_checkpointing`, verl `model.enable_gradient_checkpointing`). `auto`: on where the run's memory
     plan (`lora_rl_core.memory`) says a micro-batch's activations would not fit the GPU beside what else it
-    holds even at a quarter of `micro_batch_size` (the plan first halves the micro-batch, down to 4: cheaper
-    than recomputing every layer); off on a CPU."""
+    holds even at a micro-batch of 4 (the plan first halves the micro-batch, down to 4: cheaper than
+    recomputing every layer); off on a CPU."""
     liger_kernels: bool | Literal["auto"] = False
     """Fuse each decoder layer's RMSNorm and SwiGLU MLP into one Triton kernel each (Liger Kernel, forward
     and backward) in the trainer's copy of the model: fewer kernel launches and activations;

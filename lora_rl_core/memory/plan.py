@@ -237,8 +237,11 @@ def _plan_memory(
         least MIN_MICRO_BATCH fits (halving it costs less than the ~1/3 more compute of recomputing every
         layer), else with it, at the largest halving that fits."""
         micro = t.micro_batch_start(r.prompts_per_step * r.group_size, on_gpu=True)
-        if checkpointing != "auto":
-            return bool(checkpointing), micro
+        if checkpointing != "auto":  # an `auto` micro-batch still halves to fit; a set one is taken as set
+            fixed = bool(checkpointing)
+            if t.micro_batch_size == "auto":
+                micro = _fit(micro, 1, lambda m: act(m, fixed) <= train_room)
+            return fixed, micro
         ckpt = act(_fit(micro, MIN_MICRO_BATCH, lambda m: act(m, False) <= train_room), False) > train_room
         return ckpt, _fit(micro, 1 if ckpt else MIN_MICRO_BATCH, lambda m: act(m, ckpt) <= train_room)
 

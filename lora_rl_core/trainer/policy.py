@@ -42,8 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
+import logging
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -63,6 +66,7 @@ from lora_rl_core.runtime import DTYPES
 from lora_rl_core.trainer.batching import PackedBatch, dummy_batch, frame, pack, rank_micro_batches, split_even
 from lora_rl_core.trainer.spec import TrainerPlan
 
+log = logging.getLogger(__name__)
 _LOSS_KEYS = frozenset({"loss", "pg_loss"})
 _MAX_KEYS = frozenset({"ratio_max", "is_weight_max"})  # combined over micro-batches and ranks by max
 STATE_FORMAT = "lora-rl/policy-trainer-state/v1"
@@ -139,18 +143,23 @@ class PolicyTrainer:
                 for k, v in self._minibatch_update(batch, rows, plan, old_logprobs).items():
                     sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
         except torch.OutOfMemoryError as exc:  # raised below, once the frames holding the activations are gone
-            out_of_memory = str(exc).splitlines()[0]
+            out_of_memory = (str(exc).splitlines() or [type(exc).__name__])[0]
+            log.warning("the trainer's update ran out of GPU memory:\n%s", traceback.format_exc())
         if out_of_memory is not None:
-            self.optimizer.zero_grad(set_to_none=True)  # half-summed gradients: a retry starts clean
-        if self.plan.empty_cache_after_step and self.device.type == "cuda":
+            self.optimizer.zero_grad(set_to_none=True)  # the half-summed gradients go with the activations
+            self.model.eval()
+            gc.collect()  # the failed frames' reference cycles, so that their activations can be given back
+        if (self.plan.empty_cache_after_step or out_of_memory is not None) and self.device.type == "cuda":
             torch.cuda.empty_cache()  # SGLang takes its KV cache back on this GPU next (the memory saver)
         if out_of_memory is not None:
             longest = max(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True))
+            fixes = "rollout.max_new_tokens or trainer.micro_batch_size"
+            if not self.plan.gradient_checkpointing:
+                fixes += ", or set trainer.gradient_checkpointing=true"
             raise TrainerOutOfMemoryError(
                 f"the trainer ran out of GPU memory in its update ({len(batch)} rows, the longest {longest} tokens, "
                 f"micro-batch {self.plan.micro_batch_size}, gradient checkpointing "
-                f"{'on' if self.plan.gradient_checkpointing else 'off'}): {out_of_memory}. Lower "
-                "rollout.max_new_tokens or trainer.micro_batch_size, or set trainer.gradient_checkpointing=true"
+                f"{'on' if self.plan.gradient_checkpointing else 'off'}): {out_of_memory}. Lower {fixes}"
             )
         self.scheduler.step()
         tokens = sum(len(c) for c in batch.completion_ids)

@@ -234,3 +234,14 @@ def test_auto_micro_batch_without_a_gpu_to_plan_is_16_or_the_batch():
     assert TrainerConfig(micro_batch_size=8).micro_batch_start(128, on_gpu=True) == 8
     with pytest.raises(ValueError, match="micro_batch_size"):
         TrainerConfig(micro_batch_size=0)
+
+
+@pytest.mark.parametrize(("shape_name", "checkpointing"), [("7b", True), ("1.5b", False), ("7b", False)])
+def test_auto_micro_batch_still_halves_when_checkpointing_is_set(shapes, shape_name, checkpointing):
+    """Setting `gradient_checkpointing` (as the out-of-memory error advises) keeps the `auto` micro-batch halving
+    to fit instead of starting at 64 and refusing; a set micro-batch with set checkpointing is taken as set."""
+    plan = _plan(_cfg(gradient_checkpointing=checkpointing), shapes[shape_name], prompt_tokens=60)
+    assert plan.gradient_checkpointing is checkpointing and 1 <= plan.micro_batch_size < 64
+    assert plan.engine_fixed + plan.kv_cache + plan.trainer_resident + plan.activations < int(79.1 * GIB)
+    bigger = _plan(_cfg(gradient_checkpointing=True), shapes[shape_name], prompt_tokens=60).micro_batch_size
+    assert bigger >= plan.micro_batch_size  # recomputation never leaves room for fewer sequences

@@ -326,8 +326,8 @@ def test_bf16_lora_compute_over_a_float32_base_is_a_config_error():
 
 def test_an_update_out_of_memory_says_what_to_lower_and_drops_its_gradients(make_trainer, monkeypatch):
     """A CUDA out-of-memory error in the update comes out as one error naming the batch's longest row, the
-    micro-batch and the settings that lower the need; the trainer is left as before the step (no half-summed
-    gradients, the scheduler not stepped), so a retry starts clean."""
+    micro-batch and the settings that lower the need; with one minibatch (the default) the trainer is left as
+    before the step (no half-summed gradients, the scheduler not stepped, eval mode), so a retry starts clean."""
     from lora_rl_core.errors import TrainerOutOfMemoryError
 
     trainer = make_trainer(micro_batch_size=2)
@@ -354,6 +354,6 @@ def test_an_update_out_of_memory_says_what_to_lower_and_drops_its_gradients(make
     assert trainer.scheduler.get_last_lr() == lr
     for name, w in lora_weights(trainer).items():
         assert torch.equal(w, before[name]), name
-    assert all(p.grad is None for p in trainer.params)
+    assert all(p.grad is None for p in trainer.params) and not trainer.model.training
     monkeypatch.setattr(PolicyTrainer, "_micro_backward", original)
     assert math.isfinite(trainer.train_step(batch)["loss"])  # the next attempt trains
