@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
 from lora_rl_core.trainer.base import Trainer
 from lora_rl_core.trainer.kernels import apply_kernels, compile_layers
 from lora_rl_core.trainer.policy import PolicyTrainer
 from lora_rl_core.trainer.spec import TrainerPlan
+
+log = logging.getLogger(__name__)
 
 
 def build_trainer(plan: TrainerPlan, *, pad_id: int) -> Trainer:
@@ -30,5 +34,6 @@ def build_trainer(plan: TrainerPlan, *, pad_id: int) -> Trainer:
     apply_kernels(model, plan.liger_kernels)
     peft_model = apply_lora(model, plan.lora)
     if plan.torch_compile:
-        compile_layers(peft_model)
+        layers = compile_layers(peft_model)
+        log.info("trainer: %d decoder layers compiled (trainer.torch_compile); step 1 pays the compilation", layers)
     return PolicyTrainer(peft_model, plan, pad_id=pad_id)
