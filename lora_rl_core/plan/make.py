@@ -39,6 +39,7 @@ from lora_rl_core.config import (
     SGLangEngineConfig,
     sglang_section,
 )
+from lora_rl_core.config.trainer import MICRO_BATCH_AUTO_MAX
 from lora_rl_core.data import Problem, PromptStyle
 from lora_rl_core.engines.launch.probe import SGLangEnvironment, probe_for_launch
 from lora_rl_core.engines.launch.process import LaunchPlan
@@ -293,13 +294,14 @@ def _trainer(
         else f"auto: off on {device.type}",
     )
     start = t.micro_batch_start(cfg.rollout.prompts_per_step * cfg.rollout.group_size, on_gpu=on_gpu)
+    if memory.micro_batch_size < start:
+        why = f"the memory plan halved {start} to fit the GPU"
+    elif t.micro_batch_size != "auto":
+        why = SET
+    else:
+        why = f"the batch's rows, at most {MICRO_BATCH_AUTO_MAX}" if on_gpu else "without a GPU to plan"
     auto = "auto: " if t.micro_batch_size == "auto" else ""
-    choices["trainer.micro_batch_size"] = Choice(
-        memory.micro_batch_size,
-        f"{auto}the memory plan halved {start} to fit the GPU"
-        if memory.micro_batch_size < start
-        else (f"{auto}{'the largest that fits the GPU' if on_gpu else 'without a GPU to plan'}" if auto else SET),
-    )
+    choices["trainer.micro_batch_size"] = Choice(memory.micro_batch_size, auto + why)
     if ranks:
         choices["trainer.shard_weights"] = Choice(memory.shard_weights, memory.shard_weights_reason)
     return TrainerPlan(

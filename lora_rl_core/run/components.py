@@ -178,17 +178,18 @@ class RunComponents:
         servers = [s for s in self.built.servers if s.memory_saver]
         for server in servers:
             server.release_memory()
+        failed = True
         try:
             yield
-        except BaseException:
+            failed = False
+        finally:
             for server in servers:
                 try:
                     server.resume_memory()
-                except Exception as exc:  # noqa: BLE001 - the block's error is the one that propagates
+                except Exception as exc:
+                    if not failed:
+                        raise
                     log.warning("taking the KV cache back after the failed update failed too: %s", exc)
-            raise
-        for server in servers:
-            server.resume_memory()
 
     def close(self) -> None:
         """Wait for the store writes still queued and stop the writer's thread, then stop the trainer's worker

@@ -136,15 +136,16 @@ class PolicyTrainer:
         chunks = list(split_even(len(batch), self.algo.num_minibatches))
         plans = [self._micro_plan(batch, rows) for rows in chunks]
         sums: dict[str, float] = {}
-        out_of_memory = None
         try:
             old_logprobs = self._old_logprobs(batch, plans) if self.algo.num_minibatches > 1 else None
             for rows, plan in zip(chunks, plans, strict=True):
                 for k, v in self._minibatch_update(batch, rows, plan, old_logprobs).items():
                     sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
         except torch.OutOfMemoryError as exc:  # raised below, once the frames holding the activations are gone
-            out_of_memory = (str(exc).splitlines() or [type(exc).__name__])[0]
+            out_of_memory: str | None = (str(exc).splitlines() or [type(exc).__name__])[0]
             log.warning("the trainer's update ran out of GPU memory:\n%s", traceback.format_exc())
+        else:
+            out_of_memory = None
         if out_of_memory is not None:
             self.optimizer.zero_grad(set_to_none=True)  # the half-summed gradients go with the activations
             self.model.eval()
@@ -152,15 +153,7 @@ class PolicyTrainer:
         if (self.plan.empty_cache_after_step or out_of_memory is not None) and self.device.type == "cuda":
             torch.cuda.empty_cache()  # SGLang takes its KV cache back on this GPU next (the memory saver)
         if out_of_memory is not None:
-            longest = max(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True))
-            fixes = "rollout.max_new_tokens or trainer.micro_batch_size"
-            if not self.plan.gradient_checkpointing:
-                fixes += ", or set trainer.gradient_checkpointing=true"
-            raise TrainerOutOfMemoryError(
-                f"the trainer ran out of GPU memory in its update ({len(batch)} rows, the longest {longest} tokens, "
-                f"micro-batch {self.plan.micro_batch_size}, gradient checkpointing "
-                f"{'on' if self.plan.gradient_checkpointing else 'off'}): {out_of_memory}. Lower {fixes}"
-            )
+            raise self._out_of_memory(batch, out_of_memory)
         self.scheduler.step()
         tokens = sum(len(c) for c in batch.completion_ids)
         return {
@@ -170,6 +163,20 @@ class PolicyTrainer:
             "train_seconds": time.perf_counter() - start,
             "lr": float(self.scheduler.get_last_lr()[0]),
         }
+
+    def _out_of_memory(self, batch: TrainBatch, detail: str) -> TrainerOutOfMemoryError:
+        """The error for an update of `batch` that ran out of GPU memory (`detail`: CUDA's first line): the
+        batch's longest row in tokens, the micro-batch, and the settings that lower the need."""
+        longest = max(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True))
+        ckpt = self.plan.gradient_checkpointing
+        fixes = "rollout.max_new_tokens or trainer.micro_batch_size" + (
+            "" if ckpt else ", or set trainer.gradient_checkpointing=true"
+        )
+        return TrainerOutOfMemoryError(
+            f"the trainer ran out of GPU memory in its update ({len(batch)} rows, the longest {longest} tokens, "
+            f"micro-batch {self.plan.micro_batch_size}, gradient checkpointing {'on' if ckpt else 'off'}): "
+            f"{detail}. Lower {fixes}"
+        )
 
     def profiled_train_step(self, batch: TrainBatch, row_limit: int = 25) -> tuple[dict[str, float], str]:
         """`train_step` under `torch.profiler` (CPU, and CUDA on a GPU): for benchmarks and for finding where a
@@ -442,12 +449,11 @@ def _accumulate(
     """Add one micro-batch's metrics (0-dim tensors, on the device: no sync): losses combine like the backward
     pass; per-token metrics are token-weighted; maxima take the max."""
     for k, v in m.items():
-        if k not in metrics:
-            metrics[k] = v if k in _MAX_KEYS else v * (weight if k in _LOSS_KEYS else token_share)
-        elif k in _MAX_KEYS:
-            metrics[k] = torch.maximum(metrics[k], v)
+        if k in _MAX_KEYS:
+            metrics[k] = torch.maximum(metrics[k], v) if k in metrics else v
         else:
-            metrics[k] = metrics[k] + v * (weight if k in _LOSS_KEYS else token_share)
+            share = v * (weight if k in _LOSS_KEYS else token_share)
+            metrics[k] = metrics[k] + share if k in metrics else share
 
 
 def _all_reduce_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:

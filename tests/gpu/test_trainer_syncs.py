@@ -38,5 +38,5 @@ def test_no_sync_of_our_own_inside_a_micro_batch(monkeypatch):
     trainer = qwen2_trainer(micro_batch_size=2)
     metrics = trainer.train_step(mixed_batch())
     assert len(syncs) == 4  # 8 rows in micro-batches of 2
-    assert max(syncs) <= 3 and sum(syncs[1:]) <= 2 * (len(syncs) - 1), f"device syncs per micro-batch: {syncs}"
+    assert syncs[0] <= 3 and max(syncs[1:]) <= 2, f"device syncs per micro-batch: {syncs}"
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0 and metrics["entropy"] > 0
