@@ -18,6 +18,7 @@ Writes `benchmarks/results/cpu_step.json` (or `--out`) and prints a table naming
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +99,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 class TimedPhases:
     """`StepPhases` that time each call of another's phases (wall seconds by phase name, `take()` empties)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, around: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
         self.inner = inner
         self.times: dict[str, float] = {}
+        self.around = around or (lambda phase: contextlib.nullcontext())  # e.g. a timeline's range per phase
 
     def take(self) -> dict[str, float]:
         """The seconds recorded since the last `take`, by phase."""
@@ -108,7 +112,8 @@ class TimedPhases:
     def _timed(self, phase: str, fn: Any, *args: Any) -> Any:
         start = time.perf_counter()
         try:
-            return fn(*args)
+            with self.around(phase):
+                return fn(*args)
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
 

@@ -48,6 +48,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads, as th
 # isort: split
 import torch  # noqa: E402
 from _common import RESULTS, ROOT, machine_info, model_config, print_table, random_model, write_json  # noqa: E402
+from _timeline import StepTimeline  # noqa: E402
 from cpu_step import TimedPhases  # noqa: E402
 
 PHASES = ("rollout", "score", "train", "sync", "publish")
@@ -139,7 +140,21 @@ def main() -> None:
     p.add_argument(
         "--profile-step", type=int, default=0, help="profile this step's train phase on every rank (torch.profiler)"
     )
+    p.add_argument(
+        "--timeline-step",
+        type=int,
+        default=0,
+        help="put this whole step on a timeline (torch.profiler, `_timeline.py`): <out>.trace.json.gz, .timeline.txt",
+    )
+    p.add_argument(
+        "--serialise-in-memory",
+        action="store_true",
+        help="serialise versions and checkpoints with safetensors `save` (holds the interpreter lock: the code "
+        "before 796d3bd), for the A/B of that change",
+    )
     args = p.parse_args()
+    if args.serialise_in_memory:
+        serialise_holding_the_lock()
 
     from lora_rl_core.config import load_config
     from lora_rl_core.records import RolloutBatch
@@ -178,9 +193,11 @@ def main() -> None:
         profiled = None
         if args.profile_step:
             run.trainer = profiled = ProfileAt(run.trainer, args.profile_step)
+        out = args.out or RESULTS / "gpu_scale" / f"{result_name(args)}.json"
+        timeline = StepTimeline(run, args.timeline_step, out.with_suffix("")) if args.timeline_step else None
         try:
             with RunPhases(run) as inner:
-                timed = TimedPhases(inner)
+                timed = TimedPhases(inner, around=timeline.phase if timeline else None)
                 last = [time.perf_counter()]
 
                 def on_step(m: dict[str, Any]) -> None:
@@ -192,9 +209,13 @@ def main() -> None:
                     trained = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
                     times["other"] = max(0.0, wall - sum(times.values()))  # async: includes waiting for rollouts
                     times["rollout"] = m["rollout_seconds"]  # generation time (async: overlapped with training)
+                    if timeline is not None:
+                        timeline.on_step(m["step"])
                     steps.append(
                         {
                             "step": m["step"],
+                            # a profiled step (the profiler's own cost) is left out of the medians
+                            "profiled": m["step"] in (args.profile_step, args.timeline_step),
                             "step_seconds": wall,
                             "seconds": times,
                             "completion_tokens": m["completion_tokens"],
@@ -206,6 +227,8 @@ def main() -> None:
                             "update_seconds": m.get("update_seconds"),
                             "snapshot_seconds": m.get("snapshot_seconds"),
                             "trained_tokens": trained,
+                            # padded positions the forwards computed (what padding-free packing would remove)
+                            "padding_fraction": m.get("padding_fraction"),
                         }
                     )
                     print(
@@ -241,9 +264,10 @@ def main() -> None:
         steps=steps,
         machine=machine_info("cuda"),
     )
-    name = f"{args.shape}-1gpu" if args.gpus == 1 else f"{args.shape}-{args.gpus}gpu-{args.placement}"
-    out = args.out or RESULTS / "gpu_scale" / f"{name}.json"
+    record.update(serialised="in memory, holding the interpreter lock" if args.serialise_in_memory else "save_file")
     write_json(record, out)
+    if timeline is not None and timeline.report:
+        print(timeline.report)
     if profiled is not None and profiled.report:
         Path(str(out).removesuffix(".json") + ".train-profile.txt").write_text(profiled.report)
         print(profiled.report)
@@ -269,8 +293,9 @@ def main() -> None:
 def summarize(
     args: argparse.Namespace, steps: list[dict[str, Any]], overrides: list[str], peak: list[int], model_dir: Path
 ) -> dict[str, Any]:
-    """Medians over the steps after the first (which pays Triton compilation and cold caches)."""
-    timed = steps[1:] or steps
+    """Medians over the steps after the first (which pays Triton compilation and cold caches), a profiled
+    step left out."""
+    timed = [s for s in steps[1:] if not s.get("profiled")] or steps
     med = lambda xs: statistics.median(xs)  # noqa: E731
     phases = {k: med([s["seconds"].get(k, 0.0) for s in timed]) for k in (*PHASES, "other")}
     gpu = torch.cuda.get_device_name(0)
@@ -296,9 +321,36 @@ def summarize(
         "train_tokens_per_second": trained / train_s if train_s else None,
         "mfu": 6 * params * trained / train_s / (flops * args.trainer_gpus) if train_s else None,
         "peak_gpu_memory_gib": [round(b / 1024**3, 2) for b in peak],
+        "padding_fraction": med([s["padding_fraction"] or 0.0 for s in timed]),
         "physical_limit_seconds": limit,
         "limit_ratio": step_s / limit,
     }
+
+
+def result_name(args: argparse.Namespace) -> str:
+    """`<shape>-1gpu` or `<shape>-<gpus>gpu-<placement>`: the JSON's default name."""
+    return f"{args.shape}-1gpu" if args.gpus == 1 else f"{args.shape}-{args.gpus}gpu-{args.placement}"
+
+
+def serialise_holding_the_lock() -> None:
+    """Make the run serialise adapter versions and checkpoints as before 796d3bd: `safetensors.torch.save`,
+    which holds the interpreter lock while it copies every tensor into one buffer (the same bytes as today's
+    `save_file` through a temporary file: `lora_rl_core.adapters.io.safetensors_bytes`)."""
+    import importlib
+
+    from safetensors.torch import save
+
+    from lora_rl_core.adapters import io
+
+    def in_memory(tensors: dict[str, torch.Tensor], metadata: Any = io.PT_METADATA) -> bytes:
+        cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        return save(cpu, metadata=None if metadata is None else dict(metadata))
+
+    users = ("checkpoint", "store.publish", "run.state", "engines.remote.transport", "trainer.workers", "adapters")
+    original = io.safetensors_bytes
+    for module in [io, *(importlib.import_module(f"lora_rl_core.{name}") for name in users)]:
+        if getattr(module, "safetensors_bytes", None) is original:
+            module.safetensors_bytes = in_memory  # type: ignore[attr-defined]
 
 
 def _param_count(model_dir: Path) -> dict[str, int]:

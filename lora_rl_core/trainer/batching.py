@@ -82,6 +82,21 @@ def rank_micro_batches(
     return micros + [[] for _ in range(most - len(micros))]
 
 
+def padding_fraction(lengths: list[int], micro_batches: list[list[int]]) -> float:
+    """The share of the positions a forward computes that are padding, over `micro_batches` (row indices;
+    empty ones skipped): each is right-padded to its longest row (`pack`). 0.0 when there are no rows.
+
+    Rows are sorted by length before they are cut (`rank_micro_batches`), so this is the padding left inside
+    each micro-batch: what padding-free packing (varlen attention) would still remove.
+
+    Args:
+        lengths: length of every row of the batch (prompt + completion tokens).
+    """
+    computed = sum(len(m) * max(lengths[i] for i in m) for m in micro_batches if m)
+    real = sum(lengths[i] for m in micro_batches for i in m)
+    return 1.0 - real / computed if computed else 0.0
+
+
 def dummy_batch(pad_id: int) -> TrainBatch:
     """One 2-token row with zero advantage: a forward/backward that contributes nothing."""
     return TrainBatch([[pad_id]], [[pad_id]], [0.0], [[0.0]])

@@ -63,7 +63,15 @@ from lora_rl_core.errors import LoraRLError, TrainerOutOfMemoryError
 from lora_rl_core.lora import cpu_copies, peft_config_dict, set_input_dtype_casting
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import DTYPES
-from lora_rl_core.trainer.batching import PackedBatch, dummy_batch, frame, pack, rank_micro_batches, split_even
+from lora_rl_core.trainer.batching import (
+    PackedBatch,
+    dummy_batch,
+    frame,
+    pack,
+    padding_fraction,
+    rank_micro_batches,
+    split_even,
+)
 from lora_rl_core.trainer.spec import TrainerPlan
 
 log = logging.getLogger(__name__)
@@ -123,6 +131,7 @@ class PolicyTrainer:
             metrics (global over ranks): loss, pg_loss, clip_fraction, kl, entropy (nats/token), grad_norm
             (pre-clip), ratio_mean/ratio_max, logprob_mismatch (mean |trainer - inference| logprob), with an
             off-policy correction is_weight_mean/is_weight_max/is_masked_fraction (`off_policy_weights`), lr,
+            padding_fraction (of the positions this rank's forwards computed: `batching.padding_fraction`),
             train_sequences, train_tokens, train_seconds. An empty batch skips the update.
         """
         start = time.perf_counter()
@@ -156,8 +165,10 @@ class PolicyTrainer:
             raise self._out_of_memory(batch, out_of_memory)
         self.scheduler.step()
         tokens = sum(len(c) for c in batch.completion_ids)
+        lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
         return {
             **sums,
+            "padding_fraction": padding_fraction(lengths, [m for plan in plans for m in plan]),
             "train_sequences": float(len(batch)),
             "train_tokens": float(tokens),
             "train_seconds": time.perf_counter() - start,

@@ -30,6 +30,7 @@ from lora_rl_core.models import load_model
 from lora_rl_core.plan import make_plan
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.trainer import PolicyTrainer, TrainerPlan, rank_micro_batches
+from lora_rl_core.trainer.batching import padding_fraction
 from lora_rl_core.trainer.workers import TrainerWorkerError, TrainerWorkers, _serve
 
 
@@ -152,6 +153,17 @@ def test_rank_micro_batches_share_rows_and_pad_to_equal_counts():
     assert plans == [[[1, 4, 0], [5]], [[3, 2, 6], []]]  # dealt round-robin; rank 1 padded with a dummy
     assert rank_micro_batches(lengths, rows, size=3) == [[1, 3, 4], [2, 0, 6], [5]]  # one process: length order
     assert rank_micro_batches(lengths, [5, 6], size=3) == [[6, 5]]  # only the minibatch's rows
+
+
+def test_padding_fraction_counts_the_padding_left_inside_each_micro_batch():
+    lengths = [10, 4, 6, 10]
+    # [1, 2] pads to 6 (2 of 12 positions), [0, 3] needs none, the empty dummy is skipped: 2 of 32
+    assert padding_fraction(lengths, [[1, 2], [0, 3], []]) == pytest.approx(2 / 32)
+    assert padding_fraction(lengths, [[1, 0]]) == pytest.approx(6 / 20)  # unsorted rows pay more
+    assert padding_fraction(lengths, [rows for rows in rank_micro_batches(lengths, [0, 1, 2, 3], size=2)]) == (
+        pytest.approx(2 / 32)  # the length-sorted plan is the first one
+    )
+    assert padding_fraction(lengths, [[]]) == 0.0
 
 
 def test_rank_micro_batches_gives_empty_plans_to_idle_ranks():
