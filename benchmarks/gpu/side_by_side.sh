@@ -44,6 +44,10 @@ rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 for arm in "$@"; do name=${arm%%=*}; echo "== $name"; grep -E "^step |^│" "$OUT/$shape-1gpu-$name.log" | tail -8; done
 source "$(dirname "$0")/after_run.sh"; after_run side_by_side "${ports[@]}"
 # at most 8 files come back from a call: the arms' logs travel as one archive beside their JSONs
+# (with the arms' profile outlines; a timeline's trace, `*.trace.json.gz`, comes back on its own)
 logs=(); for arm in "$@"; do logs+=("$shape-1gpu-${arm%%=*}.log"); done
+for f in "$OUT/$shape"-1gpu-*.timeline.txt "$OUT/$shape"-1gpu-*.train-profile.txt; do
+  [ -f "$f" ] && logs+=("$(basename "$f")")
+done
 tar -C "$OUT" -czf "$OUT/$shape-1gpu-logs-$$.tgz" "${logs[@]}" nvidia-smi.txt && (cd "$OUT" && rm -f "${logs[@]}" nvidia-smi.txt)
 exit "$rc"
