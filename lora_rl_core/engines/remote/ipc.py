@@ -137,9 +137,14 @@ def _spans(
 
 def _concat(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """One new flat tensor of `dtype` on `device` holding `parts` end to end: one `cat` where the parts are
-    (a few kernels, not one per part), then one cast and move when needed."""
+    (a few kernels, not one per part), then one cast and move when needed. Parts on the host bound for a GPU
+    move there first (cast on the way) and are joined there: a `cat` of a 7B adapter's ~390 host tensors took
+    ~0.2 s of a sync on the GPU host, where the parts' copies are asynchronous from the page-locked memory
+    that `lora.cpu_copies` gives them."""
     sources = {p.device for p in parts}
-    if len(sources) > 1:
+    if device.type == "cuda" and any(s.type == "cpu" for s in sources):
+        parts = [p.to(device=device, dtype=dtype, non_blocking=True) for p in parts]
+    elif len(sources) > 1:
         parts = [p.to(device) for p in parts]
     if len({p.dtype for p in parts}) == 1:
         flat = torch.cat(parts)
