@@ -210,7 +210,8 @@ def main() -> None:
                     times["other"] = max(0.0, wall - sum(times.values()))  # async: includes waiting for rollouts
                     times["rollout"] = m["rollout_seconds"]  # generation time (async: overlapped with training)
                     if timeline is not None:
-                        timeline.on_step(m["step"])
+                        timeline.on_step(m["step"])  # writing the trace takes seconds: not the next step's
+                        last[0] = time.perf_counter()
                     steps.append(
                         {
                             "step": m["step"],

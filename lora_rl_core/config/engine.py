@@ -69,7 +69,8 @@ class SGLangLaunchConfig(Section):
     """`--sampling-backend`. `auto`: SGLang's own choice (`flashinfer`) where usable, else `pytorch`."""
     lora_backend: str = "auto"
     """`--lora-backend`. `auto`: `triton` (SGLang's default, `csgmv`, decodes a rollout batch of 128 about 1.4x
-    slower on an H100: benchmarks/results/gpu_scale/lora-backend/rollout-*.json)."""
+    slower on an H100: benchmarks/results/gpu_scale/lora-backend/rollout-*.json; tuned for the 1.5B and 7B
+    shapes its kernels still take 2x the `triton` kernels' time: benchmarks/results/sglang_lora_tune/)."""
     grammar_backend: str = "none"
     """`--grammar-backend`; `none`: rollouts use no constrained decoding."""
     extra_args: list[str] = []
