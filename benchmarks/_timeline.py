@@ -59,7 +59,7 @@ def _wrap(obj: Any, label: str, methods: tuple[str, ...]) -> list[str]:
             continue
         try:
             setattr(obj, method, _named(f"{label}.{method}", fn))
-        except (AttributeError, TypeError):  # slots, frozen dataclasses: that part stays unnamed
+        except (AttributeError, TypeError, ValueError):  # slots, frozen dataclasses, pydantic: left unnamed
             continue
         done.append(f"{label}.{method}")
     return done

@@ -153,6 +153,11 @@ def main() -> None:
         "before 796d3bd), for the A/B of that change",
     )
     args = p.parse_args()
+    for flag, step in (("--profile-step", args.profile_step), ("--timeline-step", args.timeline_step)):
+        if step and not 1 <= step <= args.steps:
+            p.error(f"{flag} {step} is not one of the {args.steps} steps")
+    if args.profile_step and args.profile_step == args.timeline_step:
+        p.error("--profile-step and --timeline-step name the same step: one profiler at a time")
     if args.serialise_in_memory:
         serialise_holding_the_lock()
 
@@ -296,7 +301,7 @@ def summarize(
 ) -> dict[str, Any]:
     """Medians over the steps after the first (which pays Triton compilation and cold caches), a profiled
     step left out."""
-    timed = [s for s in steps[1:] if not s.get("profiled")] or steps
+    timed = [s for s in steps[1:] if not s.get("profiled")] or steps[1:] or steps
     med = lambda xs: statistics.median(xs)  # noqa: E731
     phases = {k: med([s["seconds"].get(k, 0.0) for s in timed]) for k in (*PHASES, "other")}
     gpu = torch.cuda.get_device_name(0)

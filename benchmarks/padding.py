@@ -8,7 +8,8 @@ and backward, per micro-batch size; "unsorted" is the same without the sort, for
         run.output_dir=/tmp/pad/runs store.uri=file:///tmp/pad/store
     python benchmarks/padding.py --store file:///tmp/pad/store --run <run id from the log>
 
-Every row of each step counts (as with `algorithm.skip_uniform_groups=false`); writes
+Every row of each step counts (as with `algorithm.skip_uniform_groups=false`), as one minibatch on one rank
+(the default config); writes
 `benchmarks/results/padding.json` and prints a table.
 """
 
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # isort: split
 from _common import RESULTS, machine_info, print_table, write_json  # noqa: E402
 
-from lora_rl_core.errors import LoraRLError  # noqa: E402
+from lora_rl_core.errors import LoraRLError, StoreError  # noqa: E402
 from lora_rl_core.records import RolloutBatch  # noqa: E402
 from lora_rl_core.run.rundir import RunDir  # noqa: E402
 from lora_rl_core.trainer.batching import padding_fraction, rank_micro_batches  # noqa: E402
@@ -53,8 +54,13 @@ def main() -> None:
     while True:
         try:
             rows = run_dir.read_phase("rollouts", step, RolloutBatch).rows
-        except LoraRLError:  # no rollouts of this step: the run ended before it
+        except StoreError:  # the store failed: not the end of the run
+            raise
+        except LoraRLError:  # no rollouts of this step (the run ended before it), or a malformed record
             break
+        if not rows:
+            step += 1
+            continue
         lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
         steps.append(
             {"step": step, "rows": len(rows), "min": min(lengths), "max": max(lengths), **step_padding(lengths)}

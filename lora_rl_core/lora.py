@@ -104,13 +104,20 @@ def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     step) with asynchronous copies and one wait per device, instead of one synchronous copy from pageable
     memory per tensor: a 7B adapter is ~390 tensors, its checkpoint three times as many. In a timeline of one
     7B step those copies were ~0.1 s of publish and ~0.2 s of the checkpoint's snapshot
-    (`benchmarks/_timeline.py`; `benchmarks/results/gpu_scale/README.md`).
+    (`benchmarks/_timeline.py`; `benchmarks/results/gpu_scale/README.md`). The page-locked memory stays
+    reserved by the allocator for the process's life, at the most copies alive at once (a version being
+    written, a queued checkpoint, the next snapshot: a few times the adapter's float32 bytes). Where it cannot
+    be had, a tensor is copied into pageable memory as before.
     """
     out: dict[str, torch.Tensor] = {}
     devices = set()
     for k, v in tensors.items():
         if v.is_cuda:
-            out[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            try:
+                out[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            except RuntimeError:  # no page-locked memory to be had (a locked-memory limit): a pageable copy
+                out[k] = v.detach().to("cpu", copy=True).contiguous()
+                continue
             out[k].copy_(v.detach(), non_blocking=True)
             devices.add(v.device)
         else:

@@ -131,7 +131,8 @@ class PolicyTrainer:
             metrics (global over ranks): loss, pg_loss, clip_fraction, kl, entropy (nats/token), grad_norm
             (pre-clip), ratio_mean/ratio_max, logprob_mismatch (mean |trainer - inference| logprob), with an
             off-policy correction is_weight_mean/is_weight_max/is_masked_fraction (`off_policy_weights`), lr,
-            padding_fraction (of the positions this rank's forwards computed: `batching.padding_fraction`),
+            padding_fraction (of the positions this rank's forwards computed, `batching.padding_fraction`:
+            rank 0's share on a sharded trainer, not global),
             train_sequences, train_tokens, train_seconds. An empty batch skips the update.
         """
         start = time.perf_counter()
