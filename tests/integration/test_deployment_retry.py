@@ -90,7 +90,9 @@ def _cli(env: dict[str, str], *args: str) -> str:
     return out.stdout
 
 
-def _wait(predicate, seconds: float, what: str) -> None:
+def _wait(predicate, seconds: float, what: str, log: Path | None = None) -> None:
+    """Poll `predicate` until it holds; on timeout the error names `what` and ends with the worker's log
+    (`log`), which holds the flow-run processes' output: a run that failed or never started says why."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -99,17 +101,20 @@ def _wait(predicate, seconds: float, what: str) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+    tail = log.read_text(errors="replace")[-6000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"timed out after {seconds} s waiting for {what}" + (f"; worker log:\n{tail}" if tail else ""))
 
 
-def _worker(env: dict[str, str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    return processes.popen(
-        [PREFECT, "worker", "start", "--pool", POOL, "--limit", "1"],
-        cwd=REPO,
-        env={**env, **(extra_env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def _worker(env: dict[str, str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A process worker of the pool, its output (and its flow-run processes') appended to `log`."""
+    with log.open("ab") as out:  # the child keeps its own copy of the descriptor
+        return processes.popen(
+            [PREFECT, "worker", "start", "--pool", POOL, "--limit", "1"],
+            cwd=REPO,
+            env={**env, **(extra_env or {}), "PREFECT_LOGGING_LEVEL": "INFO"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _stop(worker: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -117,8 +122,13 @@ def _stop(worker: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
     processes.stop(worker, sig, grace_s=60)
 
 
-def _state(api: str, run_id: str) -> str:
-    return httpx.get(f"{api}/flow_runs/{run_id}", timeout=10).json()["state"]["type"]
+def _reaches(api: str, run_id: str, want: str) -> bool:
+    """Whether the flow run is in state `want`; a run that ended in another final state fails the test at
+    once, with its state's message, instead of running out the wait."""
+    state = httpx.get(f"{api}/flow_runs/{run_id}", timeout=10).json()["state"]
+    if state["type"] != want and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+        raise AssertionError(f"flow run ended {state['type']} instead of {want}: {state.get('message')}")
+    return state["type"] == want
 
 
 def _task_states(api: str, flow_run_id: str) -> dict[str, str]:
@@ -145,13 +155,14 @@ def _config(tmp_path: Path, tiny_model_dir: Path) -> tuple[Path, Path]:
 def test_injected_fault_then_ui_retry_completes_from_cache(server, tiny_model_dir, tmp_path):
     api, env = server
     config, store = _config(tmp_path, tiny_model_dir)
-    worker = _worker(env, {"LORA_RL_FAULT": "train_step:2"})
+    log = tmp_path / "worker.log"
+    worker = _worker(env, log, {"LORA_RL_FAULT": "train_step:2"})
     try:
         flow_run = _run_deployment(env, config, "it-fault")
-        _wait(lambda: _state(api, flow_run) == "FAILED", 240, "the injected fault to fail the flow run")
+        _wait(lambda: _reaches(api, flow_run, "FAILED"), 240, "the injected fault to fail the flow run", log)
         assert AdapterStore(f"file://{store}").versions("it-fault") == [0, 1]
         _cli(env, "flow-run", "retry", flow_run)  # the UI's Retry: AwaitingRetry, picked up by the worker
-        _wait(lambda: _state(api, flow_run) == "COMPLETED", 240, "the retried flow run to complete")
+        _wait(lambda: _reaches(api, flow_run, "COMPLETED"), 240, "the retried flow run to complete", log)
     finally:
         _stop(worker)
     states = _task_states(api, flow_run)
@@ -165,20 +176,22 @@ def test_injected_fault_then_ui_retry_completes_from_cache(server, tiny_model_di
 def test_kill_worker_mid_publish_leaves_no_partial_version(server, tiny_model_dir, tmp_path):
     api, env = server
     config, store = _config(tmp_path, tiny_model_dir)
-    worker = _worker(env, {"LORA_RL_FAULT": "publish_adapter:2:hang"})
+    log = tmp_path / "worker.log"
+    worker = _worker(env, log, {"LORA_RL_FAULT": "publish_adapter:2:hang"})
     attempt_dir = store / "it-kill" / "adapters" / "v000002"
     try:
         flow_run = _run_deployment(env, config, "it-kill")
-        _wait(lambda: any(attempt_dir.glob("*/adapter_model.safetensors")), 240, "publish of v2 to write its files")
+        wrote = lambda: any(attempt_dir.glob("*/adapter_model.safetensors"))  # noqa: E731
+        _wait(wrote, 240, "publish of v2 to write its files", log)
     finally:
         _stop(worker, signal.SIGKILL)  # kill -9 the worker and the (hung) flow process it started
     assert AdapterStore(f"file://{store}").versions("it-kill") == [0, 1]  # no partial version
     assert not (attempt_dir / "manifest.json").exists()
     body = {"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}, "force": True}
     assert httpx.post(f"{api}/flow_runs/{flow_run}/set_state", json=body, timeout=10).status_code in (200, 201)
-    worker = _worker(env)
+    worker = _worker(env, log)
     try:
-        _wait(lambda: _state(api, flow_run) == "COMPLETED", 240, "the retried flow run to complete")
+        _wait(lambda: _reaches(api, flow_run, "COMPLETED"), 240, "the retried flow run to complete", log)
     finally:
         _stop(worker)
     assert AdapterStore(f"file://{store}").versions("it-kill") == [0, 1, 2, 3]
