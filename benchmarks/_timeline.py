@@ -18,7 +18,6 @@ import contextlib
 import functools
 import gzip
 import json
-import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,19 +49,14 @@ def _named(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _wrap(obj: Any, label: str, methods: tuple[str, ...]) -> list[str]:
-    """Wrap `obj`'s `methods` in ranges named `label.method` (instance attributes); the names wrapped."""
-    done = []
+def _wrap(obj: Any, label: str, methods: tuple[str, ...]) -> None:
+    """Wrap those of `obj`'s `methods` it has in ranges named `label.method` (instance attributes)."""
     for method in methods:
-        fn = getattr(obj, method, None)
+        fn = getattr(obj, method, None)  # the trainer kinds differ (a sharded one has no gather_adapter_state)
         if not callable(fn):
             continue
-        try:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):  # slots, frozen, pydantic: unnamed
             setattr(obj, method, _named(f"{label}.{method}", fn))
-        except (AttributeError, TypeError, ValueError):  # slots, frozen dataclasses, pydantic: left unnamed
-            continue
-        done.append(f"{label}.{method}")
-    return done
 
 
 class StepTimeline:
@@ -80,18 +74,16 @@ class StepTimeline:
         self.at, self.out = at, out
         self.report = ""
         self._profiler: torch.profiler.profile | None = None
-        self.named: list[str] = []
         for attr, methods in WATCHED.items():
-            part = getattr(run, attr, None)
-            if part is not None:
-                self.named += _wrap(part, attr, methods)
+            _wrap(getattr(run, attr), attr, methods)
         engine = run.built.engine
-        for i, member in enumerate(getattr(engine, "members", lambda: [engine])()):
-            self.named += _wrap(member, f"engine[{i}]", ENGINE_METHODS)
-        if engine not in getattr(engine, "members", lambda: [engine])():
-            self.named += _wrap(engine, "engine", ENGINE_METHODS)
-        for i, server in enumerate(getattr(run.built, "servers", [])):
-            self.named += _wrap(server, f"server[{i}]", SERVER_METHODS)
+        members = engine.members()  # the engine itself, or the replicas of a multi-engine
+        for i, member in enumerate(members):
+            _wrap(member, f"engine[{i}]", ENGINE_METHODS)
+        if engine not in members:
+            _wrap(engine, "engine", ENGINE_METHODS)
+        for i, server in enumerate(run.built.servers):
+            _wrap(server, f"server[{i}]", SERVER_METHODS)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -118,18 +110,40 @@ class StepTimeline:
             raw = self.out.with_name(self.out.name + ".trace.json")
             self._profiler.export_chrome_trace(str(raw))
             self._profiler = None
-            events = json.loads(raw.read_text())
-            with raw.open("rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
+            data = raw.read_bytes()
+            Path(str(raw) + ".gz").write_bytes(gzip.compress(data))
             raw.unlink()
-            self.report = summarize_trace(events, f"step {self.at}")
+            self.report = summarize_trace(json.loads(data), f"step {self.at}")
             self.out.with_name(self.out.name + ".timeline.txt").write_text(self.report)
+
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""The trace categories of work on the GPU."""
+
+
+def gpu_spans(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(start, end) in us of every GPU event (`GPU_CATEGORIES`, complete events) of a trace, sorted by start."""
+    gpu = (e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES)
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu)
+
+
+def busy_us(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """Microseconds of [`start`, `end`) during which the GPU ran something: the union of `spans` (sorted by
+    start, `gpu_spans`) clipped to the window, so kernels of several streams that overlap count once."""
+    busy, covered = 0.0, start
+    for a, b in spans:
+        if a >= end:
+            break
+        b = min(b, end)
+        busy += max(0.0, b - max(a, covered))
+        covered = max(covered, b)
+    return busy
 
 
 def summarize_trace(trace: dict[str, Any], root: str, top_ops: int = 6) -> str:
     """A text outline of a Chrome trace from `torch.profiler`: the range named `root` and every range inside it
     on the same thread, indented by depth, each with its milliseconds, its heaviest CPU ops (`top_ops`, by
-    total time, counting nested ops once) and the GPU kernel time that ran while it was open.
+    total time, counting nested ops once) and how long the GPU was busy while it was open (`busy_us`).
 
     Args:
         trace: the exported trace (`{"traceEvents": [...]}`; complete events `ph: X`, `ts`/`dur` in us).
@@ -152,8 +166,8 @@ def summarize_trace(trace: dict[str, Any], root: str, top_ops: int = 6) -> str:
         (e for e in events if e.get("cat") == "cpu_op" and e["tid"] == tid and t0 <= e["ts"] <= t1),
         key=lambda e: (e["ts"], -e["dur"]),
     )
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    lines = [f"{root} (main thread; ranges of 0.1 ms or more; GPU: kernel ms while the range was open)"]
+    spans = gpu_spans(events)
+    lines = [f"{root} (main thread; ranges of 0.1 ms or more; GPU: ms it was busy while the range was open)"]
     stack: list[dict[str, Any]] = []
     for r in inside:
         while stack and r["ts"] >= stack[-1]["ts"] + stack[-1]["dur"]:
@@ -161,7 +175,7 @@ def summarize_trace(trace: dict[str, Any], root: str, top_ops: int = 6) -> str:
         depth = len(stack)
         stack.append(r)
         end = r["ts"] + r["dur"]
-        gpu_ms = sum(k["dur"] for k in kernels if r["ts"] <= k["ts"] < end) / 1e3
+        gpu_ms = busy_us(spans, r["ts"], end) / 1e3
         lines.append(f"{'  ' * depth}{r['name']}: {r['dur'] / 1e3:.1f} ms, GPU {gpu_ms:.1f} ms")
         heavy = _top_level_ops([o for o in ops if r["ts"] <= o["ts"] and o["ts"] + o["dur"] <= end])
         for name, ms in heavy[:top_ops]:

@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import torch
 from _common import ALL_LINEAR, RESULTS, machine_info, print_table, write_json
+from _timeline import GPU_CATEGORIES, busy_us, gpu_spans
 
 from lora_rl_core.config import config_from_dict, sglang_section
 from lora_rl_core.engines import GenerationRequest, SamplingParams
@@ -148,15 +149,12 @@ def summarize_trace(path: Path, steps: int, top: int = 25) -> dict:
     with gzip.open(path, "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     if not gpu:
         return {"error": "no GPU events in the trace"}
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu)
-    busy, end = 0.0, spans[0][0]
-    for a, b in spans:
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
-    window = spans[-1][1] - spans[0][0]
+    spans = gpu_spans(gpu)
+    start, end = spans[0][0], max(b for _, b in spans)
+    busy, window = busy_us(spans, start, end), end - start
     totals: Counter[str] = Counter()
     counts: Counter[str] = Counter()
     for e in gpu:

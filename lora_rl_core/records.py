@@ -116,6 +116,10 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.completion_ids)
 
+    def row_lengths(self) -> list[int]:
+        """Each row's length in tokens (prompt + completion): what a forward over the row computes."""
+        return [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids, strict=True)]
+
     def select(self, rows: list[int]) -> TrainBatch:
         """The sub-batch of the given row indices."""
         return TrainBatch(

@@ -144,7 +144,8 @@ class PolicyTrainer:
                 "lr": float(self.scheduler.get_last_lr()[0]),
             }
         chunks = list(split_even(len(batch), self.algo.num_minibatches))
-        plans = [self._micro_plan(batch, rows) for rows in chunks]
+        lengths = batch.row_lengths()
+        plans = [self._micro_plan(lengths, rows) for rows in chunks]
         sums: dict[str, float] = {}
         try:
             old_logprobs = self._old_logprobs(batch, plans) if self.algo.num_minibatches > 1 else None
@@ -163,10 +164,9 @@ class PolicyTrainer:
         if (self.plan.empty_cache_after_step or out_of_memory is not None) and self.device.type == "cuda":
             torch.cuda.empty_cache()  # SGLang takes its KV cache back on this GPU next (the memory saver)
         if out_of_memory is not None:
-            raise self._out_of_memory(batch, out_of_memory)
+            raise self._out_of_memory(len(batch), max(lengths), out_of_memory)
         self.scheduler.step()
         tokens = sum(len(c) for c in batch.completion_ids)
-        lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
         return {
             **sums,
             "padding_fraction": padding_fraction(lengths, [m for plan in plans for m in plan]),
@@ -176,16 +176,15 @@ class PolicyTrainer:
             "lr": float(self.scheduler.get_last_lr()[0]),
         }
 
-    def _out_of_memory(self, batch: TrainBatch, detail: str) -> TrainerOutOfMemoryError:
-        """The error for an update of `batch` that ran out of GPU memory (`detail`: CUDA's first line): the
+    def _out_of_memory(self, rows: int, longest: int, detail: str) -> TrainerOutOfMemoryError:
+        """The error for an update of `rows` rows that ran out of GPU memory (`detail`: CUDA's first line): the
         batch's longest row in tokens, the micro-batch, and the settings that lower the need."""
-        longest = max(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True))
         ckpt = self.plan.gradient_checkpointing
         fixes = "rollout.max_new_tokens or trainer.micro_batch_size" + (
             "" if ckpt else ", or set trainer.gradient_checkpointing=true"
         )
         return TrainerOutOfMemoryError(
-            f"the trainer ran out of GPU memory in its update ({len(batch)} rows, the longest {longest} tokens, "
+            f"the trainer ran out of GPU memory in its update ({rows} rows, the longest {longest} tokens, "
             f"micro-batch {self.plan.micro_batch_size}, gradient checkpointing {'on' if ckpt else 'off'}): "
             f"{detail}. Lower {fixes}"
         )
@@ -216,8 +215,8 @@ class PolicyTrainer:
         )
         return metrics, head + "\n" + events.table(sort_by=sort, row_limit=row_limit, max_name_column_width=70)
 
-    def _micro_plan(self, batch: TrainBatch, rows: list[int]) -> list[list[int]]:
-        lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
+    def _micro_plan(self, lengths: list[int], rows: list[int]) -> list[list[int]]:
+        """This rank's micro-batches of the minibatch `rows` (`rank_micro_batches`; `lengths`: every row's)."""
         return rank_micro_batches(
             lengths, rows, size=self.plan.micro_batch_size, rank=self.rank, world_size=self.world_size
         )

@@ -57,3 +57,18 @@ def test_outline_needs_its_root_range():
 def test_a_timeline_starts_after_step_one():
     with pytest.raises(ValueError, match="must be >= 2"):
         timeline.StepTimeline(object(), 1, Path("unused"))
+
+
+def test_gpu_busy_time_counts_overlapping_streams_once_within_the_window():
+    spans = timeline.gpu_spans(
+        [
+            _event("k1", "kernel", 0, 100),
+            _event("k2", "kernel", 50, 100),  # another stream, overlapping k1: 0..150 busy
+            _event("copy", "gpu_memcpy", 300, 50),
+            _event("op", "cpu_op", 0, 1_000),  # not GPU work
+        ]
+    )
+    assert spans == [(0, 100), (50, 150), (300, 350)]
+    assert timeline.busy_us(spans, 0, 1_000) == 200
+    assert timeline.busy_us(spans, 120, 320) == 30 + 20  # clipped at both ends
+    assert timeline.busy_us(spans, 400, 500) == 0

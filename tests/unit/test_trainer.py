@@ -148,7 +148,8 @@ def test_train_step_updates_lora_and_reports_metrics(make_trainer):
     assert metrics["clip_fraction"] == 0.0  # one minibatch: ratio is exactly 1
     assert metrics["ratio_mean"] == pytest.approx(1.0)
     assert metrics["train_sequences"] == 3.0
-    assert 0.0 <= metrics["padding_fraction"] < 1.0
+    lengths = batch.row_lengths()  # one micro-batch of 3 rows, right-padded to the longest
+    assert metrics["padding_fraction"] == pytest.approx(1 - sum(lengths) / (3 * max(lengths)))
     assert metrics["train_tokens"] == float(sum(len(c) for c in batch.completion_ids))
 
 
