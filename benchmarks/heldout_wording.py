@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapter", required=True, help="RUN@VERSION in the config's store, or a PEFT folder")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides, key=value")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: print only)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="token cap (default: run.eval_max_new_tokens, else rollout's)"
+    )
     args = parser.parse_args(argv)
 
     from lora_rl_core.config import load_config
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     grader,
                     adapter=adapter,
                     prompt=style,
-                    max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+                    max_new_tokens=args.max_new_tokens or cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
                     settings=cfg.eval.model_copy(update={"samples_per_prompt": 1}),
                 )
             results[f"{wording}/example"] = {"question": asked[0].question, "instruction": instruction}
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{wording}] Q: {sample['question']!r}\n  A: {sample['completion']!r} (gold {sample['gold']})")
     if args.out:
         record = {"config": args.config, "overrides": args.set, "adapter": args.adapter,
+                  "max_new_tokens": args.max_new_tokens,
                   "machine": machine_info(str(resolve_device(cfg.model.device))), "results": results}  # fmt: skip
         write_json(record, args.out)
     return 0

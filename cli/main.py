@@ -99,11 +99,7 @@ def train(
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    console.print(
-        f"[bold green]done[/] run {s['run_id']}: accuracy {progress.accuracy_change(s)}, "
-        f"{s['steps']} steps, {s['wall_seconds']:.0f} s wall, {s['seconds_per_step']:.1f} s/step, "
-        f"{s['completions_per_second']:.2f} completions/s"
-    )
+    console.print(f"[bold green]done[/] {progress.format_done(s)}")
     console.print(f"adapter {s['final_adapter']} in {s['store_uri']}; report {s['report']}")
 
 

@@ -3,7 +3,8 @@
 Reads like the algorithm: open the run, measure the base model, run the steps (the library's step loop,
 `lora_rl_core.run.loop.run_steps`: publish and sync version 0, then per step rollout -> score -> train ->
 publish -> sync, each phase a Prefect task, the checkpoint and version uploads running in the background
-until `flush_writes`), and finally measure the trained adapter and write the report and artifacts. With
+until `flush_writes`), and finally measure the trained adapter (or, with `run.eval_before_after: false`, take a
+few of its greedy held-out completions) and write the report and artifacts. With
 `rollout.mode: async` the loop submits the rollouts of the next `algorithm.max_staleness` steps as task
 futures before a step trains, so they are generated while it trains, each with the version current when it
 starts (docs/DESIGN.md, "Asynchronous rollouts").
@@ -79,6 +80,8 @@ def train(
             resumed.runtime,
         )
         summary["step_samples"] = t.step_samples(run_id, len(done.history))
+        if final_eval is None:  # not evaluated: the report still shows what the trained adapter writes
+            summary["final_preview"] = t.heldout_preview(run_id, done.final.name)
         summary["report"] = t.write_report(run_id, done.history, summary)
         _artifacts(run_id, cfg, done.history, summary)
         progress.emit("run_finished", summary)

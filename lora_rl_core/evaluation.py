@@ -11,6 +11,7 @@ An aborted completion counts as a failure.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -22,6 +23,11 @@ from lora_rl_core.config import EvalConfig, RunConfig
 from lora_rl_core.data import Problem, PromptStyle, stable_seed
 from lora_rl_core.engines import Completion, GenerationRequest, RolloutEngine, SamplingParams
 from lora_rl_core.rewards import Grader, RewardBatch
+
+SAMPLES_SHOWN = 3
+"""Greedy completions an evaluation keeps (of its first problems) for the report."""
+PREVIEW_PROBLEMS = 4
+"""Held-out problems of `preview_run_policy`: a few greedy completions when the run does not evaluate."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -49,24 +55,30 @@ def evaluate_policy(
     max_new_tokens: int,
     settings: EvalConfig,
     seed: int = 0,
+    shown: int = SAMPLES_SHOWN,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Greedy accuracy of `adapter` (None = the base model) under each of the grader's metrics, and pass@k /
-    mean@n when `settings.samples_per_prompt` > 1.
+    mean@n when `settings.samples_per_prompt` > 1. Greedy and sampled completions end at the `stop` strings and
+    `stop_token_ids` (`SamplingParams`) as well as at EOS and `max_new_tokens`.
 
     Returns:
         {"accuracy": greedy accuracy under the grader's headline metric (its first), "metrics": the grader's
         metric names, "accuracy/<metric>" for each, "n": problems, "adapter", "aborted": greedy completions
         aborted (counted as failures), "truncated": greedy completions cut at `max_new_tokens`,
-        "mean_completion_tokens", "seconds", "samples": the first 3 (question, completion, gold, verdict per
-        metric)}; with samples also "samples_per_prompt", "temperature", and "pass@k/<metric>",
-        "mean@n/<metric>" for each metric.
+        "truncated_fraction": their share, "mean_completion_tokens", "seconds", "samples": the first `shown`
+        (question, completion, gold, verdict per metric, finish_reason, tokens)}; with samples also
+        "samples_per_prompt", "temperature", and "pass@k/<metric>", "mean@n/<metric>" for each metric.
 
     Raises:
         RewardError: the grader failed (a row without a gold answer, or the named function failed).
     """
     start = time.perf_counter()
     ids = [prompt.render(tokenizer, p) for p in problems]
-    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    greedy = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0.0, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids)
+    )
     completions = engine.generate([GenerationRequest(i, adapter, greedy) for i in ids], inline=True)
     texts, passed = _grade(tokenizer, grader, list(problems), completions)
     headline = grader.metrics[0]
@@ -78,14 +90,23 @@ def evaluate_policy(
         "adapter": adapter,
         "aborted": sum(c.finish_reason == "abort" for c in completions),  # counted as failures
         "truncated": sum(c.finish_reason == "length" for c in completions),
+        "truncated_fraction": sum(c.finish_reason == "length" for c in completions) / max(1, len(completions)),
         "mean_completion_tokens": sum(len(c.completion_ids) for c in completions) / max(1, len(completions)),
         "samples": [
-            {"question": p.question, "completion": t, "gold": p.answer, **{m: passed[m][i] for m in grader.metrics}}
-            for i, (p, t) in enumerate(zip(problems[:3], texts, strict=False))
+            {
+                "question": p.question,
+                "completion": t,
+                "gold": p.answer,
+                **{m: passed[m][i] for m in grader.metrics},
+                "finish_reason": c.finish_reason,
+                "tokens": len(c.completion_ids),
+            }
+            for i, (p, t, c) in enumerate(zip(problems[:shown], texts, completions, strict=False))
         ],
     }
     if settings.samples_per_prompt > 1:
-        result.update(_sampled(engine, tokenizer, problems, grader, ids, adapter, max_new_tokens, settings, seed))
+        sampled = dataclasses.replace(greedy, temperature=settings.temperature, seed=seed)
+        result.update(_sampled(engine, tokenizer, problems, grader, ids, adapter, sampled, settings))
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -103,11 +124,14 @@ def evaluate_run_policy(
     *,
     adapter: str | None,
     prompt: PromptStyle | None = None,
+    settings: EvalConfig | None = None,
+    shown: int = SAMPLES_SHOWN,
 ) -> dict[str, Any]:
     """`evaluate_policy` with a run config's settings: its prompt style (`prompt`, default
     `PromptStyle.of(cfg.data, cfg.rollout)`: `rollout.system_prompt`, the data source's instruction),
-    `run.eval_max_new_tokens` (else `rollout.max_new_tokens`), the `eval` section and a seed from `run.seed`.
-    What the flow, `lora-rl eval` and the benchmarks evaluate with.
+    `run.eval_max_new_tokens` (else `rollout.max_new_tokens`), `rollout.stop` and `rollout.stop_token_ids`, the
+    `eval` section (`settings`, default `cfg.eval`) and a seed from `run.seed`. What the flow, `lora-rl eval`
+    and the benchmarks evaluate with.
 
     Raises:
         RewardError: the grader failed (naming the rows).
@@ -120,8 +144,35 @@ def evaluate_run_policy(
         adapter=adapter,
         prompt=prompt or PromptStyle.of(cfg.data, cfg.rollout),
         max_new_tokens=cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens,
-        settings=cfg.eval,
+        settings=settings or cfg.eval,
         seed=stable_seed(cfg.run.seed, "eval"),
+        shown=shown,
+        stop=cfg.rollout.stop,
+        stop_token_ids=cfg.rollout.stop_token_ids,
+    )
+
+
+def preview_run_policy(
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: Sequence[Problem],
+    grader: Grader,
+    cfg: RunConfig,
+    *,
+    adapter: str | None,
+    prompt: PromptStyle | None = None,
+    n: int = PREVIEW_PROBLEMS,
+) -> dict[str, Any]:
+    """What `adapter` writes on the first `n` of `problems`: `evaluate_run_policy` on that subset, greedy only
+    (whatever `eval.samples_per_prompt` says), every completion in "samples". For the report of a run that does
+    not evaluate (`run.eval_before_after: false`); its accuracy over `n` problems is no evaluation.
+
+    Raises:
+        RewardError: the grader failed (naming the rows).
+    """
+    greedy = cfg.eval.model_copy(update={"samples_per_prompt": 1})
+    return evaluate_run_policy(
+        engine, tokenizer, problems[:n], grader, cfg, adapter=adapter, prompt=prompt, settings=greedy, shown=n
     )
 
 
@@ -132,14 +183,12 @@ def _sampled(
     grader: Grader,
     ids: list[list[int]],
     adapter: str | None,
-    max_new_tokens: int,
+    params: SamplingParams,
     settings: EvalConfig,
-    seed: int,
 ) -> dict[str, Any]:
-    """pass@k for k = 1, 2, 4, ... n and mean@n from `n` samples per problem, per grader metric
-    (`pass@k/<metric>`, `mean@n/<metric>`)."""
+    """pass@k for k = 1, 2, 4, ... n and mean@n from `n` samples per problem drawn with `params`, per grader
+    metric (`pass@k/<metric>`, `mean@n/<metric>`)."""
     n = settings.samples_per_prompt
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=settings.temperature, seed=seed)
     requests = [GenerationRequest(i, adapter, params) for i in ids for _ in range(n)]
     completions = engine.generate(requests, inline=True)
     repeated = [p for p in problems for _ in range(n)]
@@ -159,7 +208,11 @@ def _grade(
 ) -> tuple[list[str], dict[str, list[bool]]]:
     """Completion texts, and per grader metric whether each succeeded (an aborted completion never does)."""
     texts = tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
-    verdicts = grader.grade(RewardBatch.from_problems(problems, texts, [c.completion_ids for c in completions]))
+    verdicts = grader.grade(
+        RewardBatch.from_problems(
+            problems, texts, [c.completion_ids for c in completions], [c.finish_reason for c in completions]
+        )
+    )
     passed = {
         metric: [ok and c.finish_reason != "abort" for ok, c in zip(values, completions, strict=True)]
         for metric, values in verdicts.items()

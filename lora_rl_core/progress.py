@@ -34,14 +34,15 @@ def emit(event: str, data: dict[str, Any]) -> None:
 
 def format_step(m: dict[str, Any]) -> str:
     """One line per step: `step 3/30 reward 0.42±0.31 acc 41% signal 50% clip 0.000 kl 0.0000 ent 1.23 gnorm 0.5
-    len 21.0 cut 3% 2.5 compl/s 18.2s`, then each reward term's mean (`cut`: completions that hit
-    `rollout.max_new_tokens`, verl's `response_length/clip_ratio`)."""
+    len 21.0 cut 3% end 97% 2.5 compl/s 18.2s`, then each reward term's mean (`len`: mean completion length,
+    tokens; `cut`: completions that hit `rollout.max_new_tokens`, verl's `response_length/clip_ratio`; `end`:
+    completions that ended with end-of-sequence or a stop sequence)."""
     return (
         f"step {m['step']}/{m.get('steps', '?')} reward {m.get('reward_mean', 0):.3f}±{m.get('reward_std', 0):.3f} "
         f"acc {100 * m.get('accuracy', 0):.0f}% signal {100 * m.get('groups_with_signal', 0):.0f}% "
         f"clip {m.get('clip_fraction', 0):.3f} kl {m.get('kl', 0):.4f} ent {m.get('entropy', 0):.2f} "
         f"gnorm {m.get('grad_norm', 0):.3f} len {m.get('completion_length', 0):.1f} "
-        f"cut {100 * m.get('truncated_fraction', 0):.0f}% "
+        f"cut {100 * m.get('truncated_fraction', 0):.0f}% end {100 * m.get('ended_fraction', 0):.0f}% "
         f"{m.get('completions_per_second', 0):.1f} compl/s {m.get('step_seconds', 0):.1f}s"
         + (f" lag {' '.join(f'{k}:{v}' for k, v in lag.items())}" if (lag := m.get("version_lag")) else "")
         + "".join(f" {k.removeprefix('rewards/').removesuffix('/mean')} {v:.3f}" for k, v in m.items() if _term(k, v))
@@ -74,6 +75,28 @@ def accuracy_change(summary: dict[str, Any]) -> str:
         return "n/a" if value is None else f"{100 * value:.1f}%"
 
     return ", ".join(f"{m + ' ' if m else ''}{pct(base, m)} -> {pct(final, m)}" for m in metrics)
+
+
+def format_done(s: dict[str, Any]) -> str:
+    """The run's last line after `done`, from its summary (`lora_rl_core.report.run_summary`): `run r: accuracy
+    strict 0.0% -> 40.6%, flexible 4.7% -> 71.9%; cut 62% -> 3%, 25 steps, 798 s wall, 29.5 s/step, 3.81
+    completions/s` (`cut`: greedy held-out completions cut at the token limit, before -> after training)."""
+    return (
+        f"run {s['run_id']}: accuracy {accuracy_change(s)}; cut {cut_change(s)}, {s['steps']} steps, "
+        f"{s['wall_seconds']:.0f} s wall, {s['seconds_per_step']:.1f} s/step, "
+        f"{s['completions_per_second']:.2f} completions/s"
+    )
+
+
+def cut_change(summary: dict[str, Any]) -> str:
+    """`62% -> 3%`: the share of greedy held-out completions cut at the token limit before and after training,
+    from a run summary (`base_truncated_fraction`, `final_truncated_fraction`); `n/a` where an evaluation was
+    not run, or the summary is older than these keys."""
+
+    def pct(value: float | None) -> str:
+        return "n/a" if value is None else f"{100 * value:.0f}%"
+
+    return f"{pct(summary.get('base_truncated_fraction'))} -> {pct(summary.get('final_truncated_fraction'))}"
 
 
 def format_runtime(runtime: dict[str, Any]) -> str:

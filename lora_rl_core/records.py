@@ -22,6 +22,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+FinishReason = Literal["stop", "eos", "length", "abort"]
+"""Why a completion ended: `eos`, the model's end-of-sequence token; `stop`, a stop sequence
+(`SamplingParams.stop`: a string, or `stop_token_ids`: a token id); `length`, `max_new_tokens` reached; `abort`,
+ended early with no tokens kept (`ABORT_REASONS`). SGLang reports `eos` and `stop` alike as `{"type": "stop",
+"matched": ...}`; the HTTP client tells them apart by what `matched` is (docs/SGLANG.md, "Stop sequences")."""
+
 
 class Record(BaseModel):
     """Base of the phase records: unknown fields are errors, instances are immutable."""
@@ -41,12 +47,14 @@ class Rollout(Record):
     prompt_ids: list[int]
     """Prompt token ids `[prompt_len]` (chat template applied)."""
     completion_ids: list[int]
-    """Sampled token ids `[completion_len]`, EOS included when the model stopped."""
+    """Sampled token ids `[completion_len]`, the EOS token or the stop sequence's tokens included when one ended it."""
     logprobs: list[float]
     """Inference logprobs `[completion_len]`: log-probability (nats) of each sampled token under the sampling
     temperature, as the engine computed it (used for truncated importance sampling, not as old logprobs)."""
-    finish_reason: Literal["stop", "length", "abort"]
-    """`stop` (EOS), `length` (hit max_new_tokens) or `abort`."""
+    finish_reason: FinishReason
+    """`eos` (the model's end-of-sequence token), `stop` (a stop sequence: `rollout.stop` or
+    `rollout.stop_token_ids`), `length` (hit max_new_tokens) or `abort` (`lora_rl_core.engines.FinishReason`). A
+    record written before `eos` existed says `stop` for an end-of-sequence."""
     adapter: str | None
     """Versioned adapter name that produced the completion (`<run>-v<NNNNNN>`); None = the base model."""
     adapter_version: int | None
@@ -100,6 +108,8 @@ class TrainBatch:
         stale_rejected: scored rows left out because their policy version was too old (`from_scored`).
         uniform_skipped: scored rows left out because their group had no reward signal (`from_scored`).
         reward_skipped: scored rows left out because no reward function scored them (`ScoredRollout.skipped`).
+        truncated_masked: scored rows left out because they were cut at the token limit (`algorithm.truncation:
+            mask`); their rewards still counted in their groups' advantages.
         version_lag: histogram of the scored rows' version lag (`step - 1 - adapter_version`), rejected rows
             included: `{lag: rows}`.
     """
@@ -111,6 +121,7 @@ class TrainBatch:
     stale_rejected: int = 0
     uniform_skipped: int = 0
     reward_skipped: int = 0
+    truncated_masked: int = 0
     version_lag: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -130,18 +141,30 @@ class TrainBatch:
         )
 
     @classmethod
-    def from_scored(cls, rows: list[ScoredRollout], *, step: int, max_staleness: int, skip_uniform: bool) -> TrainBatch:
+    def from_scored(
+        cls,
+        rows: list[ScoredRollout],
+        *,
+        step: int,
+        max_staleness: int,
+        skip_uniform: bool,
+        mask_truncated: bool = False,
+    ) -> TrainBatch:
         """The rows of step `step` that the update may use.
 
         The trainer holds version `step - 1` when it trains step `step`. A row is stale, and rejected, when its
         policy version is more than `max_staleness` behind that (`step - 1 - adapter_version > max_staleness`),
         or when it came from the base model (no version). With `skip_uniform`, rows of groups whose rewards are
         all equal are left out: their advantages are zero, they would only dilute a token-mean loss
-        (DAPO's dynamic sampling, Yu et al. 2025, filters them the same way).
+        (DAPO's dynamic sampling, Yu et al. 2025, filters them the same way). With `mask_truncated`
+        (`algorithm.truncation: mask`), rows cut at the token limit add no loss and are left out too: a
+        token-mean loss then averages over the other rows' tokens alone (TRL `mask_truncated_completions`); their
+        advantages, and those of their groups, were computed with them.
         """
         lagged = [(r, step - 1 - r.adapter_version) for r in rows if r.adapter_version is not None]
         fresh = [r for r, lag in lagged if lag <= max_staleness]
-        used = [r for r in fresh if not r.skipped and (r.has_signal or not skip_uniform)]
+        signal = [r for r in fresh if not r.skipped and (r.has_signal or not skip_uniform)]
+        used = [r for r in signal if not (mask_truncated and r.finish_reason == "length")]
         lags = Counter(lag for _, lag in lagged)
         return cls(
             [r.prompt_ids for r in used],
@@ -149,8 +172,9 @@ class TrainBatch:
             [r.advantage for r in used],
             [r.logprobs for r in used],
             stale_rejected=len(rows) - len(fresh),
-            uniform_skipped=sum(1 for r in fresh if not r.skipped) - len(used),
+            uniform_skipped=sum(1 for r in fresh if not r.skipped) - len(signal),
             reward_skipped=sum(1 for r in fresh if r.skipped),
+            truncated_masked=len(signal) - len(used),
             version_lag=dict(sorted(lags.items())),
         )
 
@@ -175,6 +199,11 @@ class RolloutStats(Stats):
     """Mean completion length, tokens."""
     truncated_fraction: float
     """Fraction of completions that hit `rollout.max_new_tokens`."""
+    ended_fraction: float = 0.0
+    """Share of completions that ended with end-of-sequence or a stop sequence (`finish_reason` `eos` or
+    `stop`); 0.0 in a record persisted before it existed."""
+    finish_reasons: dict[str, int] = {}
+    """Completions by how they ended, `{"eos": n, "stop": n, "length": n}`; empty in an older record."""
 
 
 class ScoreStats(Stats):
@@ -213,6 +242,8 @@ class TrainStats(Stats):
     """True when this step saved a checkpoint (`trainer.checkpoint_every`)."""
     reward_skipped: int = 0
     """Rows no reward function scored (left out)."""
+    truncated_masked: int = 0
+    """Rows cut at the token limit and left out of the loss (`algorithm.truncation: mask`)."""
     version_lag: dict[int, int] = {}
     """Histogram of the step's completions by version lag, `{lag: completions}`: 0 = sampled by the version
     the trainer held (on-policy), 1 = one version older, ... (stale ones, dropped, included)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_rl_core.config import RunConfig
-from lora_rl_core.progress import format_accuracy, format_sampled, lora_compute_part
+from lora_rl_core.progress import cut_change, format_accuracy, format_sampled, lora_compute_part
 from lora_rl_core.rewards.answers import ANSWER_FORMATS
 
 _TABLE_COLUMNS = (
@@ -21,6 +21,8 @@ _TABLE_COLUMNS = (
     "grad_norm",
     "completion_length",
     "truncated_fraction",
+    "ended_fraction",
+    "finish_reasons",
     "rollout_seconds",
     "train_seconds",
     "sync_seconds",
@@ -80,7 +82,8 @@ def step_table(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _cell(value: Any) -> Any:
-    """A table cell: floats rounded to 4 places, a histogram `{lag: n}` as `0:12 1:4`."""
+    """A table cell: floats rounded to 4 places, a histogram `{lag: n}` as `0:12 1:4` (finish reasons as
+    `eos:40 stop:0 length:24`)."""
     if isinstance(value, float):
         return round(value, 4)
     if isinstance(value, dict):
@@ -100,6 +103,7 @@ def _markdown_table(rows: list[dict[str, Any]]) -> str:
 def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> str:
     """The report's headline section: accuracies, timing, throughput, settings."""
     base, final = summary.get("base_eval") or {}, summary.get("final_eval") or {}
+    graded = base or final or summary.get("final_preview") or {}  # not evaluated: the preview's grader
     acc = lambda e: f"{format_accuracy(e)} ({e['n']} problems){_sampled(e)}" if e else "not measured"  # noqa: E731
     return (
         f"# lora-rl run `{run_id}`\n\n"
@@ -108,9 +112,10 @@ def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> st
         f"- data: {cfg.data.source}; {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples, "
         f"{cfg.rollout.max_new_tokens} new tokens; {cfg.algorithm.advantage}, lr {cfg.trainer.lr}\n"
         f"{_runtime_line(summary.get('runtime'))}"
-        f"- graded by {_grader(base or final)}, apart from the training reward\n"
+        f"- graded by {_grader(graded)}, apart from the training reward\n"
         f"- greedy accuracy before training: {acc(base)}\n"
         f"- greedy accuracy after training: {acc(final)} (adapter `{summary.get('final_adapter')}`)\n"
+        f"- greedy completions cut at the token limit, before -> after training: {cut_change(summary)}\n"
         f"- steps: {summary.get('steps')}; wall time {summary.get('wall_seconds', 0):.0f} s; "
         f"{summary.get('seconds_per_step', 0):.1f} s/step; "
         f"{summary.get('completions_per_second', 0):.2f} completions/s\n"
@@ -147,13 +152,45 @@ def samples_markdown(samples: list[dict[str, Any]]) -> str:
         lines.append(f"\n### Step {step}\n")
         for s in (s for s in samples if s["step"] == step):
             terms = " ".join(f"{k} {_value(v)}" for k, v in s["rewards"].items())
-            cut = ", cut at the token limit" if s["finish_reason"] == "length" else ""
             lines.append(
                 f"- **Q:** {_one_line(s['prompt'])} (gold {s['gold']})  \n"
-                f"  **A:** `{s['completion']!r}` ({s['tokens']} tokens{cut})  \n"
+                f"  **A:** `{s['completion']!r}` ({s['tokens']} tokens{_finish(s['finish_reason'])})  \n"
                 f"  reward {s['reward']:.3f}: {terms}\n"
             )
     return "".join(lines)
+
+
+_FINISH = {
+    "eos": "ended by end-of-sequence",
+    "stop": "ended by a stop sequence",
+    "length": "cut at the token limit",
+    "abort": "aborted",
+}
+"""How a completion ended (its `finish_reason`), as a sample in the report says it."""
+
+
+def _finish(reason: str) -> str:
+    return f", {_FINISH.get(reason, reason)}"
+
+
+def greedy_markdown(summary: dict[str, Any]) -> str:
+    """The greedy held-out completions of the trained adapter: the final evaluation's samples, or where the run
+    did not evaluate the few of `summary["final_preview"]` (`lora_rl_core.run.samples.heldout_preview`); each
+    with its question, gold answer, verdict per grader metric, length and how it ended."""
+    final = summary.get("final_eval")
+    shown = final or summary.get("final_preview") or {}
+    preview = not final and shown
+    note = f"Not evaluated (`run.eval_before_after: false`): the first {shown['n']} problems.\n\n" if preview else ""
+    metrics = shown.get("metrics") or []
+    lines = "".join(_greedy_sample(s, metrics) for s in shown.get("samples", []))
+    return note + (lines or "(none)\n")
+
+
+def _greedy_sample(s: dict[str, Any], metrics: list[str]) -> str:
+    verdicts = "".join(f"; {m} {'right' if s.get(m) else 'wrong'}" for m in metrics)
+    length = f"; {s['tokens']} tokens{_finish(s['finish_reason'])}" if "tokens" in s else ""  # older: not kept
+    answer = f"`{s['completion']!r}` (gold {s['gold']}{verdicts}{length})"
+    return f"- **Q:** {_one_line(s['question'])}  \n  **A:** {answer}\n"
 
 
 def _value(v: float | None) -> str:
@@ -197,8 +234,10 @@ def run_summary(
     Returns:
         run_id, final_adapter, steps, wall_seconds, seconds_per_step (mean step wall time, s),
         completions_per_second (completions / rollout seconds), base_accuracy / final_accuracy
-        (fractions, None when not measured), base_eval, final_eval, store_uri, runtime (device, dtype and
-        why, CPU threads: `lora_rl_core.run.runtime_info`).
+        (fractions, None when not measured), base_truncated_fraction / final_truncated_fraction (the share of
+        greedy held-out completions cut at the token limit; None when not measured or in an evaluation older
+        than it), base_eval, final_eval, store_uri, runtime (device, dtype and why, CPU threads:
+        `lora_rl_core.run.runtime_info`).
     """
     steps = len(history)
     rollout_seconds = sum(h["rollout_seconds"] for h in history)
@@ -211,6 +250,8 @@ def run_summary(
         "completions_per_second": sum(h["completions"] for h in history) / max(rollout_seconds, 1e-9),
         "base_accuracy": base_eval["accuracy"] if base_eval else None,
         "final_accuracy": final_eval["accuracy"] if final_eval else None,
+        "base_truncated_fraction": (base_eval or {}).get("truncated_fraction"),
+        "final_truncated_fraction": (final_eval or {}).get("truncated_fraction"),
         "base_eval": base_eval,
         "final_eval": final_eval,
         "store_uri": store_uri,
@@ -222,8 +263,8 @@ def write_report(
     workdir: Path, run_id: str, cfg: RunConfig, history: list[dict[str, Any]], summary: dict[str, Any]
 ) -> Path:
     """Write `<workdir>/report.md` (summary, metric table, sample rollout completions of the first, middle and
-    last steps from `summary["step_samples"]`, greedy held-out completions), `reward_curve.png`, and
-    `history.json` (every step's metrics, one object per step).
+    last steps from `summary["step_samples"]`, greedy held-out completions: `greedy_markdown`),
+    `reward_curve.png`, and `history.json` (every step's metrics, one object per step).
 
     Returns:
         the path of report.md.
@@ -231,21 +272,13 @@ def write_report(
     workdir.mkdir(parents=True, exist_ok=True)
     plot_reward_curve(history, workdir / "reward_curve.png")
     (workdir / "history.json").write_text(json.dumps(history, indent=1))
-    final = summary.get("final_eval") or {}
-    metrics = final.get("metrics") or []
-    sample_md = "".join(
-        f"- **Q:** {_one_line(s['question'])}  \n  **A:** `{s['completion']!r}` (gold {s['gold']}"
-        + "".join(f"; {m} {'right' if s.get(m) else 'wrong'}" for m in metrics)
-        + ")\n"
-        for s in final.get("samples", [])
-    )
     text = (
         summary_markdown(run_id, cfg, summary)
         + "\n![reward curve](reward_curve.png)\n\n## Steps\n\n"
         + _markdown_table(step_table(history))
         + _step_samples_section(summary)
         + "\n## Greedy completions after training (held-out)\n\n"
-        + (sample_md or "(none)\n")
+        + greedy_markdown(summary)
     )
     path = workdir / "report.md"
     path.write_text(text)

@@ -8,6 +8,13 @@ error bodies; where its answers carry more than SGLang's, this fake answers as S
   `abort_all` to its tokenizer manager.
 * An aborted request's `finish_reason` is `{"type": "abort", "message": "Aborted by AbortReq.", ...}`
   (`FINISH_ABORT.to_json()`), whatever the reason.
+* Stop sequences (`stop`, `stop_token_ids`, `no_stop_trim`) as our server serves them, which is SGLang's shape:
+  `finish_reason` `{"type": "stop", "matched": M}` with `M` the stop string, or the token id for a stop token id
+  and for EOS alike; a stop's tokens in `output_token_logprobs`; `text` without the match unless `no_stop_trim`
+  (`Req._check_str_based_finish`, `_check_token_based_finish`, `DetokenizerManager.trim_matched_stop`). And as
+  SGLang, a completion whose last allowed token (`max_new_tokens`) ended it is `{"type": "length", ...}`:
+  `Req.update_finish_state` checks the limit first. Without a tokenizer (`tokenizer=` not given) the matched
+  string is the request's first stop string.
 * `meta_info.weight_version` is `"default"` (the base weights' version, not the adapter's), and there
   is no `lora_path` in `meta_info`.
 * `/v1/models` adapter cards are `{id, object, created, owned_by, root, parent, max_model_len}` only.
@@ -69,6 +76,7 @@ from lora_rl_core.engines.serve.api import (
     LoadTensorsIn,
     SamplingIn,
     UnloadIn,
+    output_text,
     run_blocking,
 )
 from lora_rl_core.engines.serve.app import HEALTH_CHECK_TIMEOUT_S, EngineServer
@@ -264,6 +272,9 @@ class SGLangFakeServer(EngineServer):
         meta = out["meta_info"]
         meta["weight_version"] = "default"
         meta.pop("lora_path", None)
+        if c.finish_reason in ("stop", "eos") and len(c.completion_ids) >= sampling.max_new_tokens:
+            meta["finish_reason"] = {"type": "length", "length": sampling.max_new_tokens}  # the limit wins
+            out["text"] = output_text(c.completion_ids, None, sampling, self.tokenizer)  # nothing matched to trim
         if c.finish_reason == "abort":
             meta["finish_reason"] = {
                 "type": "abort",

@@ -358,5 +358,5 @@ def _probe(target: Target, shared: Shared) -> bool:
         done = target.engine.generate([request], timeout_s=shared.settings.control_timeout_s)
     except LoraRLError:
         return False
-    ok = len(done) == 1 and done[0].finish_reason in ("stop", "length")
+    ok = len(done) == 1 and done[0].finish_reason in ("stop", "eos", "length")
     return ok and done[0].adapter_version == adapter_version(shared.active)

@@ -333,7 +333,7 @@ def _check_samples(
             aborted[sample.abort_reason or ""] += 1
             report.missing_reason += int(not sample.abort_reason)
             continue
-        if sample.finish not in ("stop", "length"):
+        if sample.finish not in ("stop", "eos", "length"):
             report.lost += 1
             report.examples.append(f"sample {sample.request_id}: finish {sample.finish!r}")
             continue

@@ -109,6 +109,15 @@ def step_samples(run_id: str, steps: int) -> list[dict[str, Any]]:
     return _samples(registry.get_run(run_id), steps)
 
 
+@task(name="heldout_preview", **_NO_CACHE)
+def heldout_preview(run_id: str, adapter: str) -> dict[str, Any] | None:
+    """Greedy completions of `adapter` on the first few held-out problems, for the report of a run that does not
+    evaluate (`run.eval_before_after: false`)."""
+    from lora_rl_core.run.samples import heldout_preview as _preview
+
+    return _preview(registry.get_run(run_id), adapter)
+
+
 @task(name="write_report", **_NO_CACHE)
 def write_report(run_id: str, history: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     """Write report.md and reward_curve.png; returns the report path."""
@@ -149,6 +158,7 @@ class StepTasks:
     flush_writes: Task[..., None]
     evaluate: Task[..., dict[str, Any]]
     step_samples: Task[..., list[dict[str, Any]]]
+    heldout_preview: Task[..., dict[str, Any] | None]
     write_report: Task[..., str]
 
 
@@ -164,6 +174,7 @@ def step_tasks(storage: WritableFileSystem) -> StepTasks:
         flush_writes=flush_writes,
         evaluate=evaluate.with_options(result_storage=storage),
         step_samples=step_samples,
+        heldout_preview=heldout_preview,
         write_report=write_report,
     )
 

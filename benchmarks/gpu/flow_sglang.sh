@@ -10,7 +10,8 @@
 # /tmp/sglsite in its own process (its transformers and fastapi differ from ours). Results go to $OUT.
 # ENGINE=embedded runs the rollouts on our transformers + PEFT engine on the GPU instead (no SGLang carry needed).
 # SGLANG_PORT=N (default 30000) puts the launched SGLang on port N, and only a server left on that port is killed
-# afterwards (another script's runs may share the host).
+# afterwards (another script's runs may share the host). RUNS=DIR and STORE=DIR (defaults /tmp/runs, /tmp/store) keep
+# runs that share the host apart (`recipe_arms.sh`).
 set -euo pipefail
 CONFIG=$1; shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,16 +24,17 @@ export PREFECT_HOME=/tmp/prefect-home PREFECT_SERVER_ANALYTICS_ENABLED=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rc=0
 PORT=${SGLANG_PORT:-30000}
+RUNS=${RUNS:-/tmp/runs}; STORE=${STORE:-/tmp/store}
 ENGINE_ARGS=(engine.type=sglang engine.launch.enabled=true "engine.launch.env={PYTHONPATH: /tmp/sglsite}" engine.launch.port=$PORT)
 if [ "${ENGINE:-sglang}" = embedded ]; then ENGINE_ARGS=(engine.type=embedded); fi
 timeout -s TERM -k 60 "${FLOW_TIMEOUT_S:-100000}" python3 -m cli.main train -c "$CONFIG" \
   model.name_or_path=/tmp/models/smollm2-gguf "${ENGINE_ARGS[@]}" \
-  run.output_dir=/tmp/runs store.uri=file:///tmp/store "$@" 2>&1 | tee -a "$OUT/train.log" || rc=$?
+  run.output_dir=$RUNS store.uri=file://$STORE "$@" 2>&1 | tee -a "$OUT/train.log" || rc=$?
 echo "[flow_sglang] lora-rl train ended with exit code $rc"
 pkill -f "sglang.launch_server.* --port $PORT( |\$)" && echo "[flow_sglang] an SGLang server was left running: killed" || true
-RUN_DIR=$(ls -td /tmp/runs/*/ | head -1)
+RUN_DIR=$(ls -td "$RUNS"/*/ | head -1)
 RUN_ID=$(basename "$RUN_DIR")
-python3 -m cli.main adapters pull "$RUN_ID@latest" --store file:///tmp/store --out "$OUT/adapter" || true
+python3 -m cli.main adapters pull "$RUN_ID@latest" --store "file://$STORE" --out "$OUT/adapter" || true
 cp "$RUN_DIR/report.md" "$RUN_DIR/reward_curve.png" "$OUT/" 2>/dev/null || true
 tail -c 200000 "$RUN_DIR/sglang.log" > "$OUT/sglang.log" 2>/dev/null || true
 cp "$RUN_DIR/history.json" "$OUT/" 2>/dev/null || true

@@ -92,6 +92,40 @@ class RolloutConfig(Section):
     allows it, else `sync` (`lora_rl_core.plan.placement.rollout_mode`). On one GPU, where rollout and training
     share it, `async` measured 1.5B 4.06 -> 3.76 s and 7B 7.89 -> 8.09 s a step on an H100
     (`benchmarks/results/gpu_scale/README.md`, "One GPU, A/B"), so `auto` stays `sync` there."""
+    stop: list[str] = []
+    """Stop sequences: a completion ends at the token that completes the first of these strings, which stays in
+    it (tokens and logprobs: the policy learns to write it), with `finish_reason` `stop` (end-of-sequence is
+    `eos`, the token limit `length`). Generation halts there: no tokens are spent past it. E.g. `["\\n\\n"]`,
+    or a base model's `["Question:"]` before it writes the next problem. A bare string is one stop. Rollouts
+    and the evaluation use them, on every engine (SGLang `sampling_params.stop`, vLLM and TRL `stop`). Default:
+    none."""
+    stop_token_ids: list[int] = []
+    """Token ids that end a completion as a stop sequence does (`finish_reason` `stop`, the token kept), e.g. a
+    chat model's end-of-turn token where it is not an EOS id; the model's EOS ids always end one (`eos`). Each
+    must be an id of the tokenizer's vocabulary, checked before step 1 (SGLang `sampling_params.stop_token_ids`).
+    Default: none."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> Any:
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list | tuple):
+            raise ValueError(f"must be a string or a list of strings, got {value!r}")
+        for s in stops:
+            if not isinstance(s, str):
+                raise ValueError(f"each stop must be a string, got {s!r} (quote it in YAML: '{s}')")
+            if not s:
+                raise ValueError("a stop must not be an empty string (it would end every completion at once)")
+        return list(stops)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids(cls, value: Any) -> Any:
+        ids = value if isinstance(value, list | tuple) else [value]
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(f"each stop token id must be a token id, an integer >= 0, got {i!r}")
+        return list(ids)
 
 
 class StoreConfig(Section):
@@ -168,7 +202,8 @@ class RewardFunctionConfig(Section):
     name: str = "math"
     """A built-in reward (`math`: 1.0 when the answer the completion states, `reward.answer_format`, equals the
     gold answer, 0.0 when not, None without one; `format`: 1.0 when the completion states a number after
-    `####`), an importable
+    `####`; `answer_then_stop`: 1.0 when its one answer line, `#### <number>` or `\\boxed{}`, is its last
+    content and it ended there by end-of-sequence or a stop sequence, never cut at the token limit), an importable
     `module.path:function`, or `path/to/file.py:function` (a relative path is taken from the config file's
     folder). A function has TRL's signature `f(prompts, completions, completion_ids, **columns) -> list[float |
     None]`, called once per batch with every other dataset column by name; `async def` functions run
@@ -244,7 +279,8 @@ class RunSection(Section):
     `history.json`, and the logs of the SGLang servers the run launches (`sglang.log`; `sglang-<i>.log` per
     Ray replica, on the replica's node). Rollouts and adapters go to the store (`store.uri`)."""
     eval_before_after: bool = True
-    """Greedy accuracy on the held-out split before and after training."""
+    """Greedy accuracy on the held-out split before and after training. Off: no accuracy; the report still
+    shows the trained adapter's greedy completions of the first 4 held-out problems."""
     eval_max_new_tokens: int | None = None
     """Token cap for evaluation; default rollout.max_new_tokens."""
 
@@ -290,6 +326,17 @@ class RunConfig(Section):
                 "rollout.mode=async with algorithm.off_policy_correction=none trains on stale completions "
                 "without importance weights",
                 stacklevel=2,
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> RunConfig:
+        t = self.algorithm.truncation
+        if t.type == "overlong-penalty" and t.buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.truncation.buffer is {t.buffer} tokens, longer than rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}): set a buffer of at most {self.rollout.max_new_tokens} "
+                f"(DAPO used a fifth of the limit)"
             )
         return self
 

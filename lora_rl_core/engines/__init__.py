@@ -3,8 +3,8 @@ needs; `ServingEngine`: that and what serving needs), with SGLang's LoRA semanti
 
 A folder per subsystem, each touching only `base`, `spec` and the rooms below it:
 
-* `base`: the protocol and its records (`GenerationRequest`, `Completion`, `SamplingParams`); `spec`: what an
-  engine builder reads (`EngineInputs`) and returns (`BuiltEngine`: the engine and what it owns).
+* `base`: the protocol and its records (`GenerationRequest`, `Completion`, `FinishReason`, `SamplingParams`);
+  `spec`: what an engine builder reads (`EngineInputs`) and returns (`BuiltEngine`: the engine and what it owns).
 * `embedded/`: the in-process transformers + PEFT engine (`engine`: lifecycle, deadlines, worker thread;
   `requests`: queue, admission, abort; `peft_model`: model and adapter injection; `generation`: batched
   generation; `pool`: adapter registry and resident pool; `scheduler`: batch formation; `build`).
@@ -26,6 +26,7 @@ from lora_rl_core.engines.base import (
     ABORT_REASONS,
     PAUSE_MODES,
     Completion,
+    FinishReason,
     GenerationRequest,
     RolloutEngine,
     SamplingParams,
@@ -46,6 +47,7 @@ __all__ = [
     "EmbeddedEngine",
     "EngineInputs",
     "EngineUnavailable",
+    "FinishReason",
     "GenerationRequest",
     "RolloutEngine",
     "ServingEngine",

@@ -12,7 +12,9 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+from lora_rl_core.records import FinishReason
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 """SGLang's `/pause_generation` modes (`sglang/srt/managers/io_struct.py`, `PauseGenerationReqInput`)."""
@@ -34,7 +36,10 @@ class SamplingParams:
     """How to sample one completion.
 
     `temperature=0` is greedy decoding; `top_k=0` and `top_p=1` disable those filters.
-    `seed` makes a batch's sampling reproducible.
+    `seed` makes a batch's sampling reproducible. `stop` strings and `stop_token_ids` end a completion as EOS
+    does (SGLang's `sampling_params.stop` / `stop_token_ids`): generation halts at the token that completes the
+    first one, which is kept (with its logprob) and the completion's `finish_reason` is `stop`. Tuples, so the
+    params stay hashable (engines batch requests with equal params).
     """
 
     max_new_tokens: int = 48
@@ -42,6 +47,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -59,11 +66,13 @@ class Completion:
     """One finished completion.
 
     Attributes:
-        completion_ids: sampled token ids, EOS included when the model stopped.
+        completion_ids: sampled token ids, the EOS token or the stop sequence's tokens included when one
+            ended it.
         logprobs: log-probability (nats) of each sampled token under the sampling
             temperature, one per completion token (`inference_logprobs`).
-        finish_reason: `stop` (EOS), `length` (hit max_new_tokens) or `abort` (no tokens kept;
-            see `abort_reason`), as SGLang's `meta_info.finish_reason.type`.
+        finish_reason: `eos` (the end-of-sequence token), `stop` (a stop string or stop token id of
+            `SamplingParams`), `length` (hit max_new_tokens) or `abort` (no tokens kept; see `abort_reason`):
+            `FinishReason`.
         adapter / adapter_version: what produced it (None = base model): the name and version
             the engine admitted the request with.
         abort_reason: why an aborted request ended (one of `ABORT_REASONS`); None otherwise.
@@ -73,7 +82,7 @@ class Completion:
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: FinishReason
     adapter: str | None
     adapter_version: int | None
     abort_reason: str | None = None

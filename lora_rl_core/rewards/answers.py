@@ -132,6 +132,33 @@ def has_gsm8k_answer(text: str) -> bool:
     return stated_number(_line_after_marker(text)) is not None
 
 
+# what may close a `\boxed{}` answer: `$`, `.`, `\]`, `\)`
+_AFTER_BOXED_RE = re.compile(r"[\s$.]*(?:\\\]|\\\))?[\s$.]*")
+
+
+def answer_is_last(text: str) -> bool:
+    """Whether `text` states one answer, in the asked format, as its last content: exactly one answer marker
+    (one `####`, or one `\\boxed{}` without a `####`), and nothing after the answer but white space (after a
+    `\\boxed{}`: a closing `$`, `\\]`, `\\)` or `.`). The line after `####` must state a number
+    (`has_gsm8k_answer`: not an expression) and no other number; a `\\boxed{}` must hold something.
+
+    `#### 9\\nThe final answer is 9` (an answer, then more), `#### 5\\n#### 6` (two answers) and `` are not;
+    `41 + 57 = 98\\n#### 98` is."""
+    body = text.rstrip()
+    markers = body.count("####") + body.count("\\boxed{")
+    if markers != 1:
+        return False
+    if "####" in body:
+        line = body.rsplit("####", 1)[1]
+        # one number on the answer line: `#### 98 trees` is an answer, `#### 98, 41 + 3 = 44` ends with another
+        return "\n" not in line and has_gsm8k_answer(body) and len(_NUMBER_RE.findall(line)) == 1
+    boxed = boxed_content(body)
+    if boxed is None or not boxed.strip():
+        return False
+    end = body.rfind("\\boxed{") + len("\\boxed{") + len(boxed) + 1  # just past the closing brace
+    return _AFTER_BOXED_RE.fullmatch(body, end) is not None
+
+
 def _line_after_marker(text: str) -> str:
     """The rest of the line after the last ``####``, stripped."""
     return text.rsplit("####", 1)[1].split("\n", 1)[0].strip()

@@ -5,6 +5,11 @@
   without a gold answer (`lora_rl_core.rewards.verify`: a numeric gold matches only a stated number; a
   symbolic one goes through math-verify in worker processes).
 * `format`: 1.0 when the completion states a number after its last `####` (GSM8K's answer format), else 0.0.
+  It pays as much for an answer followed by more text to the token limit as for one that stops.
+* `answer_then_stop`: 1.0 only when the completion's one answer line (`#### <number>` or `\\boxed{}`) is its last
+  content and the completion ended there, by end-of-sequence or a stop sequence, never by the length limit
+  (the `finish_reason` column: a completion cut at `#### 16` of `#### 166` earns nothing), else 0.0. It pays
+  for the format the instruction asks for and for stopping after it (issue 43).
 
 Completions come as text (TRL's standard format) or as `[{"role": "assistant", "content": ...}]` (TRL's
 conversational format); `completion_text` reads either.
@@ -16,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lora_rl_core.errors import RewardError
-from lora_rl_core.rewards.answers import AnswerFormat, has_gsm8k_answer
+from lora_rl_core.rewards.answers import AnswerFormat, answer_is_last, has_gsm8k_answer
 from lora_rl_core.rewards.verify import MathVerifier
 
 
@@ -73,8 +78,37 @@ def format_reward(
     return [1.0 if has_gsm8k_answer(completion_text(c)) else 0.0 for c in completions]
 
 
+ENDED = ("eos", "stop")
+"""Finish reasons of a completion that ended by itself: end-of-sequence, or a stop sequence."""
+
+
+def answer_then_stop(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Any = None,
+    finish_reason: Sequence[str] | None = None,
+    **columns: Any,
+) -> list[float | None]:
+    """`answer_then_stop`: 1.0 when the completion ended by end-of-sequence or a stop sequence (`finish_reason`
+    `eos` or `stop`) and its one answer line is its last content (`answers.answer_is_last`), else 0.0.
+
+    Raises:
+        RewardError: no `finish_reason` column (lora-rl passes it; a caller of its own must too).
+    """
+    if finish_reason is None:
+        raise RewardError(
+            "the answer_then_stop reward needs each completion's finish_reason (eos, stop or length); lora-rl "
+            "passes it, a caller of its own must pass finish_reason=[...] too"
+        )
+    return [
+        1.0 if reason in ENDED and answer_is_last(completion_text(c)) else 0.0
+        for c, reason in zip(completions, finish_reason, strict=True)
+    ]
+
+
 BUILTIN_REWARDS: dict[str, Callable[[MathVerifier, AnswerFormat], Callable[..., list[float | None]]]] = {
     "math": MathReward,
     "format": lambda verifier, answer_format: format_reward,
+    "answer_then_stop": lambda verifier, answer_format: answer_then_stop,
 }
 """Built-in rewards by name: each a factory given the run's `MathVerifier` and `reward.answer_format`."""

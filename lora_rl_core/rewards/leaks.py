@@ -60,14 +60,15 @@ def check_reward_leaks(
     if not problems:
         return
     texts = [restatements(p, instruction=instruction) for p in problems]
-    empty = rewards.score(RewardBatch.from_problems(problems, [""] * len(problems), [[] for _ in problems])).terms
+    ended = ["eos"] * len(problems)  # scored as completions that ended: a term's most generous reading
+    empty = rewards.score(RewardBatch.from_problems(problems, [""] * len(problems), [[] for _ in problems], ended))
     scored = {
         kind: rewards.score(
-            RewardBatch.from_problems(problems, [t[kind] for t in texts], [tokenize(t[kind]) for t in texts])
+            RewardBatch.from_problems(problems, [t[kind] for t in texts], [tokenize(t[kind]) for t in texts], ended)
         ).terms
         for kind in texts[0]
     }
-    for name, baseline in empty.items():
+    for name, baseline in empty.terms.items():
         credited: dict[int, str] = {}  # row -> the first restatement that earned more than the empty completion
         for kind, terms in scored.items():
             for i, (value, floor) in enumerate(zip(terms[name], baseline, strict=True)):

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
     from lora_rl_core.data import Problem
 
 
+FINISH_REASON = "finish_reason"
+"""The column that tells reward functions why each completion ended: `eos` (the model's end-of-sequence token),
+`stop` (a stop sequence, `rollout.stop`) or `length` (cut at `rollout.max_new_tokens`)."""
+
+
 @dataclass(frozen=True)
 class RewardTerm:
     """One weighted reward function: `name` as the config gives it, its callable and its weight."""
@@ -68,12 +73,18 @@ class RewardBatch:
 
     @classmethod
     def from_problems(
-        cls, problems: Sequence[Problem], texts: Sequence[str], completion_ids: Sequence[Sequence[int]]
+        cls,
+        problems: Sequence[Problem],
+        texts: Sequence[str],
+        completion_ids: Sequence[Sequence[int]],
+        finish_reasons: Sequence[str],
     ) -> RewardBatch:
         """The batch of one completion per entry of `problems` (a problem repeats for each of its samples): the
-        completion in its prompt's format (text, or one assistant message), every dataset column by name, and
-        the gold answer as `answer` whatever column it came from (`data.answer_column`; None where none)."""
-        names = sorted({name for p in problems for name in p.columns} - {"answer"})
+        completion in its prompt's format (text, or one assistant message), every dataset column by name, the
+        gold answer as `answer` whatever column it came from (`data.answer_column`; None where none), and why
+        each completion ended as `finish_reason` (`eos`, `stop` or `length`, OpenAI's `finish_reason` with
+        end-of-sequence told apart from a stop sequence; it replaces a dataset column of that name)."""
+        names = sorted({name for p in problems for name in p.columns} - {"answer", FINISH_REASON})
         return cls(
             prompts=[p.prompt for p in problems],
             completions=[
@@ -84,6 +95,7 @@ class RewardBatch:
             columns={
                 **{name: [p.columns.get(name) for p in problems] for name in names},
                 "answer": [p.answer for p in problems],
+                FINISH_REASON: list(finish_reasons),
             },
             row_ids=[p.id for p in problems],
         )

@@ -2,7 +2,8 @@
 command line, the same checks again in `load_inputs` and `build_run` for a deployment that starts without
 it): the store, data,
 reward functions, grader and model can be had; the data has the gold answers the `math` reward and the default
-grader need; no reward term pays for restating the prompt (the leak check).
+grader need; no reward term pays for restating the prompt (the leak check); `rollout.stop_token_ids` are ids of
+the tokenizer's vocabulary.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.config import DataConfig, RunConfig
 from lora_rl_core.data import Problem, PromptStyle, load_problems
-from lora_rl_core.errors import DataError
+from lora_rl_core.errors import ConfigError, DataError
 from lora_rl_core.models import load_tokenizer, model_folder
 from lora_rl_core.rewards import RewardSet, build_grader
 from lora_rl_core.rewards.grader import NO_GOLD_FIX, missing_text
@@ -65,7 +66,9 @@ def load_inputs(cfg: RunConfig, *, train: bool = True) -> RunInputs:
     test_problems = build_problems(cfg.data, "test", cfg.run.seed)
     if train:
         check_answers(cfg, train_problems, test_problems)
-    return RunInputs(load_tokenizer(cfg.model), train_problems, test_problems)
+    tokenizer = load_tokenizer(cfg.model)
+    check_stop_token_ids(cfg, tokenizer)
+    return RunInputs(tokenizer, train_problems, test_problems)
 
 
 def build_problems(cfg: DataConfig, split: Literal["train", "test"], seed: int) -> list[Problem]:
@@ -88,20 +91,39 @@ def build_rewards(cfg: RunConfig) -> RewardSet:
 
 def preflight(cfg: RunConfig) -> None:
     """Check, before any training work, that the store, the data, the reward functions, the evaluation's grader
-    and the model can be had, that the data has what the rewards and the grader need (gold answers), and that
-    no reward term pays for restating the prompt (`check_leaks`).
+    and the model can be had, that the data has what the rewards and the grader need (gold answers), that
+    no reward term pays for restating the prompt (`check_leaks`) and that the stop token ids are the
+    tokenizer's (`check_stop_token_ids`).
 
     Raises:
-        StoreError / DataError / RewardError / ModelError: with one clear line naming what is wrong.
+        StoreError / DataError / RewardError / ModelError / ConfigError: with one clear line naming what is wrong.
     """
     cfg.store.build()  # an unknown store protocol or a missing fsspec package
     train = build_problems(cfg.data, "train", cfg.run.seed)
     test = build_problems(cfg.data, "test", cfg.run.seed)
     check_answers(cfg, train, test)
     build_grader(cfg.eval, cfg.reward).close()
-    with build_rewards(cfg) as rewards:
-        check_leaks(cfg, load_tokenizer(cfg.model), test, rewards)
+    with build_rewards(cfg) as rewards:  # before the tokenizer: a bad reward name fails without loading a model
+        tokenizer = load_tokenizer(cfg.model)
+        check_stop_token_ids(cfg, tokenizer)
+        check_leaks(cfg, tokenizer, test, rewards)
     model_folder(cfg.model)
+
+
+def check_stop_token_ids(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """`rollout.stop_token_ids` must be ids of the tokenizer's vocabulary (`0 .. len(tokenizer) - 1`, added
+    tokens included): an id outside it can never be sampled, so the stop it was meant to be would never come.
+
+    Raises:
+        ConfigError: naming `rollout.stop_token_ids`, the ids outside and the vocabulary's size.
+    """
+    size = len(tokenizer)
+    outside = [i for i in cfg.rollout.stop_token_ids if i >= size]
+    if outside:
+        raise ConfigError(
+            f"rollout.stop_token_ids: {outside} outside the tokenizer's vocabulary of {size} ids (0 .. {size - 1}) "
+            f"of {cfg.model.name_or_path}: give ids of its tokens (tokenizer.convert_tokens_to_ids)"
+        )
 
 
 def check_answers(cfg: RunConfig, train: list[Problem], test: list[Problem]) -> None:

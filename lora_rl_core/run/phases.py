@@ -29,7 +29,14 @@ from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import RolloutBatch, RolloutStats, ScoredBatch, ScoreStats, TrainBatch, TrainStats
 from lora_rl_core.run.components import RunComponents
 from lora_rl_core.run.resume import checkpoint_state, write_checkpoint
-from lora_rl_core.run.step import rollout_batch, rollout_requests, rollout_stats, score_batch, score_stats
+from lora_rl_core.run.step import (
+    rollout_batch,
+    rollout_requests,
+    rollout_stats,
+    score_batch,
+    score_stats,
+    trim_stops,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,8 @@ def rollout(run: RunComponents, step: int) -> RolloutStats:
         top_p=r.top_p,
         top_k=r.top_k,
         seed=stable_seed(run.cfg.run.seed, "rollout", step),
+        stop=tuple(r.stop),
+        stop_token_ids=tuple(r.stop_token_ids),
     )
     prompts = [run.prompt.render(run.tokenizer, p) for p in problems]
     # The version current now (async mode: maybe older than the trainer's by the time it trains), held until
@@ -75,10 +84,21 @@ def score(run: RunComponents, step: int) -> ScoreStats:
     maybe_fail("score", step, run.run_dir)
     start = time.perf_counter()
     batch = run.run_dir.read_phase("rollouts", step, RolloutBatch)
+    cfg = run.cfg
     texts = run.tokenizer.batch_decode([row.completion_ids for row in batch.rows], skip_special_tokens=True)
+    texts = trim_stops(texts, batch.rows, cfg.rollout.stop)
     problems = [run.problem(row.problem_id) for row in batch.rows]
-    estimator = ADVANTAGE_ESTIMATORS[run.cfg.algorithm.advantage]
-    scored = score_batch(batch, texts, problems, run.rewards, estimator, run.cfg.rollout.group_size)
+    estimator = ADVANTAGE_ESTIMATORS[cfg.algorithm.advantage]
+    scored = score_batch(
+        batch,
+        texts,
+        problems,
+        run.rewards,
+        estimator,
+        cfg.rollout.group_size,
+        truncation=cfg.algorithm.truncation,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+    )
     run.run_dir.write_phase("scored", step, scored)
     return score_stats(scored, run.cfg.eval.pass_threshold, time.perf_counter() - start)
 
@@ -103,7 +123,11 @@ def train(run: RunComponents, step: int) -> TrainStats:
     algo = run.cfg.algorithm
     rows = run.run_dir.read_phase("scored", step, ScoredBatch).rows
     batch = TrainBatch.from_scored(
-        rows, step=step, max_staleness=algo.max_staleness, skip_uniform=algo.skip_uniform_groups
+        rows,
+        step=step,
+        max_staleness=algo.max_staleness,
+        skip_uniform=algo.skip_uniform_groups,
+        mask_truncated=algo.truncation.type == "mask",
     )
     start = time.perf_counter()
     with run.engine_memory_released():  # a colocated SGLang's KV cache is free while the trainer trains
@@ -115,6 +139,7 @@ def train(run: RunComponents, step: int) -> TrainStats:
         stale_rejected=batch.stale_rejected,
         uniform_skipped=batch.uniform_skipped,
         reward_skipped=batch.reward_skipped,
+        truncated_masked=batch.truncated_masked,
         checkpointed=checkpointed,
         version_lag=batch.version_lag,
         update_seconds=time.perf_counter() - start,

@@ -1,11 +1,13 @@
 """What the model writes: sample completions of a run's steps, for `report.md` and the Prefect artifact
-(TRL's `log_completions`). A score is a claim about what the model writes; these let a reader check it."""
+(TRL's `log_completions`), and a few greedy held-out completions of the final adapter when the run does not
+evaluate. A score is a claim about what the model writes; these let a reader check it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from lora_rl_core.errors import LoraRLError
+from lora_rl_core.evaluation import preview_run_policy
 from lora_rl_core.records import ScoredBatch
 from lora_rl_core.run.components import RunComponents
 
@@ -50,3 +52,16 @@ def step_samples(run: RunComponents, steps: int, per_step: int = SAMPLES_PER_STE
             for row, text in zip(firsts, texts, strict=True)
         ]
     return out
+
+
+def heldout_preview(run: RunComponents, adapter: str) -> dict[str, Any] | None:
+    """Greedy completions of `adapter` on the first few held-out problems, graded by the run's fixed grader
+    (`lora_rl_core.evaluation.preview_run_policy`: the evaluation's code path on a subset): what the report
+    shows of a run that does not evaluate (`run.eval_before_after: false`). With the default grader, problems
+    without a gold answer are passed over (only an evaluating run requires them); None when none is left."""
+    problems = [p for p in run.test_problems if run.cfg.eval.grader is not None or p.answer is not None]
+    if not problems:
+        return None
+    return preview_run_policy(
+        run.engine, run.tokenizer, problems, run.grader, run.cfg, adapter=adapter, prompt=run.prompt
+    )

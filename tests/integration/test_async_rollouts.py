@@ -85,6 +85,14 @@ def test_async_rollouts_overlap_training_and_keep_their_versions(tmp_path, tiny_
         # async mode's default correction: token-level truncated importance weights (is_cap 2)
         assert 0.0 < row["is_weight_mean"] <= row["is_weight_max"] <= 2.0 and row["is_masked_fraction"] == 0.0
     assert summary["final_adapter"] == "async-v000004"
+    assert all(sum(row["finish_reasons"].values()) == 8 for row in history.values())
+    # not evaluated (run.eval_before_after: false): still the final adapter's greedy completions of 4 problems
+    preview = summary["final_preview"]
+    assert (preview["adapter"], preview["n"], len(preview["samples"])) == ("async-v000004", 4, 4)
+    assert all(s["tokens"] <= 6 and s["finish_reason"] in {"eos", "stop", "length"} for s in preview["samples"])
+    report = (tmp_path / "runs" / "async" / "report.md").read_text()
+    section = report.split("## Greedy completions after training (held-out)\n\n", 1)[1]
+    assert section.startswith("Not evaluated") and section.count("- **Q:**") == 4
 
 
 def test_a_masking_correction_reports_what_it_masked(tmp_path, tiny_model_dir):

@@ -196,7 +196,7 @@ def test_generate_keeps_order_and_names_adapter_and_version(subject, tokenizer, 
     got = engine.generate(requests)
     assert [c.request_id for c in got] == [r.request_id for r in requests]
     assert [(c.prompt_ids, c.adapter, c.adapter_version) for c in got] == [(p, a, adapter_version(a)) for p, a in pairs]
-    assert all(c.finish_reason in ("stop", "length") and c.abort_reason is None for c in got)
+    assert all(c.finish_reason in ("eos", "length") and c.abort_reason is None for c in got)
     assert all(len(c.logprobs) == len(c.completion_ids) > 0 for c in got)
 
     backwards = engine.generate([GenerationRequest(p, a, GREEDY) for p, a in reversed(pairs)])
@@ -274,7 +274,7 @@ def test_pause_holds_requests_until_resume(subject, tokenizer):
         assert not future.done()
     finally:
         engine.resume()
-    assert future.result(timeout=WAIT_S).finish_reason in ("stop", "length")
+    assert future.result(timeout=WAIT_S).finish_reason in ("eos", "length")
     assert engine.health()["paused"] is False and engine.is_paused() is False
 
 

@@ -173,7 +173,9 @@ def test_unknown_adapter_gets_sglang_error_not_base_output(client, tok):
 def test_stream_and_malformed_requests_get_400(client):
     cases = [
         ({"input_ids": [5, 6], "stream": True}, "stream"),
-        ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "stop": "x"}}, "stop"),
+        ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "stop": ["x", ""]}}, "stop"),
+        ({"input_ids": [5, 6], "sampling_params": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+        ({"input_ids": [5, 6], "sampling_params": {"stop_regex": "x"}}, "stop_regex"),
         ({"input_ids": [5, 6], "text": "hi"}, "exactly one"),
         ({"input_ids": [[5, 6], [7]], "lora_path": [None]}, "lora_path"),
         ({"input_ids": [5, 6], "sampling_params": {"temperature": -1}}, "temperature"),

@@ -111,7 +111,7 @@ def test_one_aborted_request_of_a_batch_ends_aborted_and_the_others_complete(fak
         ("b2", out[2].finish_reason, None),
     ]
     for c in (out[0], out[2]):
-        assert c.finish_reason in ("stop", "length") and c.completion_ids and len(c.logprobs) == len(c.completion_ids)
+        assert c.finish_reason in ("eos", "length") and c.completion_ids and len(c.logprobs) == len(c.completion_ids)
     assert out[1].completion_ids == [] and out[1].logprobs == []
 
 

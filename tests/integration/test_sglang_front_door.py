@@ -123,7 +123,7 @@ def test_our_client_ends_an_aborted_request_at_once_and_sglang_finishes_it(fake,
         finally:
             backend.resume()
         unloading.result(timeout=WAIT_S)
-        assert futures[1].result(timeout=WAIT_S).finish_reason in ("stop", "length")
+        assert futures[1].result(timeout=WAIT_S).finish_reason in ("eos", "length")
         assert client.list_adapters() == {} and client.metrics()["in_flight"] == 0
     assert server.refs[A] == 0 and server.hung_unloads == []
     assert backend.metrics()["aborted"] == {}  # nothing was aborted on the server
@@ -217,7 +217,7 @@ def test_a_resume_never_waits_behind_the_generation_calls_a_pause_holds(fake, ba
         start = time.monotonic()
         client.resume()
         assert time.monotonic() - start < 5
-        assert all(f.result(timeout=WAIT_S).finish_reason in ("stop", "length") for f in futures)
+        assert all(f.result(timeout=WAIT_S).finish_reason in ("eos", "length") for f in futures)
         client.unload_adapter(A, timeout_s=WAIT_S)
 
 

@@ -55,7 +55,7 @@ def test_completion_records_logprobs_and_finish_reason(engine, tiny_model_dir):
     for c in out:
         assert len(c.logprobs) == len(c.completion_ids) >= 1
         assert all(lp <= 0.0 for lp in c.logprobs)
-        assert c.finish_reason in ("stop", "length") and c.abort_reason is None
+        assert c.finish_reason in ("eos", "length") and c.abort_reason is None
         assert c.finish_reason == "length" or c.completion_ids[-1] == 2  # <|im_end|>
         assert c.adapter_version == 1
     again = engine.generate([GenerationRequest(p, A1, params) for p in prompts(tiny_model_dir, 4)])

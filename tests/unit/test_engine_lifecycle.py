@@ -56,7 +56,7 @@ def test_usage_counts_return_to_zero_after_every_kind_of_ending(engine, tiny_mod
     del engine._model.generate
     assert in_flight(engine, A1) == 0
     assert engine.metrics()["aborted"] == {"aborted": 1, "timeout": 2}
-    assert engine.generate([GenerationRequest(p, A1, GREEDY)])[0].finish_reason in ("stop", "length")
+    assert engine.generate([GenerationRequest(p, A1, GREEDY)])[0].finish_reason in ("eos", "length")
 
 
 def test_unload_waits_for_its_holder_while_loads_proceed(engine, tiny_model_dir):
@@ -85,7 +85,7 @@ def test_unload_waits_for_its_holder_while_loads_proceed(engine, tiny_model_dir)
         unloader.join(timeout=3.0)
     assert not unloader.is_alive() and errors == []
     out = future.result(timeout=1.0)
-    assert out.finish_reason in ("stop", "length") and out.adapter_version == 1
+    assert out.finish_reason in ("eos", "length") and out.adapter_version == 1
     assert sorted(engine.list_adapters()) == [A2]
 
 
@@ -98,7 +98,7 @@ def test_unload_deadline_lists_the_requests_holding_it(engine, tiny_model_dir):
         with pytest.raises(EngineError, match=r"1 requests still hold it after 0.1 s: \['holder-1'\]"):
             engine.unload_adapter(A1, timeout_s=0.1)
         assert A1 not in engine.list_adapters() and engine.metrics()["unloading"] == {A1: ["holder-1"]}
-    assert future.result(timeout=3.0).finish_reason in ("stop", "length")
+    assert future.result(timeout=3.0).finish_reason in ("eos", "length")
     assert wait_until(lambda: engine.metrics()["unloading"] == {})  # freed once its holder ended
 
 
@@ -113,7 +113,7 @@ def test_pause_keeps_queued_requests_and_they_complete_after_resume(engine, tiny
     time.sleep(0.1)
     assert not any(f.done() for f in futures) and engine.health()["queue_depth"] == 2
     engine.resume()
-    assert all(f.result(timeout=3.0).finish_reason in ("stop", "length") for f in futures)
+    assert all(f.result(timeout=3.0).finish_reason in ("eos", "length") for f in futures)
 
 
 def test_pause_abort_aborts_queued_requests_with_a_reason(engine, tiny_model_dir):
@@ -131,7 +131,7 @@ def test_pause_abort_aborts_queued_requests_with_a_reason(engine, tiny_model_dir
     time.sleep(0.05)
     assert not later.done()
     engine.resume()
-    assert later.result(timeout=3.0).finish_reason in ("stop", "length")
+    assert later.result(timeout=3.0).finish_reason in ("eos", "length")
     with pytest.raises(EngineError, match="pause mode"):
         engine.pause("sleep")
 
@@ -144,7 +144,7 @@ def test_completion_records_the_version_admitted(engine, tiny_model_dir):
     load(engine, A2, tiny_model_dir, seed=2)  # a newer version arrives while the request waits
     engine.resume()
     out = waiting.result(timeout=3.0)
-    assert (out.adapter, out.adapter_version) == (A1, 1) and out.finish_reason in ("stop", "length")
+    assert (out.adapter, out.adapter_version) == (A1, 1) and out.finish_reason in ("eos", "length")
     engine.pause("retract")  # unloaded before admission: aborted, never served by another version
     waiting = engine.submit(GenerationRequest(p, A1, GREEDY))
     engine.unload_adapter(A1, timeout_s=1.0)
@@ -215,7 +215,7 @@ def test_concurrent_requests_aborts_and_loads_end_cleanly(make_engine, tiny_mode
     assert not any(t.is_alive() for t in threads) and errors == []
     assert len(outcomes) == 40
     for c in outcomes:
-        assert c.finish_reason in ("stop", "length") or (c.finish_reason, c.abort_reason) == ("abort", "aborted")
+        assert c.finish_reason in ("eos", "length") or (c.finish_reason, c.abort_reason) == ("abort", "aborted")
         assert c.adapter == asked[c.request_id] and c.adapter_version == adapter_version(c.adapter)
     assert wait_until(lambda: all(i["in_flight"] == 0 for i in engine.list_adapters().values()))
     assert engine.health()["queue_depth"] == 0 and engine.metrics()["resident"] <= 3

@@ -23,6 +23,7 @@ from lora_rl_core.rewards import (
     format_reward,
     load_reward_function,
 )
+from lora_rl_core.rewards.builtin import answer_then_stop
 from lora_rl_core.rewards.verify import check_answer
 
 NOT_CALLABLE = 3
@@ -207,8 +208,69 @@ def test_format_reward():
     assert format_reward(prompts=[""] * 6, completions=completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize(
+    ("completion", "finish", "value"),
+    [
+        ("41 + 57 = 98\n#### 98", "eos", 1.0),  # the answer line, then end-of-sequence
+        ("#### 98\n\n", "stop", 1.0),  # ended by a stop sequence, trailing white space
+        ("The answer is \\boxed{98}.", "eos", 1.0),
+        ("#### 98 trees", "eos", 1.0),
+        ("#### 98", "length", 0.0),  # cut at the limit: `#### 98` may be the start of `#### 986`
+        ("#### 16", "length", 0.0),
+        ("#### 9\nThe final answer is given as a numerical answer.", "eos", 0.0),  # answer, then ramble
+        ("#### 9\nThe total is 41 + 9 = 52.", "length", 0.0),
+        ("#### 98, and 41 + 3 = 44", "eos", 0.0),  # another number after the answer
+        ("#### 5\n#### 6", "eos", 0.0),  # two answer lines
+        ("#### 5 \\boxed{5}", "eos", 0.0),  # two answer markers
+        ("", "eos", 0.0),  # empty
+        ("####.", "eos", 0.0),  # the instruction restated
+        ("#### 34 + 49", "eos", 0.0),  # an expression, no stated number
+        ("41 + 57 = 98", "eos", 0.0),  # right, but not in the asked format
+        ("\\boxed{98} then more", "eos", 0.0),
+    ],
+)
+def test_answer_then_stop_pays_only_for_an_answer_line_that_ends_the_completion(completion, finish, value):
+    assert answer_then_stop(prompts=[""], completions=[completion], finish_reason=[finish]) == [value]
+    # TRL's conversational format reads the same
+    chat = [{"role": "assistant", "content": completion}]
+    assert answer_then_stop(prompts=[""], completions=[chat], finish_reason=[finish]) == [value]
+
+
+def test_answer_then_stop_needs_the_finish_reason_and_is_built_in(verifier):
+    with pytest.raises(RewardError, match="finish_reason"):
+        answer_then_stop(prompts=[""], completions=["#### 5"])
+    assert load_reward_function("answer_then_stop", verifier) is answer_then_stop
+    # the leak check's restatements end with the instruction: `####.` states nothing, so nothing leaks
+    assert answer_then_stop(
+        prompts=["q"], completions=["What is 3 + 4?\nGive the final answer after ####."], finish_reason=["eos"]
+    ) == [0.0]
+
+
+def test_reward_text_stops_at_the_first_stop_string_only_where_one_ended_it():
+    from lora_rl_core.records import Rollout
+    from lora_rl_core.run.step import trim_stops
+
+    def row(reason):
+        return Rollout(
+            group=0,
+            problem_id="p",
+            answer="1",
+            prompt_ids=[1],
+            completion_ids=[2],
+            logprobs=[-0.1],
+            finish_reason=reason,
+            adapter=None,
+            adapter_version=None,
+        )
+
+    texts = ["#### 5\nQuestion: more", "#### 5\nQuestion: more", "a END b STOP"]
+    rows = [row("stop"), row("eos"), row("stop")]
+    assert trim_stops(texts, rows, ["Question:", "STOP", "END"]) == ["#### 5\n", "#### 5\nQuestion: more", "a "]
+    assert trim_stops(texts, rows, []) == texts
+
+
 def test_load_reward_function_by_name_module_and_file(tmp_path, verifier):
-    assert set(BUILTIN_REWARDS) == {"math", "format"}
+    assert set(BUILTIN_REWARDS) == {"math", "format", "answer_then_stop"}
     assert isinstance(load_reward_function("math", verifier), MathReward)
     assert load_reward_function("format", verifier) is format_reward
     assert load_reward_function("tests.unit.test_rewards:length_reward", verifier) is length_reward
@@ -229,7 +291,7 @@ def test_load_reward_function_by_name_module_and_file(tmp_path, verifier):
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("accuracy", r"unknown reward 'accuracy'; use one of: format, math, 'module\.path:function'"),
+        ("accuracy", r"unknown reward 'accuracy'; use one of: answer_then_stop, format, math, 'module\.path:function'"),
         ("mod:", r"unknown reward 'mod:'"),
         ("no_such_pkg_xyz.mod:fn", r"cannot import reward module 'no_such_pkg_xyz\.mod' .*ModuleNotFoundError"),
         ("tests.unit.test_rewards:no_such_fn", r"tests\.unit\.test_rewards has no attribute 'no_such_fn'"),
@@ -331,8 +393,13 @@ def test_the_gold_answer_reaches_rewards_as_answer_whatever_its_column(verifier)
     from lora_rl_core.data import Problem
 
     problems = [Problem("2+2?", "4", "p0", {"solution": "4", "level": 1}), Problem("x", None, "p1", {"level": 2})]
-    batch_ = RewardBatch.from_problems(problems, ["#### 4", "#### 1"], [[1], [2]])
-    assert batch_.columns == {"answer": ["4", None], "level": [1, 2], "solution": ["4", None]}
+    batch_ = RewardBatch.from_problems(problems, ["#### 4", "#### 1"], [[1], [2]], ["eos", "length"])
+    assert batch_.columns == {
+        "answer": ["4", None],
+        "finish_reason": ["eos", "length"],
+        "level": [1, 2],
+        "solution": ["4", None],
+    }
     with RewardSet([RewardTerm("math", MathReward(verifier), 1.0)], MathVerifier(), timeout_s=5.0) as terms:
         assert terms.score(batch_).terms == {"math": [1.0, None]}
 

@@ -119,3 +119,33 @@ def test_score_stats_persisted_before_reward_terms_still_give_their_metrics():
     assert metrics["reward_mean"] == 0.5 and not any(k.startswith("rewards/") for k in metrics)
     new = ScoreStats(**{**metrics, "reward_terms": {"math": 0.25}})
     assert new.metrics()["rewards/math/mean"] == 0.25
+
+
+def test_rollout_stats_count_how_completions_ended():
+    """`eos` and `stop` ended, `length` was cut: the shares and the count of each on hand-counted rows."""
+    from lora_rl_core.run.step import rollout_stats
+
+    def row(reason: str, tokens: int) -> Rollout:
+        return Rollout(
+            group=0, problem_id="p0", answer="3", prompt_ids=[1], completion_ids=[7] * tokens,
+            logprobs=[-0.1] * tokens, finish_reason=reason, adapter="run-v000000", adapter_version=0,
+        )  # fmt: skip
+
+    rows = [row("eos", 2), row("eos", 4), row("stop", 6), row("length", 8), row("length", 8)]
+    stats = rollout_stats(RolloutBatch(step=1, sampler={}, rows=rows), seconds=2.0)
+    assert stats.finish_reasons == {"eos": 2, "stop": 1, "length": 2}
+    assert (stats.ended_fraction, stats.truncated_fraction) == (pytest.approx(0.6), pytest.approx(0.4))
+    assert (stats.completion_length, stats.completions_per_second) == (pytest.approx(5.6), pytest.approx(2.5))
+
+
+def test_rollout_stats_persisted_before_the_finish_reasons_still_load():
+    """A resumed run reads back a RolloutStats written before `ended_fraction` and `finish_reasons` existed."""
+    from lora_rl_core.records import RolloutStats
+
+    fields = {"completions": 4, "completion_tokens": 8, "rollout_seconds": 1.0, "completions_per_second": 4.0,
+              "completion_length": 2.0, "truncated_fraction": 0.25}  # fmt: skip
+    stats = RolloutStats.model_validate(fields)
+    assert (stats.ended_fraction, stats.finish_reasons) == (0.0, {})
+    old = RolloutStats.model_construct(**fields)
+    old.__dict__.pop("ended_fraction"), old.__dict__.pop("finish_reasons")
+    assert old.metrics() == fields

@@ -17,6 +17,16 @@ plain `model.generate` call, both for CPU speed and both exact:
   prefill took 0.7 s instead of 6.5 s. Position ids follow HF's left-padding rule (`cumsum(mask) - 1`),
   so the cache equals the one `generate` would have built.
 
+Stop sequences (`SamplingParams.stop`, `stop_token_ids`) halt a row inside `generate`, so no tokens are spent past
+them: stop token ids join the EOS ids of the generation config, stop strings are a stopping criterion
+(`StopStrings`) that matches them as transformers' `StopStringCriteria` does (tensor ops over a table of the
+vocabulary's token strings, built once per set of strings: no per-token decoding), over each row's completion
+only (HF's own `stop_strings` would also match a string begun in the prompt, e.g. `"\n\n"` after a chat
+prompt's last `"\n"`), and records where each row completed one. A tokenizer whose vocabulary that table
+cannot be built from (one whose decoding puts spaces between tokens) is matched by decoding each row's last
+tokens instead (`DecodedStops`). Finished rows are padded by HF; the engine cuts each row after its end
+(`peft_model.finish_points`).
+
 The cache is passed by the name the model's `forward` takes (`cache_kwarg`): `cache` since transformers 5.24,
 whose old name `past_key_values` warns a FutureWarning on every call; `past_key_values` before (the GPU
 hosts' SGLang pins an older transformers).
@@ -25,7 +35,7 @@ hosts' SGLang pins an older transformers).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -36,6 +46,10 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -142,13 +156,67 @@ def shared_prefill(
     return cache
 
 
+StopMatch = Callable[[torch.Tensor], torch.Tensor]
+"""Which rows of completions `[B, T]` (long) end with a stop string now: `[B]` bool."""
+
+
+class DecodedStops:
+    """A `StopMatch` that decodes each row's last tokens (special tokens kept, as SGLang's check decodes) and looks
+    for the strings there: for a tokenizer `StopStringCriteria` cannot read. Costs one decode per row and step.
+
+    Args:
+        stops: the stop strings (non-empty). The window is one token more than the longest string has
+            characters (a token decodes to at least one character).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> None:
+        self._tokenizer = tokenizer
+        self._stops = stops
+        self._window = max(len(s) for s in stops) + 1
+
+    def __call__(self, completion_BT: torch.Tensor) -> torch.Tensor:
+        tails = self._tokenizer.batch_decode(completion_BT[:, -self._window :].tolist(), skip_special_tokens=False)
+        return torch.tensor([any(s in t for s in self._stops) for t in tails], device=completion_BT.device)
+
+
+def stop_match(tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> StopMatch:
+    """The `StopMatch` of `stops`: transformers' `StopStringCriteria` (a stop string completed by the last token,
+    overhangs included: `["st", "opera"]` ends `stop`), or `DecodedStops` for a tokenizer whose vocabulary it
+    cannot clean (it raises building its table). Build it once per set of strings: it reads the vocabulary."""
+    try:
+        criteria = StopStringCriteria(tokenizer, list(stops))
+    except (ValueError, KeyError, IndexError, TypeError):
+        return DecodedStops(tokenizer, stops)
+    return lambda completion_BT: criteria(cast(torch.LongTensor, completion_BT), None)
+
+
+class StopStrings(StoppingCriteria):
+    """`SamplingParams.stop` as a stopping criterion of one `generate` call over left-padded prompts `[B, P]`: a
+    row is done at the token that completes a stop string within its completion (columns `P:`, the prompt never
+    looked at). `first_B` records where: per row, the index in the completion of that token, -1 while none."""
+
+    def __init__(self, match: StopMatch, prompt_width: int) -> None:
+        self._match = match
+        self._width = prompt_width
+        self.first_B: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        completion_BT = input_ids[:, self._width :]
+        hit_B = self._match(completion_BT).to(torch.bool)
+        if self.first_B is None:
+            self.first_B = torch.full(hit_B.shape, -1, dtype=torch.long, device=hit_B.device)
+        self.first_B = torch.where((self.first_B < 0) & hit_B, completion_BT.shape[1] - 1, self.first_B)
+        return cast(torch.BoolTensor, hit_B)
+
+
 def generation_config(p: SamplingParams, pad_id: int, eos_ids: list[int]) -> GenerationConfig:
-    """HF config for one batch: always greedy argmax (sampling is `InverseCdfSampler`'s), raw logits out."""
+    """HF config for one batch: always greedy argmax (sampling is `InverseCdfSampler`'s), raw logits out; the
+    EOS ids and `p.stop_token_ids` end a row."""
     return GenerationConfig(
         max_new_tokens=p.max_new_tokens,
         do_sample=False,
         pad_token_id=pad_id,
-        eos_token_id=eos_ids,
+        eos_token_id=sorted({*eos_ids, *p.stop_token_ids}),
         bos_token_id=None,
         return_dict_in_generate=True,
         output_logits=True,
@@ -164,13 +232,18 @@ def generate_batch(
     *,
     pad_id: int,
     eos_ids: list[int],
+    stops: StopStrings | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Generate for prompts with equal sampling params: new tokens `[B, T]` (long, CPU) and per-step raw
-    logits (`T` tensors `[B, V]`, on the model's device).
+    logits (`T` tensors `[B, V]`, on the model's device). A row that ended (an EOS id or stop token id of
+    `params`, a stop string of `stops`) is padded with `pad_id` while others go on; `T` is the step at which the
+    last row ended, or `params.max_new_tokens`.
 
     Args:
         model: causal LM, or a PeftModel with `adapters` (per-row adapter names; PEFT's base name for none).
         params: sampling; temperature 0 = greedy. `params.seed` seeds torch's global generator first.
+        stops: the criterion of `params.stop` for this call (prompt width `max(len(p) for p in prompts)`);
+            after the call its `first_B` says where each row completed a stop string.
     """
     input_ids, attention_mask = left_pad(prompts, pad_id)
     device = next(model.parameters()).device
@@ -190,6 +263,7 @@ def generate_batch(
             attention_mask=attention_mask,
             generation_config=generation_config(params, pad_id, eos_ids),
             logits_processor=processors,
+            stopping_criteria=StoppingCriteriaList([stops]) if stops is not None else None,
             **kwargs,
         )
     return out.sequences[:, input_ids.shape[1] :].cpu(), out.logits

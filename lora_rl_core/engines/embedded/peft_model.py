@@ -6,7 +6,8 @@ one wraps the base model in a `PeftModel`, deleting the last one unwraps it), ke
 within the `AdapterPool`'s cap (evicting by its policy, re-reading evicted adapters from their source
 when a batch needs them), and runs forward batches through `generation.generate_batch` with one
 adapter per row (`adapter_names=`). Completions carry per-token logprobs under the sampling
-temperature, computed one step at a time (never a `[B, T, V]` tensor).
+temperature, computed one step at a time (never a `[B, T, V]` tensor), and end where generation halted for
+them (`finish_points`: EOS `eos`, a stop string or stop token id `stop`, else `length`).
 
 The request lifecycle (queue, admission, usage counts, deadlines, the worker) is `embedded.py`'s; the
 pool's registry decides *which* adapters exist, this module only what the model holds.
@@ -27,13 +28,14 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lora_rl_core.adapters import STORE_URI_PREFIX, AdapterRules, TensorsAndConfig
-from lora_rl_core.engines.base import Completion, GenerationRequest
-from lora_rl_core.engines.embedded.generation import BASE_ADAPTER, generate_batch
+from lora_rl_core.engines.base import Completion, FinishReason, GenerationRequest
+from lora_rl_core.engines.embedded.generation import BASE_ADAPTER, StopMatch, StopStrings, generate_batch, stop_match
 from lora_rl_core.engines.embedded.pool import AdapterPool
 from lora_rl_core.errors import EngineError, StoreError
 from lora_rl_core.store.sources import read_adapter_folder, read_store_uri
 
 _CONFIG_DROP = {"peft_type", "base_model_name_or_path", "revision"}  # not LoraConfig arguments
+_STOP_MATCHES_KEPT = 16  # sets of stop strings whose matcher is kept (each holds a table of the vocabulary)
 
 
 class PeftAdapterModel:
@@ -44,7 +46,7 @@ class PeftAdapterModel:
 
     Args:
         model: the base causal LM (not a PeftModel); it is wrapped when the first adapter comes.
-        tokenizer: its tokenizer (pad and EOS ids are read from it).
+        tokenizer: its tokenizer (pad and EOS ids are read from it; stop strings are matched with it).
         pool: the engine's adapter pool (residency, eviction policy, loaders of evicted adapters).
         max_lora_rank: reject adapters of a larger rank (SGLang `--max-lora-rank`); None = any.
     """
@@ -65,6 +67,8 @@ class PeftAdapterModel:
         self._rules = AdapterRules.for_model(model, max_rank=max_lora_rank)  # DoRA: no mixed-adapter batches
         self._pool = pool
         self._lock = threading.Lock()
+        self._tokenizer = tokenizer
+        self._stop_matches: dict[tuple[str, ...], StopMatch] = {}  # built under the model lock
 
     @contextmanager
     def locked(self, timeout_s: float, what: str) -> Iterator[None]:
@@ -195,18 +199,29 @@ class PeftAdapterModel:
             out.update(zip(rows, done, strict=True))
         return [out[i] for i in range(len(requests))]
 
-    def generate(self, requests: list[GenerationRequest]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """One generate call over requests with equal sampling params: new tokens `[B, T]` and per-step logits
-        `T x [B, V]` (`generation.generate_batch`: inverse-CDF sampling, shared prefill of repeated prompts)."""
+    def generate(
+        self, requests: list[GenerationRequest]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """One generate call over requests with equal sampling params: new tokens `[B, T]`, per-step logits
+        `T x [B, V]` (`generation.generate_batch`: inverse-CDF sampling, shared prefill of repeated prompts) and,
+        with stop strings, where each row completed one (`[B]` long, CPU: index in the completion, -1 none)."""
         adapters = [r.adapter or BASE_ADAPTER for r in requests] if isinstance(self._model, PeftModel) else None
-        return generate_batch(
-            self._model,
-            [r.prompt_ids for r in requests],
-            adapters,
-            requests[0].sampling,
-            pad_id=self._pad_id,
-            eos_ids=self.eos_ids,
+        params = requests[0].sampling
+        prompts = [r.prompt_ids for r in requests]
+        stops = StopStrings(self._stop_match(params.stop), max(map(len, prompts))) if params.stop else None
+        tokens_BT, step_logits = generate_batch(
+            self._model, prompts, adapters, params, pad_id=self._pad_id, eos_ids=self.eos_ids, stops=stops
         )
+        first_B = stops.first_B.cpu() if stops is not None and stops.first_B is not None else None
+        return tokens_BT, step_logits, first_B
+
+    def _stop_match(self, stops: tuple[str, ...]) -> StopMatch:
+        """The matcher of `stops`, built once (it reads the vocabulary) and kept for the last few sets."""
+        match = self._stop_matches.pop(stops, None) or stop_match(self._tokenizer, stops)
+        self._stop_matches[stops] = match  # most recently used last
+        if len(self._stop_matches) > _STOP_MATCHES_KEPT:
+            del self._stop_matches[next(iter(self._stop_matches))]
+        return match
 
     def completions(
         self,
@@ -214,17 +229,21 @@ class PeftAdapterModel:
         versions: list[int | None],
         tokens_BT: torch.Tensor,
         step_logits: tuple[torch.Tensor, ...],
+        stop_at_B: torch.Tensor | None = None,
     ) -> list[Completion]:
-        """Completions of one batch from its new tokens `[B, T]` and per-step logits `T x [B, V]` (no lock needed).
+        """Completions of one batch from its new tokens `[B, T]`, per-step logits `T x [B, V]` and where rows
+        completed a stop string (`stop_at_B`, from `generate`; no lock needed).
 
-        Each row is cut after its first EOS token (`finish_reason="stop"`, EOS kept) or keeps all `T` tokens
-        (`"length"`); logprobs are under softmax(logits / temperature), one per kept token.
+        Each row is cut after the token that ended it, which is kept (`finish_points`); logprobs are under
+        softmax(logits / temperature), one per kept token.
         """
-        logprobs_BT = token_logprobs(step_logits, tokens_BT, requests[0].sampling.temperature)
-        eos_E = torch.tensor(self.eos_ids, dtype=tokens_BT.dtype)
+        params = requests[0].sampling
+        logprobs_BT = token_logprobs(step_logits, tokens_BT, params.temperature)
+        tokens_BT = tokens_BT.cpu()
+        ends = finish_points(tokens_BT, self.eos_ids, params.stop_token_ids, stop_at_B)
         return [
-            _completion(r, v, tokens_BT[i].cpu(), logprobs_BT[i], eos_E)
-            for i, (r, v) in enumerate(zip(requests, versions, strict=True))
+            _completion(r, v, tokens_BT[i, :n].tolist(), logprobs_BT[i, :n].tolist(), finish)
+            for i, (r, v, (n, finish)) in enumerate(zip(requests, versions, ends, strict=True))
         ]
 
 
@@ -287,18 +306,37 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[
 
 
 # ---------------------------------------------------------------------- completions
+def finish_points(
+    tokens_BT: torch.Tensor, eos_ids: list[int], stop_token_ids: tuple[int, ...], stop_at_B: torch.Tensor | None
+) -> list[tuple[int, FinishReason]]:
+    """How many tokens each row of new tokens `[B, T]` keeps, and why it ended: after the first of the token that
+    completed a stop string (`stop_at_B`: index per row, -1 none; `stop`) and the first EOS id (`eos`) or stop
+    token id (`stop`; an id that is both counts as a stop), the ending token kept; else all `T` (`length`). A stop
+    string completed by an EOS or stop token id counts as the string (SGLang checks strings first)."""
+    T = tokens_BT.shape[1]
+    ended_BT = torch.isin(tokens_BT, torch.tensor(sorted({*eos_ids, *stop_token_ids}), dtype=tokens_BT.dtype))
+    first_end_B = torch.where(ended_BT.any(dim=1), ended_BT.to(torch.int8).argmax(dim=1), T).tolist()
+    first_stop_B = stop_at_B.tolist() if stop_at_B is not None else [-1] * tokens_BT.shape[0]
+    out: list[tuple[int, FinishReason]] = []
+    for i, (end, stop) in enumerate(zip(first_end_B, first_stop_B, strict=True)):
+        if 0 <= stop < T and stop <= end:
+            out.append((stop + 1, "stop"))
+        elif end < T:
+            out.append((end + 1, "stop" if int(tokens_BT[i, end]) in stop_token_ids else "eos"))
+        else:
+            out.append((T, "length"))
+    return out
+
+
 def _completion(
-    request: GenerationRequest, version: int | None, tokens_T: torch.Tensor, logprobs_T: torch.Tensor, eos: torch.Tensor
+    request: GenerationRequest, version: int | None, tokens: list[int], logprobs: list[float], finish: FinishReason
 ) -> Completion:
-    is_eos = torch.isin(tokens_T, eos)
-    stop = int(is_eos.nonzero()[0, 0]) + 1 if bool(is_eos.any()) else None
-    n = stop if stop is not None else len(tokens_T)
     return Completion(
         request_id=request.request_id,
         prompt_ids=list(request.prompt_ids),
-        completion_ids=tokens_T[:n].tolist(),
-        logprobs=logprobs_T[:n].tolist(),
-        finish_reason="stop" if stop is not None else "length",
+        completion_ids=tokens,
+        logprobs=logprobs,
+        finish_reason=finish,
         adapter=request.adapter,
         adapter_version=version,
     )

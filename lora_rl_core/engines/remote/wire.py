@@ -1,8 +1,10 @@
 """The SGLang wire format as the HTTP clients (`lora_rl_core.engines.remote.client`) write and read it.
 
-Requests: `sampling_params` (`sglang/srt/sampling/sampling_params.py`; top_k -1 = off) and the grouping of
-requests into `/generate` batches of equal sampling params. Answers: one `/generate` output into a
-`Completion` (token ids and logprobs from `output_token_logprobs`), `/v1/models` cards into adapter infos,
+Requests: `sampling_params` (`sglang/srt/sampling/sampling_params.py`; top_k -1 = off; stop strings and stop
+token ids with `no_stop_trim`) and the grouping of requests into `/generate` batches of equal sampling params.
+Answers: one `/generate` output into a `Completion` (token ids and logprobs from `output_token_logprobs`, the
+finish reason from `meta_info.finish_reason`: `eos` told apart from `stop` by what it `matched`, docs/SGLANG.md,
+"Stop sequences"), `/v1/models` cards into adapter infos,
 error bodies into a message, and our server's Prometheus `/metrics` text back into `engine.metrics()`'s
 shape (names from `serve.metrics`). Pure functions: no HTTP calls here.
 """
@@ -16,7 +18,7 @@ from typing import Any
 import httpx
 
 from lora_rl_core.adapters import adapter_version, check_adapter_name, peft_folder
-from lora_rl_core.engines.base import ABORT_REASONS, Completion, GenerationRequest, SamplingParams
+from lora_rl_core.engines.base import ABORT_REASONS, Completion, FinishReason, GenerationRequest, SamplingParams
 from lora_rl_core.errors import EngineError, StoreError
 
 _ADAPTER_SAMPLES = {  # `lora_rl_adapter_<sample>` of our server's /metrics -> engine.metrics() field
@@ -47,9 +49,24 @@ def check_name(name: str) -> None:
 
 def sampling_body(p: SamplingParams) -> dict[str, Any]:
     """SGLang `sampling_params` for `p`, one sample per prompt (`n: 1`); top_k 0 (off) becomes SGLang's -1.
-    No seed: the clients add `sampling_seed` as their server wants it."""
+    `stop` and `stop_token_ids` where set, then with `no_stop_trim: true` (SGLang keeps a stop's tokens and
+    logprobs in `output_token_logprobs` either way; this keeps the stop string in `text` too). No seed: the
+    clients add `sampling_seed` as their server wants it."""
     top_k = p.top_k if p.top_k > 0 else -1
-    return {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": top_k, "n": 1}
+    body: dict[str, Any] = {
+        "max_new_tokens": p.max_new_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": top_k,
+        "n": 1,
+    }
+    if p.stop:
+        body["stop"] = list(p.stop)
+    if p.stop_token_ids:
+        body["stop_token_ids"] = list(p.stop_token_ids)
+    if p.stop or p.stop_token_ids:
+        body["no_stop_trim"] = True
+    return body
 
 
 def chunks(requests: list[GenerationRequest], size: int) -> list[tuple[list[int], list[GenerationRequest]]]:
@@ -75,7 +92,8 @@ def to_completion(
     reason: str | None = None,
 ) -> Completion:
     """One `/generate` output -> Completion; token ids and logprobs from `output_token_logprobs`
-    (`[logprob, token_id, text]` triples), finish reason from `meta_info.finish_reason.type`.
+    (`[logprob, token_id, text]` triples, a stop's tokens included), finish reason from `meta_info.finish_reason`
+    (`finish_reason`: SGLang's `stop` is ours `stop` or `eos` by what it matched).
 
     An aborted completion's `abort_reason` is the server's `finish_reason.message` when it is one of
     `ABORT_REASONS` (our server's: it knows why it ended the request, e.g. `paused` when a pause came before
@@ -107,11 +125,29 @@ def to_completion(
         prompt_ids=list(request.prompt_ids),
         completion_ids=[int(t[1]) for t in triples],
         logprobs=[float(t[0]) for t in triples],
-        finish_reason=kind,
+        finish_reason=finish_reason(finish, kind, request.sampling),
         adapter=request.adapter,
         adapter_version=adapter_version(request.adapter),
         abort_reason=_abort_reason(finish, reason) if kind == "abort" else None,
     )
+
+
+def finish_reason(finish: Any, kind: str, params: SamplingParams) -> FinishReason:
+    """Our finish reason of SGLang's `meta_info.finish_reason` of type `kind` (`stop`, `length` or `abort`) for a
+    request sampled with `params`. SGLang's `stop` covers every end but the limit and aborts, `{"type": "stop",
+    "matched": M}`: `M` is the stop string for a stop string (`FINISH_MATCHED_STR`), the token id for an EOS id
+    or a stop token id alike (`FINISH_MATCHED_TOKEN`; sglang/srt/managers/schedule_batch.py,
+    `Req._check_str_based_finish`, `_check_token_based_finish`). So: a string, or an id listed in
+    `params.stop_token_ids`, is `stop`; any other `stop` is `eos`."""
+    if kind == "length":
+        return "length"
+    if kind == "abort":
+        return "abort"
+    matched = finish.get("matched") if isinstance(finish, dict) else None
+    ids = matched if isinstance(matched, list) else [matched]
+    if isinstance(matched, str) or any(isinstance(i, int) and i in params.stop_token_ids for i in ids):
+        return "stop"
+    return "eos"
 
 
 def _abort_reason(finish: Any, reason: str | None) -> str:

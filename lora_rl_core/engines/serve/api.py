@@ -20,7 +20,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lora_rl_core.engines.base import Completion, SamplingParams
@@ -45,13 +45,43 @@ class SamplingIn(BaseModel):
     seed: int | None = None
     """Alias of sampling_seed."""
     skip_special_tokens: bool = True
+    stop: str | list[str] | None = None
+    """Stop strings: generation halts at the token that completes one (kept in `output_ids` and the logprobs)."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end a completion as a stop string does (the EOS ids always end one)."""
+    no_stop_trim: bool = False
+    """Keep the matched stop string (or stop token) in `text`; SGLang's default cuts it off."""
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if any(not s for s in ([value] if isinstance(value, str) else value or [])):
+            raise ValueError("a stop string must not be empty")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
+        if any(i < 0 for i in value or []):
+            raise ValueError("stop token ids are token ids, >= 0")
+        return value
+
+    def stops(self) -> tuple[str, ...]:
+        """`stop` as a tuple (none: ())."""
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def to_params(self) -> SamplingParams:
         """Our `SamplingParams` (top_k 0 = off)."""
         top_k = 0 if self.top_k <= 0 or self.top_k >= TOP_K_ALL else self.top_k
         seed = self.sampling_seed if self.sampling_seed is not None else self.seed
         return SamplingParams(
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=top_k, seed=seed
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=self.stops(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
         )
 
 
@@ -217,13 +247,14 @@ def expand_samples(sampling: list[SamplingIn]) -> list[SamplingIn]:
 
 
 def generate_output(c: Completion, sampling: SamplingIn, body: GenerateIn, tokenizer: Any) -> dict[str, Any]:
-    """One element of SGLang's `/generate` answer: `text` (decoded with `tokenizer`; "" without one),
-    `output_ids` and `meta_info` (`id`, `finish_reason`, token counts, `weight_version` = the adapter version
-    that produced it, `lora_path`, and `output_token_logprobs` triples `[logprob, token_id, text]` when
-    `body.return_logprob`)."""
+    """One element of SGLang's `/generate` answer: `text` (decoded with `tokenizer`; "" without one; the matched
+    stop cut off unless `no_stop_trim`), `output_ids` (a stop's tokens included) and `meta_info` (`id`,
+    `finish_reason`, token counts, `weight_version` = the adapter version that produced it, `lora_path`, and
+    `output_token_logprobs` triples `[logprob, token_id, text]` when `body.return_logprob`)."""
+    finish = finish_reason(c, sampling, tokenizer)
     meta: dict[str, Any] = {
         "id": c.request_id,
-        "finish_reason": finish_reason(c),
+        "finish_reason": finish,
         "prompt_tokens": len(c.prompt_ids),
         "completion_tokens": len(c.completion_ids),
         "cached_tokens": 0,
@@ -236,18 +267,40 @@ def generate_output(c: Completion, sampling: SamplingIn, body: GenerateIn, token
         meta["output_token_logprobs"] = [
             [lp, tid, txt] for lp, tid, txt in zip(c.logprobs, c.completion_ids, texts, strict=True)
         ]
-    text = _decode(tokenizer, c.completion_ids, sampling.skip_special_tokens)
+    text = output_text(c.completion_ids, finish.get("matched"), sampling, tokenizer)
     return {"text": text, "output_ids": c.completion_ids, "meta_info": meta}
 
 
-def finish_reason(c: Completion) -> dict[str, Any]:
-    """SGLang's `meta_info.finish_reason`: `stop` (with the matched token), `length`, or `abort` whose
-    `message` is the completion's `abort_reason` (one of `ABORT_REASONS`)."""
-    if c.finish_reason == "stop":
-        return {"type": "stop", "matched": c.completion_ids[-1] if c.completion_ids else None}
+def finish_reason(c: Completion, sampling: SamplingIn, tokenizer: Any) -> dict[str, Any]:
+    """SGLang's `meta_info.finish_reason`: `{"type": "stop", "matched": M}` for an EOS (`M` its token id), a stop
+    token id (the id) and a stop string (the string: the first of `sampling.stop` in the completion's text, the
+    first of them without a tokenizer), so that a client tells `stop` from `eos` as with SGLang
+    (`remote.wire.finish_reason`); `length`; or `abort` whose `message` is the completion's `abort_reason`
+    (one of `ABORT_REASONS`)."""
+    if c.finish_reason in ("stop", "eos"):
+        last = c.completion_ids[-1] if c.completion_ids else None
+        stops = sampling.stops()
+        if c.finish_reason == "eos" or not stops or last in (sampling.stop_token_ids or ()):
+            return {"type": "stop", "matched": last}
+        text = _decode(tokenizer, c.completion_ids, False)
+        return {"type": "stop", "matched": next((s for s in stops if s in text), stops[0])}
     if c.finish_reason == "length":
         return {"type": "length", "length": len(c.completion_ids)}
     return {"type": "abort", "message": c.abort_reason or "aborted"}
+
+
+def output_text(ids: list[int], matched: Any, sampling: SamplingIn, tokenizer: Any) -> str:
+    """`text` as SGLang answers it (`DetokenizerManager.trim_matched_stop`): a matched stop string is cut off
+    with what follows it (kept, up to its end, with `no_stop_trim`), a matched token (EOS or stop token id) is
+    left out of the decoding (kept with `no_stop_trim`)."""
+    skip = sampling.skip_special_tokens
+    if isinstance(matched, str):
+        text = _decode(tokenizer, ids, skip)
+        at = text.find(matched)
+        return text if at < 0 else text[: at + len(matched)] if sampling.no_stop_trim else text[:at]
+    if isinstance(matched, int) and ids and not sampling.no_stop_trim:
+        return _decode(tokenizer, ids[:-1], skip)
+    return _decode(tokenizer, ids, skip)
 
 
 def _decode(tokenizer: Any, ids: list[int], skip_special: bool) -> str:

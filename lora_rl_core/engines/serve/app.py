@@ -46,8 +46,13 @@ check and `serve`; `api` the request bodies, error answers and output shape; `ad
 adapter load/unload routes; `names` the adapter references; `openai_api` the OpenAI routes; `metrics`
 the Prometheus collector.
 
-Left out: streaming (`stream: true` is a 400), input logprobs and top-k logprobs, stop strings and
-penalties on `/generate` (unknown sampling fields are a 400; `/v1/` routes apply stop strings).
+* `/generate` takes SGLang's `stop`, `stop_token_ids` and `no_stop_trim` sampling params: the engine halts at
+  the token that completes a stop string or is a stop token id (kept in `output_ids` and the logprobs), and
+  `finish_reason` is SGLang's `{"type": "stop", "matched": ...}`: the stop string, or the token id for a stop
+  token id and for EOS alike (`api.finish_reason`); `text` drops the match unless `no_stop_trim`.
+
+Left out: streaming (`stream: true` is a 400), input logprobs and top-k logprobs, regex stops (`stop_regex`)
+and penalties on `/generate` (unknown sampling fields are a 400).
 """
 
 from __future__ import annotations

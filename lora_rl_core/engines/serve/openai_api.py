@@ -14,9 +14,10 @@ Choices made here:
   cannot honour (`stream`, penalties, `logit_bias`, `echo`, `suffix`, `best_of > 1`, top logprobs, tools)
   is refused unless it has its neutral value. Errors are OpenAI's `{"error": {"message", "type", "param",
   "code"}}`; an unknown `model` is 404 `model_not_found`.
-* `stop` strings are applied to the decoded text (the engine stops only at EOS): the text ends before the
-  first stop string, `finish_reason` is `stop`, and `usage.completion_tokens` counts the tokens up to the one
-  that completed it. The engine still generates up to `max_tokens`.
+* `stop` strings go to the engine (`SamplingParams.stop`), which halts at the token that completes the first
+  one: the text ends before the stop string (OpenAI's), `finish_reason` is `stop` (as for the end-of-sequence
+  token; `length` at `max_tokens`), and `usage.completion_tokens` counts the tokens up to the one that
+  completed it.
 * `max_tokens` defaults to 16 on `/v1/completions` (OpenAI's) and to 128 on chat (SGLang's
   `max_new_tokens`; OpenAI's "the rest of the context" is not known here); `max_completion_tokens` wins.
 * `logprobs` are the engine's (`inference_logprobs`: under the sampling temperature) of the sampled tokens
@@ -99,6 +100,7 @@ class OpenAIBody(BaseModel):
             top_k=self.top_k,
             n=self.n,
             seed=self.seed,
+            stop=self.stop_strings() or None,
         )
 
     def stop_strings(self) -> list[str]:
@@ -315,11 +317,12 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
 
 
 def apply_stops(c: Completion, tokenizer: Any, stops: list[str]) -> tuple[str, int, str]:
-    """The completion's text cut before the first of `stops`, the tokens kept (up to the one that completed
-    the stop string), and OpenAI's `finish_reason` (`stop` or `length`)."""
+    """The completion's text cut before the first of `stops` (the engine halted at the token that completed it),
+    the tokens kept (up to that token), and OpenAI's `finish_reason`: `stop` for a stop string and the
+    end-of-sequence token alike (our `stop` and `eos`), else `length`."""
     ids = c.completion_ids
     text = _decode(tokenizer, ids)
-    finish = "stop" if c.finish_reason == "stop" else "length"
+    finish = "stop" if c.finish_reason in ("stop", "eos") else "length"
     cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
     if not cuts:
         return text, len(ids), finish
