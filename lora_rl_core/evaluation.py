@@ -23,6 +23,7 @@ from lora_rl_core.config import EvalConfig, RunConfig
 from lora_rl_core.data import Problem, PromptStyle, stable_seed
 from lora_rl_core.engines import Completion, GenerationRequest, RolloutEngine, SamplingParams
 from lora_rl_core.rewards import Grader, RewardBatch
+from lora_rl_core.rewards.score import trim_stops
 
 SAMPLES_SHOWN = 3
 """Greedy completions an evaluation keeps (of its first problems) for the report."""
@@ -80,7 +81,7 @@ def evaluate_policy(
         max_new_tokens=max_new_tokens, temperature=0.0, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids)
     )
     completions = engine.generate([GenerationRequest(i, adapter, greedy) for i in ids], inline=True)
-    texts, passed = _grade(tokenizer, grader, list(problems), completions)
+    texts, passed = _grade(tokenizer, grader, list(problems), completions, stop)
     headline = grader.metrics[0]
     result: dict[str, Any] = {
         "accuracy": _rate(passed[headline]),
@@ -192,7 +193,7 @@ def _sampled(
     requests = [GenerationRequest(i, adapter, params) for i in ids for _ in range(n)]
     completions = engine.generate(requests, inline=True)
     repeated = [p for p in problems for _ in range(n)]
-    _, passed = _grade(tokenizer, grader, repeated, completions)
+    _, passed = _grade(tokenizer, grader, repeated, completions, params.stop)
     ks = sorted({*(2**j for j in range(n.bit_length()) if 2**j <= n), n})
     out: dict[str, Any] = {"samples_per_prompt": n, "temperature": settings.temperature}
     for metric in grader.metrics:
@@ -204,10 +205,16 @@ def _sampled(
 
 
 def _grade(
-    tokenizer: PreTrainedTokenizerBase, grader: Grader, problems: list[Problem], completions: list[Completion]
+    tokenizer: PreTrainedTokenizerBase,
+    grader: Grader,
+    problems: list[Problem],
+    completions: list[Completion],
+    stops: Sequence[str],
 ) -> tuple[list[str], dict[str, list[bool]]]:
-    """Completion texts, and per grader metric whether each succeeded (an aborted completion never does)."""
+    """Completion texts (without the stop string that ended one, `trim_stops`), and per grader metric whether
+    each succeeded (an aborted completion never does)."""
     texts = tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
+    texts = trim_stops(texts, [c.finish_reason for c in completions], stops)
     verdicts = grader.grade(
         RewardBatch.from_problems(
             problems, texts, [c.completion_ids for c in completions], [c.finish_reason for c in completions]

@@ -40,6 +40,18 @@ FINISH_REASON = "finish_reason"
 `stop` (a stop sequence, `rollout.stop`) or `length` (cut at `rollout.max_new_tokens`)."""
 
 
+def trim_stops(texts: Sequence[str], finish_reasons: Sequence[str], stops: Sequence[str]) -> list[str]:
+    """Each completion's text as reward functions and graders read it: where a stop string ended it
+    (`finish_reason: stop`), cut before the first stop string, as SGLang, vLLM and OpenAI return text (their stop
+    trimming). The completion's token ids keep the stop's tokens (the policy learns to write it); other texts are
+    unchanged."""
+    out = []
+    for text, reason in zip(texts, finish_reasons, strict=True):
+        cuts = [text.find(s) for s in stops if reason == "stop" and s in text]
+        out.append(text[: min(cuts)] if cuts else text)
+    return out
+
+
 @dataclass(frozen=True)
 class RewardTerm:
     """One weighted reward function: `name` as the config gives it, its callable and its weight."""

@@ -27,6 +27,7 @@ from lora_rl_core.errors import LoraRLError
 from lora_rl_core.evaluation import evaluate_run_policy
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import RolloutBatch, RolloutStats, ScoredBatch, ScoreStats, TrainBatch, TrainStats
+from lora_rl_core.rewards.score import trim_stops
 from lora_rl_core.run.components import RunComponents
 from lora_rl_core.run.resume import checkpoint_state, write_checkpoint
 from lora_rl_core.run.step import (
@@ -35,7 +36,6 @@ from lora_rl_core.run.step import (
     rollout_stats,
     score_batch,
     score_stats,
-    trim_stops,
 )
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def score(run: RunComponents, step: int) -> ScoreStats:
     batch = run.run_dir.read_phase("rollouts", step, RolloutBatch)
     cfg = run.cfg
     texts = run.tokenizer.batch_decode([row.completion_ids for row in batch.rows], skip_special_tokens=True)
-    texts = trim_stops(texts, batch.rows, cfg.rollout.stop)
+    texts = trim_stops(texts, [row.finish_reason for row in batch.rows], cfg.rollout.stop)
     problems = [run.problem(row.problem_id) for row in batch.rows]
     estimator = ADVANTAGE_ESTIMATORS[cfg.algorithm.advantage]
     scored = score_batch(

@@ -139,17 +139,6 @@ def score_batch(
     return ScoredBatch(step=batch.step, rows=out)
 
 
-def trim_stops(texts: Sequence[str], rows: Sequence[Rollout], stops: Sequence[str]) -> list[str]:
-    """Each completion's text as reward functions read it: where a stop string ended it (`finish_reason: stop`),
-    cut before the first stop string, as SGLang, vLLM and OpenAI return text (their stop trimming). The
-    completion's token ids keep the stop's tokens (the policy learns to write it); others are unchanged."""
-    out = []
-    for text, row in zip(texts, rows, strict=True):
-        cuts = [text.find(s) for s in stops if row.finish_reason == "stop" and s in text]
-        out.append(text[: min(cuts)] if cuts else text)
-    return out
-
-
 OVERLONG_TERM = "overlong_penalty"
 """The reward term `truncation: overlong-penalty` adds (`rewards/overlong_penalty/mean` in the step metrics)."""
 

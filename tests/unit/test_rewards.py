@@ -24,6 +24,7 @@ from lora_rl_core.rewards import (
     load_reward_function,
 )
 from lora_rl_core.rewards.builtin import answer_then_stop
+from lora_rl_core.rewards.score import trim_stops
 from lora_rl_core.rewards.verify import check_answer
 
 NOT_CALLABLE = 3
@@ -247,26 +248,10 @@ def test_answer_then_stop_needs_the_finish_reason_and_is_built_in(verifier):
 
 
 def test_reward_text_stops_at_the_first_stop_string_only_where_one_ended_it():
-    from lora_rl_core.records import Rollout
-    from lora_rl_core.run.step import trim_stops
-
-    def row(reason):
-        return Rollout(
-            group=0,
-            problem_id="p",
-            answer="1",
-            prompt_ids=[1],
-            completion_ids=[2],
-            logprobs=[-0.1],
-            finish_reason=reason,
-            adapter=None,
-            adapter_version=None,
-        )
-
     texts = ["#### 5\nQuestion: more", "#### 5\nQuestion: more", "a END b STOP"]
-    rows = [row("stop"), row("eos"), row("stop")]
-    assert trim_stops(texts, rows, ["Question:", "STOP", "END"]) == ["#### 5\n", "#### 5\nQuestion: more", "a "]
-    assert trim_stops(texts, rows, []) == texts
+    reasons = ["stop", "eos", "stop"]
+    assert trim_stops(texts, reasons, ["Question:", "STOP", "END"]) == ["#### 5\n", "#### 5\nQuestion: more", "a "]
+    assert trim_stops(texts, reasons, []) == texts
 
 
 def test_load_reward_function_by_name_module_and_file(tmp_path, verifier):
