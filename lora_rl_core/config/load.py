@@ -50,7 +50,9 @@ def _describe_error(e: ErrorDetails) -> str:
         elif not (isinstance(item, int) and isinstance(where, type)):  # a list index keeps the item's class
             where = None
         parts.append(str(item))
-    path = ".".join(parts) or "<root>"
+    if not parts:  # a rule across sections (RunConfig's validators): its message names the fields
+        return str(e["msg"]).removeprefix("Value error, ")
+    path = ".".join(parts)
     if kind is None:
         if e["type"] == "extra_forbidden":
             return f"{path}: unknown key (not a field of this section)"

@@ -106,9 +106,42 @@ def answer_then_stop(
     ]
 
 
+class RightAnswerThenStop:
+    """`right_answer_then_stop`: 1.0 when the completion ended by itself with its one answer line last
+    (`answer_then_stop`) and that answer, read strictly (after `####` or in `\\boxed{}`), equals the row's gold
+    answer; 0.0 when not; None for a row without a gold answer. The format term with the task inside it: a bare
+    `#### 7`, or an example copied from the prompt, earns nothing.
+
+    Args:
+        verifier: checks answers (`MathVerifier`, owned by the caller).
+    """
+
+    def __init__(self, verifier: MathVerifier) -> None:
+        self.right = MathReward(verifier, "strict")
+
+    def __call__(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        completion_ids: Sequence[Sequence[int]] | None = None,
+        answer: Sequence[str | None] | None = None,
+        finish_reason: Sequence[str] | None = None,
+        **columns: Any,
+    ) -> list[float | None]:
+        """One value per completion.
+
+        Raises:
+            RewardError: no `answer` column, or no `finish_reason` column.
+        """
+        stopped = answer_then_stop(prompts, completions, finish_reason=finish_reason)
+        right = self.right(prompts, completions, completion_ids, answer=answer)
+        return [None if r is None else r * s for r, s in zip(right, stopped, strict=True)]  # type: ignore[operator]
+
+
 BUILTIN_REWARDS: dict[str, Callable[[MathVerifier, AnswerFormat], Callable[..., list[float | None]]]] = {
     "math": MathReward,
     "format": lambda verifier, answer_format: format_reward,
     "answer_then_stop": lambda verifier, answer_format: answer_then_stop,
+    "right_answer_then_stop": lambda verifier, answer_format: RightAnswerThenStop(verifier),
 }
 """Built-in rewards by name: each a factory given the run's `MathVerifier` and `reward.answer_format`."""

@@ -112,6 +112,17 @@ CONFIG_ERRORS = {  # argv (after `lora-rl`), what the one line names; {tmp}: the
         ["train", "-c", "{tmp}/run.yaml", "reward.answer_format=loose"],
         "reward.answer_format: Input should be 'strict' or 'flexible' (got 'loose')",
     ),
+    "truncation-type": (
+        ["train", "-c", "{tmp}/run.yaml", "algorithm.truncation=drop"],
+        "algorithm.truncation: Input tag 'drop' found using 'type' does not match any of the expected tags: "
+        "'keep', 'mask', 'overlong-penalty'",
+    ),
+    "overlong-buffer": (  # a rule across two sections: its own message, not the whole config dumped
+        ["train", "-c", "{tmp}/run.yaml", "algorithm.truncation={{type: overlong-penalty, buffer: 99}}"],
+        "invalid config {tmp}/run.yaml: algorithm.truncation.buffer is 99 tokens, longer than "
+        "rollout.max_new_tokens (48): set a buffer of at most 48",
+    ),
+    "stop-not-a-string": (["train", "-c", "{tmp}/run.yaml", "rollout.stop=[5]"], "rollout.stop: Value error, each"),
     "train-store-uri": (["train", "-c", "{tmp}/run.yaml", "store.uri=nosuch://x", NOWHERE], "'nosuch://x'"),
     "eval-store-uri": (["eval", "-c", "{tmp}/run.yaml", "store.uri=nosuch://x", NOWHERE], "'nosuch://x'"),
     "serve-store-uri": (["serve", "store.uri=nosuch://x", NOWHERE, "--port", "30999"], "'nosuch://x'"),

@@ -247,6 +247,25 @@ def test_answer_then_stop_needs_the_finish_reason_and_is_built_in(verifier):
     ) == [0.0]
 
 
+def test_right_answer_then_stop_pays_only_the_right_answer_stated_last_in_a_completion_that_ended(verifier):
+    term = load_reward_function("right_answer_then_stop", verifier)
+    completions = [
+        "91 + 75 = 166\n#### 166",  # right, the answer line last, ended: 1
+        "91 + 75 = 166\n#### 166\nThe sum is 166.",  # right, then more: 0
+        "#### 7",  # the format alone: 0
+        "2 + 3 = 5\n#### 5",  # the prompt's example copied: 0
+        "91 + 75 = 166",  # right, not in the asked format: 0
+        "#### 166",  # right but cut at the limit: 0
+        "#### 4",  # no gold answer: no opinion
+    ]
+    answers = ["166"] * 6 + [None]
+    finish = ["eos", "eos", "eos", "stop", "eos", "length", "eos"]
+    got = term(prompts=[""] * 7, completions=completions, answer=answers, finish_reason=finish)
+    assert got == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, None]
+    with pytest.raises(RewardError, match="finish_reason"):
+        term(prompts=[""], completions=["#### 1"], answer=["1"])
+
+
 def test_reward_text_stops_at_the_first_stop_string_only_where_one_ended_it():
     texts = ["#### 5\nQuestion: more", "#### 5\nQuestion: more", "a END b STOP"]
     reasons = ["stop", "eos", "stop"]
@@ -255,7 +274,7 @@ def test_reward_text_stops_at_the_first_stop_string_only_where_one_ended_it():
 
 
 def test_load_reward_function_by_name_module_and_file(tmp_path, verifier):
-    assert set(BUILTIN_REWARDS) == {"math", "format", "answer_then_stop"}
+    assert set(BUILTIN_REWARDS) == {"math", "format", "answer_then_stop", "right_answer_then_stop"}
     assert isinstance(load_reward_function("math", verifier), MathReward)
     assert load_reward_function("format", verifier) is format_reward
     assert load_reward_function("tests.unit.test_rewards:length_reward", verifier) is length_reward
@@ -276,7 +295,11 @@ def test_load_reward_function_by_name_module_and_file(tmp_path, verifier):
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("accuracy", r"unknown reward 'accuracy'; use one of: answer_then_stop, format, math, 'module\.path:function'"),
+        (
+            "accuracy",
+            r"unknown reward 'accuracy'; use one of: answer_then_stop, format, math, right_answer_then_stop, "
+            r"'module\.path:function'",
+        ),
         ("mod:", r"unknown reward 'mod:'"),
         ("no_such_pkg_xyz.mod:fn", r"cannot import reward module 'no_such_pkg_xyz\.mod' .*ModuleNotFoundError"),
         ("tests.unit.test_rewards:no_such_fn", r"tests\.unit\.test_rewards has no attribute 'no_such_fn'"),
