@@ -78,7 +78,8 @@ def build_model(shape: str, tokenizer: Path, out: Path) -> Path:
 
 class ProfileAt:
     """The run's trainer, with its `at`-th `train_step` call run under `torch.profiler` on every rank
-    (`Trainer.profiled_train_step`); `report` keeps the ranks' tables. Everything else goes to the trainer."""
+    (`profiled_train_step` of `PolicyTrainer` and of the sharded trainers, `RankCommands`; not on the `Trainer`
+    protocol, which a run needs); `report` keeps the ranks' tables. Everything else goes to the trainer."""
 
     def __init__(self, trainer: Any, at: int) -> None:
         self.trainer, self.at, self.calls, self.report = trainer, at, 0, ""

@@ -103,7 +103,7 @@ def engine_list(engines: RolloutEngine | Sequence[RolloutEngine]) -> list[Rollou
 
 
 def sync_version(
-    engines: Any,
+    engines: RolloutEngine | Sequence[RolloutEngine],
     ref: AdapterRef,
     *,
     tensors: dict | None = None,
@@ -159,7 +159,7 @@ def sync_version(
     return result
 
 
-def _check_room(engines: list[Any], ref: AdapterRef, keep: int) -> None:
+def _check_room(engines: list[RolloutEngine], ref: AdapterRef, keep: int) -> None:
     """Before a bounded load: every engine holds at most `keep - 1` versions of the run.
 
     Raises:
@@ -175,7 +175,11 @@ def _check_room(engines: list[Any], ref: AdapterRef, keep: int) -> None:
 
 
 def _load_verified(
-    engine: Any, ref: AdapterRef, tensors: dict | None, config: dict | None, checksum: Callable[[], str | None] | None
+    engine: RolloutEngine,
+    ref: AdapterRef,
+    tensors: dict | None,
+    config: dict | None,
+    checksum: Callable[[], str | None] | None,
 ) -> None:
     """Load `ref.name` unless listed already, then check the listing (and the sha256 where reported)."""
     if ref.name not in engine.list_adapters():
@@ -199,7 +203,7 @@ def _unreachable(exc: Exception) -> bool:
     return isinstance(exc, EngineUnavailable)
 
 
-def _discard(engines: list[Any], name: str) -> None:
+def _discard(engines: list[RolloutEngine], name: str) -> None:
     """Unload a failed version wherever it got loaded (never while paused); failures are logged."""
     for engine in engines:
         try:
@@ -209,7 +213,7 @@ def _discard(engines: list[Any], name: str) -> None:
             log.warning("could not unload failed version %s from %r: %s", name, engine, exc)
 
 
-def is_paused(engine: Any) -> bool:
+def is_paused(engine: RolloutEngine) -> bool:
     """`engine.is_paused()`, True when it cannot say (then nothing is unloaded there). Not `health()`: on
     SGLang that runs a 1-token generation, a second per sync and engine (docs/HOTSWAP.md)."""
     try:
@@ -219,7 +223,12 @@ def is_paused(engine: Any) -> bool:
 
 
 def retire_stale(
-    engines: Any, run_id: str, *, keep: int, protect: Collection[str] = (), drain: bool = False
+    engines: RolloutEngine | Sequence[RolloutEngine],
+    run_id: str,
+    *,
+    keep: int,
+    protect: Collection[str] = (),
+    drain: bool = False,
 ) -> list[str]:
     """Unload `run_id`'s versions older than its `keep` newest on each engine, except `protect`ed,
     pinned and in-flight ones; engines that report paused are skipped entirely.
@@ -242,7 +251,7 @@ def retire_stale(
     return retired
 
 
-def _retire_on(engine: Any, run_id: str, keep: int, protect: Collection[str], drain: bool) -> list[str]:
+def _retire_on(engine: RolloutEngine, run_id: str, keep: int, protect: Collection[str], drain: bool) -> list[str]:
     listed = engine.list_adapters()
     mine = sorted((n for n in listed if adapter_run(n) == run_id), key=lambda n: adapter_version(n) or 0)
     stale = [n for n in mine[: max(0, len(mine) - keep)] if n not in protect]
@@ -279,7 +288,7 @@ class AdapterSubscriber:
         self,
         store: AdapterStore,
         run_id: str,
-        engines: Any,
+        engines: RolloutEngine | Sequence[RolloutEngine],
         *,
         keep: int = KEEP_VERSIONS,
         poll_interval_s: float = POLL_INTERVAL_S,

@@ -20,12 +20,17 @@ Choices made here:
 * Gradients flow only through ``logprobs_BT``: old / reference log-probs,
   advantages and importance weights are detached.
 * A new aggregation is a new function plus a registry entry, not a branch.
+* The clip ranges have no defaults here, and no coefficient is range-checked
+  per call: ``AlgorithmConfig`` is their one source, and the trainer passes
+  its validated values.
 
 Left out: value-function loss, entropy bonus, dual-clip PPO (Ye et al.
-2020), sequence-level ratios (GSPO), and the gradient-bias question of the
-k3 estimator used as a loss term (Tang & Munos 2025). Aggregation is per
-call: token-mean over micro-batches is not the token-mean of the whole batch
-unless the caller rescales.
+2020), sequence-level ratios (GSPO), the gradient-bias question of the
+k3 estimator used as a loss term (Tang & Munos 2025), and Dr. GRPO's
+constant-length normaliser ``sum / (num_sequences * max_new_tokens)``
+(``seq-mean-token-sum`` over a constant the learning rate absorbs).
+Aggregation is per call: token-mean over micro-batches is not the
+token-mean of the whole batch unless the caller rescales.
 """
 
 from __future__ import annotations
@@ -36,8 +41,7 @@ import torch
 from torch import Tensor
 
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-"""Aggregation modes a run config may pick; ``aggregate`` also takes
-``"seq-mean-token-sum-norm"``, which needs ``max_tokens``."""
+"""The modes of ``aggregate`` (``algorithm.loss_aggregation``)."""
 
 _KL_LOG_RATIO_CLAMP = 20.0
 
@@ -112,39 +116,30 @@ def _mean_over_sequences(per_seq_B: Tensor, mask_BT: Tensor) -> Tensor:
     return (per_seq_B * has_tokens_B).sum() / has_tokens_B.sum().clamp(min=1.0)
 
 
-def _token_mean(values_BT: Tensor, mask_BT: Tensor, max_tokens: int | None) -> Tensor:
+def _token_mean(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """DAPO (Yu et al. 2025, sec. 3.3): every token in the batch weighs the same."""
     return values_BT.sum() / mask_BT.sum().clamp(min=1.0)
 
 
-def _seq_mean_token_sum(values_BT: Tensor, mask_BT: Tensor, max_tokens: int | None) -> Tensor:
+def _seq_mean_token_sum(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """Dr. GRPO (Liu et al. 2025): sum over tokens, mean over sequences; no length normalisation."""
     return _mean_over_sequences(values_BT.sum(dim=-1), mask_BT)
 
 
-def _seq_mean_token_mean(values_BT: Tensor, mask_BT: Tensor, max_tokens: int | None) -> Tensor:
+def _seq_mean_token_mean(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """Original GRPO (Shao et al. 2024, eq. 3): per-sequence token mean, then mean over sequences."""
     per_seq_B = values_BT.sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1.0)
     return _mean_over_sequences(per_seq_B, mask_BT)
 
 
-def _seq_mean_token_sum_norm(values_BT: Tensor, mask_BT: Tensor, max_tokens: int | None) -> Tensor:
-    """Dr. GRPO with a constant normaliser: ``sum / (num_sequences * max_tokens)``."""
-    if max_tokens is None or max_tokens <= 0:
-        raise ValueError(f"aggregation 'seq-mean-token-sum-norm' needs max_tokens > 0, got {max_tokens!r}")
-    num_seqs = (mask_BT.sum(dim=-1) > 0).sum().clamp(min=1)
-    return values_BT.sum() / (num_seqs * max_tokens)
-
-
-_AGGREGATORS: dict[str, Callable[[Tensor, Tensor, int | None], Tensor]] = {
+_AGGREGATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "token-mean": _token_mean,
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
-    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
 }
 
 
-def aggregate(values_BT: Tensor, mask_BT: Tensor, mode: str, *, max_tokens: int | None = None) -> Tensor:
+def aggregate(values_BT: Tensor, mask_BT: Tensor, mode: str) -> Tensor:
     """Reduce per-token values over real tokens to a scalar.
 
     Modes (a "sequence" is a row with at least one real token):
@@ -152,14 +147,11 @@ def aggregate(values_BT: Tensor, mask_BT: Tensor, mode: str, *, max_tokens: int 
     * ``"token-mean"``: ``sum(v * m) / sum(m)`` over the batch (DAPO, Yu et al. 2025, sec. 3.3).
     * ``"seq-mean-token-sum"``: mean over sequences of the token sum (Dr. GRPO, Liu et al. 2025).
     * ``"seq-mean-token-mean"``: mean over sequences of the token mean (GRPO, Shao et al. 2024, eq. 3).
-    * ``"seq-mean-token-sum-norm"``: ``sum(v * m) / (num_sequences * max_tokens)``
-      (Dr. GRPO with a constant length, e.g. the generation limit).
 
     Args:
         values_BT: ``[B, T]`` per-token values; whatever sits on padding is ignored.
         mask_BT: ``[B, T]`` 1.0 on real tokens, 0.0 on padding (bool or int also work).
-        mode: one of the modes above.
-        max_tokens: the constant length, only for ``"seq-mean-token-sum-norm"``.
+        mode: one of the modes above (``LOSS_AGGREGATIONS``).
 
     Returns:
         Scalar tensor in the dtype of ``values_BT``; 0 when the mask is empty.
@@ -170,7 +162,7 @@ def aggregate(values_BT: Tensor, mask_BT: Tensor, mode: str, *, max_tokens: int 
     _check_same_shape(mask_BT, values_BT=values_BT)
     mask_BT = mask_BT.to(values_BT.dtype)
     masked_values_BT = torch.where(mask_BT > 0, values_BT, 0.0)
-    return aggregator(masked_values_BT, mask_BT, max_tokens)
+    return aggregator(masked_values_BT, mask_BT)
 
 
 def kl_k3(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:
@@ -286,20 +278,14 @@ def off_policy_weights(
     return weights_BT, stats
 
 
-def _check_ppo_inputs(
-    mask_BT: Tensor, advantages_B: Tensor, clip_eps_low: float, clip_eps_high: float, kl_coef: float, **tensors_BT
-) -> None:
-    """Raise ``ValueError`` on mismatched shapes or out-of-range coefficients."""
+def _check_ppo_shapes(mask_BT: Tensor, advantages_B: Tensor, **tensors_BT: Tensor | None) -> None:
+    """Raise ``ValueError`` on mismatched shapes."""
     _check_same_shape(mask_BT, **{k: v for k, v in tensors_BT.items() if v is not None})
     if advantages_B.shape != mask_BT.shape[:1]:
         raise ValueError(
             f"advantages_B has shape {tuple(advantages_B.shape)}, expected {tuple(mask_BT.shape[:1])} "
             "(one advantage per completion, [B])"
         )
-    if not (0.0 <= clip_eps_low < 1.0 and clip_eps_high >= 0.0):
-        raise ValueError(f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_eps_high}")
-    if kl_coef < 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
 
 
 def ppo_clip_loss(
@@ -308,13 +294,12 @@ def ppo_clip_loss(
     advantages_B: Tensor,
     mask_BT: Tensor,
     *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
+    clip_eps_low: float,
+    clip_eps_high: float,
     aggregation: str = "token-mean",
     importance_weights_BT: Tensor | None = None,
     ref_logprobs_BT: Tensor | None = None,
     kl_coef: float = 0.0,
-    max_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss per token, optionally importance-weighted and KL-penalised.
 
@@ -330,19 +315,21 @@ def ppo_clip_loss(
     The KL term is added only when ``ref_logprobs_BT`` is given and
     ``kl_coef > 0`` (GRPO, Shao et al. 2024, eq. 3-4); it is not importance-weighted.
 
+    The coefficients are not range-checked here (once per micro-batch): ``AlgorithmConfig`` validates them, the
+    one source of their defaults and ranges (``0 < clip_eps_low < 1``, ``clip_eps_high > 0``, ``kl_coef >= 0``).
+
     Args:
         logprobs_BT: ``[B, T]`` current-policy log-probs of the completion tokens; the only input with gradient.
         old_logprobs_BT: ``[B, T]`` log-probs under the policy that sampled the rollouts.
         advantages_B: ``[B]`` one advantage per completion, broadcast over its tokens.
         mask_BT: ``[B, T]`` 1.0 on real completion tokens, 0.0 on padding.
-        clip_eps_low: ratio floor is ``1 - clip_eps_low``.
-        clip_eps_high: ratio ceiling is ``1 + clip_eps_high``.
+        clip_eps_low: ratio floor is ``1 - clip_eps_low`` (``algorithm.clip_eps_low``).
+        clip_eps_high: ratio ceiling is ``1 + clip_eps_high`` (``algorithm.clip_eps_high``).
         aggregation: a mode of ``aggregate`` (see ``LOSS_AGGREGATIONS``).
         importance_weights_BT: optional ``[B, T]`` weights on the policy-gradient term,
             e.g. the first value of ``off_policy_weights``.
         ref_logprobs_BT: optional ``[B, T]`` reference-model log-probs.
         kl_coef: weight of the k3 KL penalty.
-        max_tokens: constant length, only for aggregation ``"seq-mean-token-sum-norm"``.
 
     Returns:
         ``(loss, metrics)``: scalar float32 loss, and detached 0-dim float32 tensors (no device sync: a
@@ -353,12 +340,9 @@ def ppo_clip_loss(
         ``kl`` (k3; 0.0 without ``ref_logprobs_BT``), ``pg_loss`` (the
         aggregated loss without the KL term).
     """
-    _check_ppo_inputs(
+    _check_ppo_shapes(
         mask_BT,
         advantages_B,
-        clip_eps_low,
-        clip_eps_high,
-        kl_coef,
         logprobs_BT=logprobs_BT,
         old_logprobs_BT=old_logprobs_BT,
         importance_weights_BT=importance_weights_BT,
@@ -374,11 +358,11 @@ def ppo_clip_loss(
         pg_BT = pg_BT * importance_weights_BT.detach().float()
     kl_BT = None if ref_logprobs_BT is None else kl_k3(logprobs_BT, ref_logprobs_BT.detach())
     loss_BT = pg_BT + kl_coef * kl_BT if kl_BT is not None and kl_coef > 0 else pg_BT
-    loss = aggregate(loss_BT, mask_BT, aggregation, max_tokens=max_tokens)
+    loss = aggregate(loss_BT, mask_BT, aggregation)
     clipped_BT = ((ratio_BT < 1.0 - clip_eps_low) & (advantages_B1 < 0)) | (
         (ratio_BT > 1.0 + clip_eps_high) & (advantages_B1 > 0)
     )
-    pg_loss = aggregate(pg_BT.detach(), mask_BT, aggregation, max_tokens=max_tokens)
+    pg_loss = aggregate(pg_BT.detach(), mask_BT, aggregation)
     return loss, _ppo_metrics(mask_BT, ratio_BT, clipped_BT, kl_BT, pg_loss)
 
 

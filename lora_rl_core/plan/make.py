@@ -310,7 +310,6 @@ def _trainer(
         algorithm=cfg.algorithm,
         trainer=t,
         temperature=cfg.rollout.temperature,
-        max_new_tokens=cfg.rollout.max_new_tokens,
         seed=cfg.run.seed,
         device=rank_device,
         dtype=base.name,

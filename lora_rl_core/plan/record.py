@@ -67,7 +67,8 @@ class RunPlan:
         cpu_threads: torch's intra-op threads in this process.
         choices: every resolved setting by its dotted config name, with the reason.
         rollout_mode: `rollout.mode` resolved (`sync` or `async`; `plan.placement.rollout_mode`).
-        workdir_root: `run.output_dir` (a run's local files go to `<workdir_root>/<run_id>`).
+
+    A run's local files go to `workdir(run_id)`: `<run.output_dir>/<run_id>`.
     """
 
     config: RunConfig

@@ -37,10 +37,11 @@ class MathReward:
 
     Args:
         verifier: checks answers (`MathVerifier`, owned by the caller).
-        answer_format: where a completion states its answer (`reward.answer_format`).
+        answer_format: where a completion states its answer (`reward.answer_format`, the one source of its
+            default).
     """
 
-    def __init__(self, verifier: MathVerifier, answer_format: AnswerFormat = "strict") -> None:
+    def __init__(self, verifier: MathVerifier, answer_format: AnswerFormat) -> None:
         self.verifier = verifier
         self.answer_format = answer_format
 

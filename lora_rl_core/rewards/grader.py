@@ -124,7 +124,7 @@ def build_grader(settings: EvalConfig, reward: RewardConfig) -> Grader:
         return AnswerGrader(verify_timeout_s=reward.verify_timeout_s)
     verifier = MathVerifier(timeout_s=reward.verify_timeout_s)
     try:
-        fn = load_reward_function(settings.grader, verifier, reward.files_dir, "strict")
+        fn = load_reward_function(settings.grader, verifier, reward.files_dir, answer_format="strict")
     except RewardError as err:
         verifier.close()
         raise RewardError(f"eval.grader: {err}") from None

@@ -19,7 +19,7 @@ from lora_rl_core.rewards.verify import MathVerifier
 
 
 def load_reward_function(
-    name: str, verifier: MathVerifier, files_dir: str | None = None, answer_format: AnswerFormat = "strict"
+    name: str, verifier: MathVerifier, files_dir: str | None = None, *, answer_format: AnswerFormat
 ) -> Callable[..., Any]:
     """The callable `name` names.
 
@@ -28,7 +28,8 @@ def load_reward_function(
         verifier: given to the built-in `math` reward.
         files_dir: where a relative file path is found (`reward.files_dir`: the config file's folder); None =
             the working directory.
-        answer_format: given to the built-in `math` reward (`reward.answer_format`).
+        answer_format: given to the built-in `math` reward (`reward.answer_format`, the one source of its
+            default).
 
     Raises:
         RewardError: an unknown name, a module or file that cannot be imported, a missing attribute, or an

@@ -171,7 +171,10 @@ class RewardSet:
             RewardError: a name that cannot be resolved, duplicate names, a bad weight.
         """
         verifier = MathVerifier(timeout_s=cfg.verify_timeout_s)
-        fns = [load_reward_function(f.name, verifier, cfg.files_dir, cfg.answer_format) for f in cfg.functions]
+        fns = [
+            load_reward_function(f.name, verifier, cfg.files_dir, answer_format=cfg.answer_format)
+            for f in cfg.functions
+        ]
         return cls(
             [
                 RewardTerm(label, fn, f.weight)

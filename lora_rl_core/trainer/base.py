@@ -11,16 +11,13 @@ from lora_rl_core.records import TrainBatch
 
 class Trainer(Protocol):
     """What a run needs from its trainer, in-process (`PolicyTrainer`) or sharded over worker processes
-    (`lora_rl_core.trainer.workers.TrainerWorkers`). Built by `lora_rl_core.trainer.build.build_trainer`."""
+    (`lora_rl_core.trainer.workers.TrainerWorkers`). Built by `lora_rl_core.trainer.build.build_trainer`.
+
+    Not here, as a run never calls it: `profiled_train_step` (`train_step` under `torch.profiler`), which every
+    built trainer also has, for `benchmarks/gpu_scale.py --profile-step`."""
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One policy update on `batch`; returns the step's metrics (loss, kl, entropy, clip_fraction, ...)."""
-        ...
-
-    def profiled_train_step(self, batch: TrainBatch, row_limit: int = 25) -> tuple[dict[str, float], str]:
-        """`train_step` under `torch.profiler` on every rank: its metrics and a report per rank (wall and device
-        seconds, the operators that took the most device time). For benchmarks (`benchmarks/gpu_scale.py
-        --profile-step`) and diagnosis; a run never calls it."""
         ...
 
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

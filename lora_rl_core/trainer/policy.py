@@ -276,7 +276,6 @@ class PolicyTrainer:
             clip_eps_low=self.algo.clip_eps_low,
             clip_eps_high=self.algo.clip_eps_high,
             aggregation=self.algo.loss_aggregation,
-            max_tokens=self.plan.max_new_tokens,  # the constant of `seq-mean-token-sum-norm` (Dr. GRPO)
             importance_weights_BT=weights_BT,
             ref_logprobs_BT=ref_BT,
             kl_coef=self.algo.kl_coef,

@@ -22,7 +22,6 @@ class TrainerPlan(BaseModel):
         model / lora / algorithm / trainer: the config sections the trainer reads (lr, betas, clip ranges...).
             Their `auto` fields are not read: the resolved values below are.
         temperature: the rollout sampling temperature (the trainer divides its logits by it).
-        max_new_tokens: the completion cap, tokens: the constant of `seq-mean-token-sum-norm` aggregation.
         seed: `run.seed` (the LoRA initialisation, the same on every rank).
         device: the in-process trainer's device (`cpu`, `cuda`, `cuda:1`), or the ranks' kind (`cpu`, `cuda`).
         dtype: the base weights' dtype (`model.dtype` resolved on the trainer's device).
@@ -48,7 +47,6 @@ class TrainerPlan(BaseModel):
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
     temperature: float
-    max_new_tokens: int
     seed: int
     device: str
     dtype: str

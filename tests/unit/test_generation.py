@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lora_rl_core.engines import SamplingParams
 from lora_rl_core.engines.embedded.generation import (
+    _CACHE_KWARGS,
     InverseCdfSampler,
     cache_kwarg,
     generate_batch,
@@ -168,7 +169,7 @@ def test_generation_uses_the_current_cache_api(models, with_adapters: bool) -> N
     assert tokens.shape[0] == len(PROMPTS)
 
 
-def test_cache_kwarg_is_what_the_model_forward_takes(models) -> None:
+def test_cache_kwarg_is_what_the_model_forward_takes(models, monkeypatch) -> None:
     class Older(torch.nn.Module):  # transformers < 5.24: the cache is `past_key_values`
         def forward(self, input_ids, past_key_values=None):
             return input_ids
@@ -176,3 +177,5 @@ def test_cache_kwarg_is_what_the_model_forward_takes(models) -> None:
     base, peft = models
     assert cache_kwarg(Older()) == "past_key_values"
     assert cache_kwarg(peft) == cache_kwarg(base)  # a PeftModel: its base model's name
+    monkeypatch.setitem(_CACHE_KWARGS, Older, "cache")  # decided once per class: the next call reads the table
+    assert cache_kwarg(Older()) == "cache"

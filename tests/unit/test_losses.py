@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from lora_rl_core.algorithm import (
     LOSS_AGGREGATIONS,
@@ -16,14 +17,20 @@ from lora_rl_core.algorithm import (
     ppo_clip_loss,
     selective_log_softmax,
 )
+from lora_rl_core.config import AlgorithmConfig
 
 LOG_1_5 = math.log(1.5)
 LOG_0_5 = math.log(0.5)
+CLIP = {"clip_eps_low": 0.2, "clip_eps_high": 0.2}  # symmetric, so the hand values read 0.8 and 1.2
 
 
 def _ppo(logprobs, old_logprobs, advantages, mask, **kwargs):
     return ppo_clip_loss(
-        torch.tensor(logprobs), torch.tensor(old_logprobs), torch.tensor(advantages), torch.tensor(mask), **kwargs
+        torch.tensor(logprobs),
+        torch.tensor(old_logprobs),
+        torch.tensor(advantages),
+        torch.tensor(mask),
+        **{**CLIP, **kwargs},
     )
 
 
@@ -93,14 +100,6 @@ def test_aggregate_ragged(mode, expected):
     assert aggregate(RAGGED_VALUES_BT, RAGGED_MASK_BT, mode).item() == pytest.approx(expected)
 
 
-def test_aggregate_seq_mean_token_sum_norm():
-    # (2 + 9) / (2 sequences * 4 tokens)
-    out = aggregate(RAGGED_VALUES_BT, RAGGED_MASK_BT, "seq-mean-token-sum-norm", max_tokens=4)
-    assert out.item() == pytest.approx(1.375)
-    with pytest.raises(ValueError, match="needs max_tokens"):
-        aggregate(RAGGED_VALUES_BT, RAGGED_MASK_BT, "seq-mean-token-sum-norm")
-
-
 def test_aggregate_skips_all_padding_rows():
     values_BT = torch.tensor([[1.0, 3.0, 0.0], [5.0, 5.0, 5.0]])
     mask_BT = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
@@ -109,15 +108,16 @@ def test_aggregate_skips_all_padding_rows():
     assert aggregate(values_BT, mask_BT, "seq-mean-token-mean").item() == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("mode", [*LOSS_AGGREGATIONS, "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)
 def test_aggregate_empty_mask_is_zero(mode):
-    out = aggregate(torch.ones(2, 3), torch.zeros(2, 3), mode, max_tokens=8)
+    out = aggregate(torch.ones(2, 3), torch.zeros(2, 3), mode)
     assert out.item() == 0.0
 
 
 def test_aggregate_unknown_mode_lists_valid_modes():
-    with pytest.raises(ValueError, match="valid modes: token-mean, seq-mean-token-sum"):
-        aggregate(torch.ones(1, 2), torch.ones(1, 2), "sum")
+    # the modes aggregate takes are exactly the config's (LOSS_AGGREGATIONS, algorithm.loss_aggregation)
+    with pytest.raises(ValueError, match=r"valid modes: token-mean, seq-mean-token-sum, seq-mean-token-mean$"):
+        aggregate(torch.ones(1, 2), torch.ones(1, 2), "seq-mean-token-sum-norm")
 
 
 def test_aggregate_shape_mismatch():
@@ -188,7 +188,7 @@ def test_gradient_at_ratio_one_is_minus_advantage_over_num_tokens():
     old_BT = logprobs_BT.detach().clone().requires_grad_(True)
     advantages_B = torch.tensor([1.0, -2.0], requires_grad=True)
     mask_BT = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    loss, _ = ppo_clip_loss(logprobs_BT, old_BT, advantages_B, mask_BT)
+    loss, _ = ppo_clip_loss(logprobs_BT, old_BT, advantages_B, mask_BT, **CLIP)
     loss.backward()
     # -A * mask / 4 real tokens
     torch.testing.assert_close(logprobs_BT.grad, torch.tensor([[-0.25, -0.25, -0.25], [0.5, 0.0, 0.0]]))
@@ -197,7 +197,7 @@ def test_gradient_at_ratio_one_is_minus_advantage_over_num_tokens():
 
 def test_clipped_token_has_zero_gradient():
     logprobs_BT = torch.tensor([[LOG_1_5, 0.0]], requires_grad=True)
-    loss, _ = ppo_clip_loss(logprobs_BT, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2))
+    loss, _ = ppo_clip_loss(logprobs_BT, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), **CLIP)
     loss.backward()
     # clipped token: 0; unclipped: d(-ratio * A / 2)/dlogp = -1 * 1 / 2
     torch.testing.assert_close(logprobs_BT.grad, torch.tensor([[0.0, -0.5]]))
@@ -206,7 +206,7 @@ def test_clipped_token_has_zero_gradient():
 def test_padding_with_nonfinite_logprobs_does_not_leak():
     logprobs_BT = torch.tensor([[-1.0, 0.0]], requires_grad=True)
     old_BT = torch.tensor([[-1.0, float("-inf")]])
-    loss, metrics = ppo_clip_loss(logprobs_BT, old_BT, torch.tensor([2.0]), torch.tensor([[1.0, 0.0]]))
+    loss, metrics = ppo_clip_loss(logprobs_BT, old_BT, torch.tensor([2.0]), torch.tensor([[1.0, 0.0]]), **CLIP)
     loss.backward()
     assert loss.item() == pytest.approx(-2.0)
     assert metrics["ratio_max"] == pytest.approx(1.0)
@@ -247,13 +247,20 @@ def test_seq_mean_token_sum_aggregation_in_ppo():
     assert loss.item() == pytest.approx(-3.5)
 
 
-def test_ppo_rejects_bad_shapes_and_coefficients():
+def test_ppo_rejects_bad_shapes():
     with pytest.raises(ValueError, match=r"advantages_B has shape \(3,\), expected \(2,\)"):
         _ppo([[0.0], [0.0]], [[0.0], [0.0]], [1.0, 1.0, 1.0], [[1.0], [1.0]])
     with pytest.raises(ValueError, match=r"old_logprobs_BT has shape \(1, 2\)"):
         _ppo([[0.0]], [[0.0, 0.0]], [1.0], [[1.0]])
-    with pytest.raises(ValueError, match="kl_coef"):
-        _ppo([[0.0]], [[0.0]], [1.0], [[1.0]], kl_coef=-1.0)
+
+
+def test_ppo_takes_its_clip_ranges_from_the_config():
+    # no default or range check of its own: AlgorithmConfig's fields are the one source of both
+    with pytest.raises(TypeError, match="clip_eps_low"):
+        ppo_clip_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1))
+    for bad in ({"clip_eps_low": 0.0}, {"clip_eps_low": 1.0}, {"clip_eps_high": 0.0}, {"kl_coef": -1.0}):
+        with pytest.raises(ValidationError):
+            AlgorithmConfig(**bad)
 
 
 # --- truncated importance weights -------------------------------------------------------

@@ -28,6 +28,7 @@ from lora_rl_core.rewards.score import trim_stops
 from lora_rl_core.rewards.verify import check_answer
 
 NOT_CALLABLE = 3
+FORMAT = RewardConfig().answer_format  # callers pass `reward.answer_format`: the config is its one source
 
 
 def length_reward(prompts, completions, **kwargs):
@@ -185,9 +186,10 @@ def test_the_math_reward_in_flexible_mode_reads_the_last_number(verifier):
 
 def test_the_math_reward_reads_conversational_completions_and_skips_rows_without_gold(verifier):
     completions = [[{"role": "assistant", "content": "#### 4"}], [{"role": "assistant", "content": "#### 4"}]]
-    assert MathReward(verifier)(prompts=["", ""], completions=completions, answer=["4", None]) == [1.0, None]
+    reward = MathReward(verifier, "strict")
+    assert reward(prompts=["", ""], completions=completions, answer=["4", None]) == [1.0, None]
     with pytest.raises(RewardError, match="needs each row's gold answer.*data.answer_column"):
-        MathReward(verifier)(prompts=[""], completions=["#### 4"])
+        reward(prompts=[""], completions=["#### 4"])
 
 
 def test_an_answer_past_the_deadline_is_not_verified_and_the_worker_is_replaced():
@@ -240,7 +242,7 @@ def test_answer_then_stop_pays_only_for_an_answer_line_that_ends_the_completion(
 def test_answer_then_stop_needs_the_finish_reason_and_is_built_in(verifier):
     with pytest.raises(RewardError, match="finish_reason"):
         answer_then_stop(prompts=[""], completions=["#### 5"])
-    assert load_reward_function("answer_then_stop", verifier) is answer_then_stop
+    assert load_reward_function("answer_then_stop", verifier, answer_format=FORMAT) is answer_then_stop
     # the leak check's restatements end with the instruction: `####.` states nothing, so nothing leaks
     assert answer_then_stop(
         prompts=["q"], completions=["What is 3 + 4?\nGive the final answer after ####."], finish_reason=["eos"]
@@ -248,7 +250,7 @@ def test_answer_then_stop_needs_the_finish_reason_and_is_built_in(verifier):
 
 
 def test_right_answer_then_stop_pays_only_the_right_answer_stated_last_in_a_completion_that_ended(verifier):
-    term = load_reward_function("right_answer_then_stop", verifier)
+    term = load_reward_function("right_answer_then_stop", verifier, answer_format=FORMAT)
     completions = [
         "91 + 75 = 166\n#### 166",  # right, the answer line last, ended: 1
         "91 + 75 = 166\n#### 166\nThe sum is 166.",  # right, then more: 0
@@ -275,9 +277,13 @@ def test_reward_text_stops_at_the_first_stop_string_only_where_one_ended_it():
 
 def test_load_reward_function_by_name_module_and_file(tmp_path, verifier):
     assert set(BUILTIN_REWARDS) == {"math", "format", "answer_then_stop", "right_answer_then_stop"}
-    assert isinstance(load_reward_function("math", verifier), MathReward)
-    assert load_reward_function("format", verifier) is format_reward
-    assert load_reward_function("tests.unit.test_rewards:length_reward", verifier) is length_reward
+    for answer_format in ("strict", "flexible"):
+        math_term = load_reward_function("math", verifier, answer_format=answer_format)
+        assert isinstance(math_term, MathReward) and math_term.answer_format == answer_format
+    assert load_reward_function("format", verifier, answer_format=FORMAT) is format_reward
+    assert (
+        load_reward_function("tests.unit.test_rewards:length_reward", verifier, answer_format=FORMAT) is length_reward
+    )
     folder = tmp_path / "recipe"
     folder.mkdir()
     (folder / "my_rewards.py").write_text(
@@ -286,7 +292,7 @@ def test_load_reward_function_by_name_module_and_file(tmp_path, verifier):
     (folder / "run.yaml").write_text("reward:\n  functions:\n    - name: my_rewards.py:shout\n")
     cfg = load_config(folder / "run.yaml")  # a relative file is taken from the config's folder
     assert cfg.reward.files_dir == str(folder) and cfg.reward.functions[0].name == "my_rewards.py:shout"
-    fn = load_reward_function(cfg.reward.functions[0].name, verifier, cfg.reward.files_dir)
+    fn = load_reward_function(cfg.reward.functions[0].name, verifier, cfg.reward.files_dir, answer_format=FORMAT)
     assert fn(prompts=["a"], completions=["b", "c"]) == [1.0, 1.0]
     with RewardSet.from_config(cfg.reward) as terms:
         assert terms.names == ["shout"]  # logged as rewards/shout/mean, TRL's name for it
@@ -309,7 +315,7 @@ def test_load_reward_function_by_name_module_and_file(tmp_path, verifier):
 )
 def test_load_reward_errors(name, message, verifier):
     with pytest.raises(RewardError, match=message):
-        load_reward_function(name, verifier)
+        load_reward_function(name, verifier, answer_format=FORMAT)
 
 
 def batch(completions, **columns):
@@ -338,7 +344,7 @@ def test_weighted_terms_see_every_column_and_none_skips(verifier):
     def never(prompts, completions, **kw):
         return [None, None, 0.5]
 
-    with rewards(("math", MathReward(verifier), 1.0), ("mine", by_column, 0.5), ("half", never, 2.0)) as terms:
+    with rewards(("math", MathReward(verifier, FORMAT), 1.0), ("mine", by_column, 0.5), ("half", never, 2.0)) as terms:
         scored = terms.score(batch(["#### 5", "#### 4", "x"], answer=["5", None, None], difficulty=["a", "skip", "b"]))
     assert scored.terms == {"math": [1.0, None, None], "mine": [2.0, None, 2.0], "half": [None, None, 0.5]}
     assert scored.totals == [2.0, 0.0, 2.0] and scored.skipped == [False, True, False]
@@ -394,6 +400,9 @@ def test_reward_set_arguments(verifier):
         rewards(("m", format_reward, math.inf))
     with RewardSet.from_config(RewardConfig()) as default:
         assert default.names == ["math"] and default.timeout_s == 60.0
+        assert default.terms[0].fn.answer_format == "flexible"  # the config's default, the only one
+    with RewardSet.from_config(RewardConfig(answer_format="strict")) as strict:
+        assert strict.terms[0].fn.answer_format == "strict"
 
 
 def test_the_gold_answer_reaches_rewards_as_answer_whatever_its_column(verifier):
@@ -408,7 +417,7 @@ def test_the_gold_answer_reaches_rewards_as_answer_whatever_its_column(verifier)
         "level": [1, 2],
         "solution": ["4", None],
     }
-    with RewardSet([RewardTerm("math", MathReward(verifier), 1.0)], MathVerifier(), timeout_s=5.0) as terms:
+    with RewardSet([RewardTerm("math", MathReward(verifier, FORMAT), 1.0)], MathVerifier(), timeout_s=5.0) as terms:
         assert terms.score(batch_).terms == {"math": [1.0, None]}
 
 

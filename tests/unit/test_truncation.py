@@ -10,7 +10,7 @@ import torch
 
 from lora_rl_core.algorithm import grpo_advantages, ppo_clip_loss
 from lora_rl_core.algorithm.truncation import overlong_penalty, truncated_mask
-from lora_rl_core.config import RunConfig
+from lora_rl_core.config import AlgorithmConfig, RunConfig
 from lora_rl_core.config.algorithm import KeepTruncated, MaskTruncated, OverlongPenalty
 from lora_rl_core.data import Problem
 from lora_rl_core.records import Rollout, RolloutBatch, TrainBatch
@@ -91,7 +91,11 @@ def _loss(batch: TrainBatch) -> float:
     width = max(len(c) for c in batch.completion_ids)
     mask = torch.tensor([[1.0] * len(c) + [0.0] * (width - len(c)) for c in batch.completion_ids])
     logprobs = torch.full(mask.shape, -0.5)
-    loss, _ = ppo_clip_loss(logprobs, logprobs, torch.tensor(batch.advantages), mask)
+    algo = AlgorithmConfig()  # on-policy, ratio 1: the clip range does not matter
+    advantages = torch.tensor(batch.advantages)
+    loss, _ = ppo_clip_loss(
+        logprobs, logprobs, advantages, mask, clip_eps_low=algo.clip_eps_low, clip_eps_high=algo.clip_eps_high
+    )
     return float(loss)
 
 

@@ -105,12 +105,20 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+_CACHE_KWARGS: dict[type, str] = {}
+"""`cache_kwarg` by model class, each decided once (on the first generation call), not on every call."""
+
+
 def cache_kwarg(model: Any) -> str:
     """The keyword by which `model` (a PeftModel's base model for a PeftModel) takes a KV cache in `forward`
-    and `generate`: `cache` where its `forward` has that parameter (transformers >= 5.24), else
-    `past_key_values`."""
+    and `generate`: `cache` where its class's `forward` has that parameter (transformers >= 5.24), else
+    `past_key_values`. Read from the class once (`_CACHE_KWARGS`): an engine's model does not replace its
+    top-level `forward` per instance (Liger's kernels patch the trainer's copy below it)."""
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    cls = type(base)
+    if cls not in _CACHE_KWARGS:
+        _CACHE_KWARGS[cls] = "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    return _CACHE_KWARGS[cls]
 
 
 def shared_prefill(
