@@ -136,7 +136,7 @@ class RightAnswerThenStop:
         """
         stopped = answer_then_stop(prompts, completions, finish_reason=finish_reason)
         right = self.right(prompts, completions, completion_ids, answer=answer)
-        return [None if r is None else r * s for r, s in zip(right, stopped, strict=True)]  # type: ignore[operator]
+        return [None if r is None else r * (s or 0.0) for r, s in zip(right, stopped, strict=True)]
 
 
 BUILTIN_REWARDS: dict[str, Callable[[MathVerifier, AnswerFormat], Callable[..., list[float | None]]]] = {

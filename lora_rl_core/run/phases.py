@@ -129,6 +129,15 @@ def train(run: RunComponents, step: int) -> TrainStats:
         skip_uniform=algo.skip_uniform_groups,
         mask_truncated=algo.truncation.type == "mask",
     )
+    if batch.truncated_masked and not len(batch):  # a policy that never ends in time would otherwise not learn
+        log.warning(
+            "step %d trains on nothing: all %d completions with a learning signal were cut at "
+            "rollout.max_new_tokens=%d and algorithm.truncation=mask leaves them out of the loss; raise "
+            "rollout.max_new_tokens or set algorithm.truncation=keep",
+            step,
+            batch.truncated_masked,
+            run.cfg.rollout.max_new_tokens,
+        )
     start = time.perf_counter()
     with run.engine_memory_released():  # a colocated SGLang's KV cache is free while the trainer trains
         metrics = run.trainer.train_step(batch)
