@@ -31,7 +31,9 @@ timeout -s TERM -k 60 "${FLOW_TIMEOUT_S:-100000}" python3 -m cli.main train -c "
   model.name_or_path=/tmp/models/smollm2-gguf "${ENGINE_ARGS[@]}" \
   run.output_dir=$RUNS store.uri=file://$STORE "$@" 2>&1 | tee -a "$OUT/train.log" || rc=$?
 echo "[flow_sglang] lora-rl train ended with exit code $rc"
-pkill -f "sglang.launch_server.* --port $PORT( |\$)" && echo "[flow_sglang] an SGLang server was left running: killed" || true
+if [ "${ENGINE:-sglang}" != embedded ]; then  # an embedded run launched none: never touch another run's server
+  pkill -f "sglang.launch_server.* --port $PORT( |\$)" && echo "[flow_sglang] an SGLang server was left running: killed" || true
+fi
 RUN_DIR=$(ls -td "$RUNS"/*/ | head -1)
 RUN_ID=$(basename "$RUN_DIR")
 python3 -m cli.main adapters pull "$RUN_ID@latest" --store "file://$STORE" --out "$OUT/adapter" || true
