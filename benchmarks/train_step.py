@@ -148,6 +148,7 @@ def train_step(model, optimizer, params, batch: tuple, settings: Settings) -> No
             clip_eps_low=ALGO.clip_eps_low,
             clip_eps_high=ALGO.clip_eps_high,
             aggregation=ALGO.loss_aggregation,
+            kl_coef=ALGO.kl_coef,
         )
         (loss * (float(mask.sum()) / total_tokens)).backward()
     distributed.sum_gradients(params)  # LoRA weights are replicated over ranks (lora_rl_core.distributed)

@@ -296,10 +296,10 @@ def ppo_clip_loss(
     *,
     clip_eps_low: float,
     clip_eps_high: float,
-    aggregation: str = "token-mean",
+    aggregation: str,
+    kl_coef: float,
     importance_weights_BT: Tensor | None = None,
     ref_logprobs_BT: Tensor | None = None,
-    kl_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss per token, optionally importance-weighted and KL-penalised.
 
@@ -315,8 +315,9 @@ def ppo_clip_loss(
     The KL term is added only when ``ref_logprobs_BT`` is given and
     ``kl_coef > 0`` (GRPO, Shao et al. 2024, eq. 3-4); it is not importance-weighted.
 
-    The coefficients are not range-checked here (once per micro-batch): ``AlgorithmConfig`` validates them, the
-    one source of their defaults and ranges (``0 < clip_eps_low < 1``, ``clip_eps_high > 0``, ``kl_coef >= 0``).
+    The coefficients and the aggregation have no defaults here and are not checked again (once per micro-batch):
+    ``AlgorithmConfig`` validates them, the one source of their defaults and ranges (``0 < clip_eps_low < 1``,
+    ``clip_eps_high > 0``, ``kl_coef >= 0``, ``loss_aggregation``).
 
     Args:
         logprobs_BT: ``[B, T]`` current-policy log-probs of the completion tokens; the only input with gradient.
@@ -325,11 +326,11 @@ def ppo_clip_loss(
         mask_BT: ``[B, T]`` 1.0 on real completion tokens, 0.0 on padding.
         clip_eps_low: ratio floor is ``1 - clip_eps_low`` (``algorithm.clip_eps_low``).
         clip_eps_high: ratio ceiling is ``1 + clip_eps_high`` (``algorithm.clip_eps_high``).
-        aggregation: a mode of ``aggregate`` (see ``LOSS_AGGREGATIONS``).
+        aggregation: a mode of ``aggregate`` (see ``LOSS_AGGREGATIONS``; ``algorithm.loss_aggregation``).
         importance_weights_BT: optional ``[B, T]`` weights on the policy-gradient term,
             e.g. the first value of ``off_policy_weights``.
         ref_logprobs_BT: optional ``[B, T]`` reference-model log-probs.
-        kl_coef: weight of the k3 KL penalty.
+        kl_coef: weight of the k3 KL penalty (``algorithm.kl_coef``).
 
     Returns:
         ``(loss, metrics)``: scalar float32 loss, and detached 0-dim float32 tensors (no device sync: a

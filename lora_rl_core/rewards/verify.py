@@ -50,7 +50,7 @@ def numeric_verdict(gold: str, completion: str, answer_format: AnswerFormat) -> 
     return stated is not None and numbers_equal(gold_number, stated)
 
 
-def check_answer(gold: str, completion: str, answer_format: AnswerFormat = "strict") -> bool:
+def check_answer(gold: str, completion: str, answer_format: AnswerFormat) -> bool:
     """Whether `completion` states `gold` (module docstring), in this process, without a timeout: the body of a
     worker's task.
 
@@ -88,6 +88,11 @@ def _normalized(text: str) -> str:
     return " ".join(text.split()).strip(" .").casefold()
 
 
+def _import_math_verify() -> None:
+    """A worker's initializer: import math-verify and sympy before the first task's deadline starts."""
+    import math_verify  # noqa: F401
+
+
 class MathVerifier:
     """Checks answers in worker processes with a deadline per answer (module docstring).
 
@@ -105,9 +110,7 @@ class MathVerifier:
         self._pool: Any = None
         self._lock = threading.Lock()
 
-    def check(
-        self, golds: Sequence[str], completions: Sequence[str], answer_format: AnswerFormat = "strict"
-    ) -> list[bool]:
+    def check(self, golds: Sequence[str], completions: Sequence[str], answer_format: AnswerFormat) -> list[bool]:
         """Whether each completion states its gold answer (`check_answer`). Numeric golds are graded here;
         symbolic ones in the worker processes, where an answer past the deadline, or one whose worker died
         (sympy can exhaust memory), counts as not stated (`timeouts`, `crashes`).
@@ -147,8 +150,14 @@ class MathVerifier:
             if self._pool is None:
                 from pebble import ProcessPool  # lazy: only runs that verify math answers start workers
 
-                # spawn: a fresh interpreter, never a fork of a process that runs torch threads
-                self._pool = ProcessPool(max_workers=self.workers, context=multiprocessing.get_context("spawn"))
+                # spawn: a fresh interpreter, never a fork of a process that runs torch threads. The initializer
+                # imports math-verify (sympy: seconds on a busy CPU) before the worker takes a task, so the
+                # per-answer deadline never counts the import (it did: a first answer timed out under load).
+                self._pool = ProcessPool(
+                    max_workers=self.workers,
+                    context=multiprocessing.get_context("spawn"),
+                    initializer=_import_math_verify,
+                )
             return self._pool
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ def _value(answer: str) -> float:
 @pytest.fixture(scope="module")
 def verifier():
     with MathVerifier() as v:
-        v.check(["1"], ["1"])  # the worker starts under the fixture, which owns it
+        v.check(["1"], ["1"], "flexible")  # the worker starts under the fixture, which owns it
         yield v
 
 
@@ -50,8 +50,8 @@ def test_gsm8k_gold_solutions_score_one_and_wrong_answers_zero(verifier):
     assert len(rows) == 1319
     solutions = [row["answer"] for row in rows]
     golds = [_gold(s) for s in solutions]
-    right = verifier.check(golds, solutions)
-    wrong = verifier.check([_different_answer(golds, i) for i in range(len(rows))], solutions)
+    right = verifier.check(golds, solutions, "strict")
+    wrong = verifier.check([_different_answer(golds, i) for i in range(len(rows))], solutions, "strict")
     assert [i for i, ok in enumerate(right) if not ok] == []
     assert [i for i, ok in enumerate(wrong) if ok] == []
     assert format_reward(prompts=[""] * len(rows), completions=solutions) == [1.0] * len(rows)
@@ -60,5 +60,5 @@ def test_gsm8k_gold_solutions_score_one_and_wrong_answers_zero(verifier):
 def test_mawps_formatted_answers_score_one(verifier):
     rows = _rows(DATA_DIR / "mawps" / "test.jsonl")
     assert len(rows) == 384
-    verdicts = verifier.check([row["answer"] for row in rows], [f"#### {row['answer']}" for row in rows])
+    verdicts = verifier.check([row["answer"] for row in rows], [f"#### {row['answer']}" for row in rows], "strict")
     assert [row["answer"] for row, ok in zip(rows, verdicts, strict=True) if not ok] == []

@@ -21,7 +21,8 @@ from lora_rl_core.config import AlgorithmConfig
 
 LOG_1_5 = math.log(1.5)
 LOG_0_5 = math.log(0.5)
-CLIP = {"clip_eps_low": 0.2, "clip_eps_high": 0.2}  # symmetric, so the hand values read 0.8 and 1.2
+# symmetric, so the hand values read 0.8 and 1.2; token-mean, no KL unless a test says
+CLIP = {"clip_eps_low": 0.2, "clip_eps_high": 0.2, "aggregation": "token-mean", "kl_coef": 0.0}
 
 
 def _ppo(logprobs, old_logprobs, advantages, mask, **kwargs):

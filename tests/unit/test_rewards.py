@@ -40,7 +40,7 @@ def length_reward(prompts, completions, **kwargs):
 def verifier():
     """One verifier for the module, its worker started here (the fixture owns the process, not a test)."""
     with MathVerifier() as v:
-        assert v.check(["\\sqrt{2}"], ["#### \\sqrt{2}"]) == [True]  # symbolic: the worker starts here
+        assert v.check(["\\sqrt{2}"], ["#### \\sqrt{2}"], "strict") == [True]  # symbolic: the worker starts here
         yield v
 
 
@@ -195,14 +195,14 @@ def test_the_math_reward_reads_conversational_completions_and_skips_rows_without
 def test_an_answer_past_the_deadline_is_not_verified_and_the_worker_is_replaced():
     with MathVerifier(timeout_s=0.01) as slow:  # the first check also imports sympy: far past 10 ms
         gold, stated = "\\sqrt{2}", "\\boxed{\\sqrt{2}}"  # symbolic: math-verify, in the worker
-        assert slow.check([gold], [stated]) == [False] and slow.timeouts == 1
+        assert slow.check([gold], [stated], "strict") == [False] and slow.timeouts == 1
         slow.timeout_s = 60.0
-        assert slow.check([gold], [stated]) == [True]  # a fresh worker answers
+        assert slow.check([gold], [stated], "strict") == [True]  # a fresh worker answers
 
 
 def test_numeric_golds_are_graded_without_a_worker_process():
     with MathVerifier() as v:
-        assert v.check(["133", "5"], ["#### 133", "#### 6"]) == [True, False]
+        assert v.check(["133", "5"], ["#### 133", "#### 6"], "strict") == [True, False]
         assert v._pool is None
 
 
@@ -447,4 +447,4 @@ def test_a_closed_verifier_refuses_work():
     closed = MathVerifier()
     closed.close()
     with pytest.raises(RuntimeError, match="closed"):
-        closed.check(["1"], ["1"])
+        closed.check(["1"], ["1"], "flexible")

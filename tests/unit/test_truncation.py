@@ -94,7 +94,14 @@ def _loss(batch: TrainBatch) -> float:
     algo = AlgorithmConfig()  # on-policy, ratio 1: the clip range does not matter
     advantages = torch.tensor(batch.advantages)
     loss, _ = ppo_clip_loss(
-        logprobs, logprobs, advantages, mask, clip_eps_low=algo.clip_eps_low, clip_eps_high=algo.clip_eps_high
+        logprobs,
+        logprobs,
+        advantages,
+        mask,
+        clip_eps_low=algo.clip_eps_low,
+        clip_eps_high=algo.clip_eps_high,
+        aggregation=algo.loss_aggregation,
+        kl_coef=algo.kl_coef,
     )
     return float(loss)
 
