@@ -319,7 +319,6 @@ def _trainer(
         gradient_checkpointing=memory.gradient_checkpointing,
         micro_batch_size=memory.micro_batch_size,
         off_policy_correction=cfg.algorithm.correction(mode),
-        rollout_mode=mode,
         backend=kind,  # type: ignore[arg-type]  # a TrainerBackend: in-process, local or ray
         world_size=ranks,
         gpus=gpus,

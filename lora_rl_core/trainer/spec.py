@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from lora_rl_core.config import AlgorithmConfig, LoRAConfig, ModelConfig, ResolvedCorrection, RolloutMode, TrainerConfig
+from lora_rl_core.config import AlgorithmConfig, LoRAConfig, ModelConfig, ResolvedCorrection, TrainerConfig
 
 TrainerBackend = Literal["in-process", "local", "ray"]
 """Where the trainer runs (`trainer.backend.type`): in this process, as spawned FSDP2 processes (`local`) or as
@@ -55,7 +55,6 @@ class TrainerPlan(BaseModel):
     gradient_checkpointing: bool
     micro_batch_size: int
     off_policy_correction: ResolvedCorrection
-    rollout_mode: RolloutMode
     backend: TrainerBackend
     world_size: int
     ray_gpus_per_rank: float
