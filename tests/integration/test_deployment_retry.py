@@ -10,6 +10,17 @@ from the project's prefect.yaml, a worker, and `prefect deployment run` with a t
    but not its manifest leaves no partial version; setting the run to AwaitingRetry and starting a new worker
    completes it (version 2 published again from step 2's checkpoint).
 
+A retry waits until the worker has let go of the failed attempt: Prefect sets FAILED from inside the flow-run
+process, which then still flushes its logs and exits (seconds on a busy CPU), and until the worker has seen it
+exit, the run's id holds the worker's one slot (`--limit 1`). A run scheduled again meanwhile (the UI's Retry, or
+`prefect flow-run retry`) makes Prefect 3.8's worker ask its limiter for a second slot for the same id, which raises
+`RuntimeError: this borrower is already holding one of this CapacityLimiter's tokens` out of its polling loop:
+the worker exits and the retried run waits for a worker that is gone (both tests timed out so in full-suite runs:
+the retried run, left scheduled, was then taken by the next test's worker, whose hang fault held its one slot).
+The worker announces that it is done with a run (`prefect.worker.executed-flow-run`) after it freed the slot.
+A wait fails at once, with the worker's log, when the worker has exited; a test that fails cancels its flow run,
+so that no later worker takes it.
+
 Every process runs in a process group of its own (`tests.support.processes`) and is stopped with its group and
 its descendants, which covers the flow-run processes a worker starts in sessions of their own: the hung one of
 the kill test (`publish_adapter:2:hang`) once outlived the test suite.
@@ -25,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, NoReturn
 
 import httpx
 import pytest
@@ -90,9 +102,12 @@ def _cli(env: dict[str, str], *args: str) -> str:
     return out.stdout
 
 
-def _wait(predicate, seconds: float, what: str, log: Path | None = None) -> None:
-    """Poll `predicate` until it holds; on timeout the error names `what` and ends with the worker's log
-    (`log`), which holds the flow-run processes' output: a run that failed or never started says why."""
+def _wait(
+    predicate, seconds: float, what: str, log: Path | None = None, worker: subprocess.Popen | None = None
+) -> None:
+    """Poll `predicate` until it holds; on timeout, or at once when `worker` has exited (nothing would run the
+    flow run any more), the error names `what` and ends with the worker's log (`log`), which holds the
+    flow-run processes' output: a run that failed or never started says why."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -100,9 +115,15 @@ def _wait(predicate, seconds: float, what: str, log: Path | None = None) -> None
                 return
         except httpx.HTTPError:
             pass
+        if worker is not None and worker.poll() is not None:
+            _fail(f"the worker exited with status {worker.returncode} while waiting for {what}", log)
         time.sleep(0.5)
+    _fail(f"timed out after {seconds} s waiting for {what}", log)
+
+
+def _fail(message: str, log: Path | None) -> NoReturn:
     tail = log.read_text(errors="replace")[-6000:] if log is not None and log.exists() else ""
-    raise AssertionError(f"timed out after {seconds} s waiting for {what}" + (f"; worker log:\n{tail}" if tail else ""))
+    raise AssertionError(message + (f"; worker log:\n{tail}" if tail else ""))
 
 
 def _worker(env: dict[str, str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -131,6 +152,30 @@ def _reaches(api: str, run_id: str, want: str) -> bool:
     return state["type"] == want
 
 
+def _executed(api: str, flow_run_id: str) -> int:
+    """How many times a worker reported that it ran the flow run: `prefect.worker.executed-flow-run`, emitted
+    once the flow-run process has exited and the worker has freed the run's slot."""
+    body = {
+        "filter": {
+            "event": {"name": ["prefect.worker.executed-flow-run"]},
+            "related": {"id": [f"prefect.flow-run.{flow_run_id}"]},
+        },
+        "limit": 50,
+    }
+    return len(httpx.post(f"{api}/events/filter", json=body, timeout=10).json()["events"])
+
+
+def _cancel_unless_final(api: str, flow_run_id: str | None) -> None:
+    """Cancel the flow run unless it ended: a run a failed test left scheduled would be taken by the next
+    test's worker."""
+    if flow_run_id is None:
+        return
+    state = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
+    if state["type"] not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+        body = {"state": {"type": "CANCELLED", "message": "the test failed"}, "force": True}
+        httpx.post(f"{api}/flow_runs/{flow_run_id}/set_state", json=body, timeout=10).raise_for_status()
+
+
 def _task_states(api: str, flow_run_id: str) -> dict[str, str]:
     body = {"flow_runs": {"id": {"any_": [flow_run_id]}}, "limit": 200, "offset": 0, "sort": "EXPECTED_START_TIME_ASC"}
     runs = httpx.post(f"{api}/task_runs/filter", json=body, timeout=10).json()
@@ -139,11 +184,13 @@ def _task_states(api: str, flow_run_id: str) -> dict[str, str]:
 
 def _run_deployment(env: dict[str, str], config: Path, run_id: str) -> str:
     out = _cli(env, "deployment", "run", DEPLOYMENT, "--param", f"config_path={config}", "--param", f"run_id={run_id}")
-    return re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
+    found = re.search(r"UUID:\s*([0-9a-f-]{36})", out)
+    assert found is not None, f"no flow run id in the output of prefect deployment run:\n{out}"
+    return found.group(1)
 
 
 def _config(tmp_path: Path, tiny_model_dir: Path) -> tuple[Path, Path]:
-    sections = {
+    sections: dict[str, dict[str, Any]] = {
         "run": {"eval_before_after": False},
         "rollout": {"max_new_tokens": 6},
         "trainer": {"steps": 3},
@@ -157,14 +204,19 @@ def test_injected_fault_then_ui_retry_completes_from_cache(server, tiny_model_di
     config, store = _config(tmp_path, tiny_model_dir)
     log = tmp_path / "worker.log"
     worker = _worker(env, log, {"LORA_RL_FAULT": "train_step:2"})
+    flow_run = None
     try:
         flow_run = _run_deployment(env, config, "it-fault")
-        _wait(lambda: _reaches(api, flow_run, "FAILED"), 240, "the injected fault to fail the flow run", log)
+        _wait(lambda: _reaches(api, flow_run, "FAILED"), 240, "the injected fault to fail the flow run", log, worker)
         assert AdapterStore(f"file://{store}").versions("it-fault") == [0, 1]
+        # the failed attempt's process exits after FAILED; a retry before the worker freed its slot kills the worker
+        done = f"the worker to report that it ran flow run {flow_run} (prefect.worker.executed-flow-run)"
+        _wait(lambda: _executed(api, flow_run) >= 1, 120, done, log, worker)
         _cli(env, "flow-run", "retry", flow_run)  # the UI's Retry: AwaitingRetry, picked up by the worker
-        _wait(lambda: _reaches(api, flow_run, "COMPLETED"), 240, "the retried flow run to complete", log)
+        _wait(lambda: _reaches(api, flow_run, "COMPLETED"), 240, "the retried flow run to complete", log, worker)
     finally:
         _stop(worker)
+        _cancel_unless_final(api, flow_run)
     states = _task_states(api, flow_run)
     assert states["rollout-1"] == "Cached" and states["score-1"] == "Cached"
     # not cached, answered from the store: the step-1 checkpoint holds the update (its stats are replayed, nothing
@@ -179,19 +231,23 @@ def test_kill_worker_mid_publish_leaves_no_partial_version(server, tiny_model_di
     log = tmp_path / "worker.log"
     worker = _worker(env, log, {"LORA_RL_FAULT": "publish_adapter:2:hang"})
     attempt_dir = store / "it-kill" / "adapters" / "v000002"
+    flow_run = None
     try:
-        flow_run = _run_deployment(env, config, "it-kill")
-        wrote = lambda: any(attempt_dir.glob("*/adapter_model.safetensors"))  # noqa: E731
-        _wait(wrote, 240, "publish of v2 to write its files", log)
+        try:
+            flow_run = _run_deployment(env, config, "it-kill")
+            wrote = lambda: any(attempt_dir.glob("*/adapter_model.safetensors"))  # noqa: E731
+            _wait(wrote, 240, "publish of v2 to write its files", log, worker)
+        finally:
+            _stop(worker, signal.SIGKILL)  # kill -9 the worker and the (hung) flow process it started
+        assert AdapterStore(f"file://{store}").versions("it-kill") == [0, 1]  # no partial version
+        assert not (attempt_dir / "manifest.json").exists()
+        body = {"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}, "force": True}
+        assert httpx.post(f"{api}/flow_runs/{flow_run}/set_state", json=body, timeout=10).status_code in (200, 201)
+        worker = _worker(env, log)  # a new worker: the killed one's slot went with it
+        try:
+            _wait(lambda: _reaches(api, flow_run, "COMPLETED"), 240, "the retried flow run to complete", log, worker)
+        finally:
+            _stop(worker)
     finally:
-        _stop(worker, signal.SIGKILL)  # kill -9 the worker and the (hung) flow process it started
-    assert AdapterStore(f"file://{store}").versions("it-kill") == [0, 1]  # no partial version
-    assert not (attempt_dir / "manifest.json").exists()
-    body = {"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}, "force": True}
-    assert httpx.post(f"{api}/flow_runs/{flow_run}/set_state", json=body, timeout=10).status_code in (200, 201)
-    worker = _worker(env, log)
-    try:
-        _wait(lambda: _reaches(api, flow_run, "COMPLETED"), 240, "the retried flow run to complete", log)
-    finally:
-        _stop(worker)
+        _cancel_unless_final(api, flow_run)
     assert AdapterStore(f"file://{store}").versions("it-kill") == [0, 1, 2, 3]
