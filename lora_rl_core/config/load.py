@@ -136,10 +136,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         data = loaded or {}
     for override in overrides:
         apply_override(data, override)
-    cfg = config_from_dict(data, source=source)
-    if path is not None and cfg.reward.files_dir is None:  # reward files are found beside the config file
-        cfg.reward.files_dir = str(Path(path).resolve().parent)
-    return cfg
+    reward = data.get("reward") or {}
+    if path is not None and isinstance(reward, dict) and reward.get("files_dir") is None:
+        # reward files are found beside the config file: set before validation, never on the validated config
+        data["reward"] = {**reward, "files_dir": str(Path(path).resolve().parent)}
+    return config_from_dict(data, source=source)
 
 
 def config_from_dict(data: dict[str, Any], *, source: str = "(dict)") -> RunConfig:
