@@ -49,7 +49,9 @@ def _check_digits(digits: int | tuple[int, int]) -> tuple[int, int]:
 
 
 class ArithmeticGenerator:
-    """Seeded generator of arithmetic problems, e.g. ``"What is 47 + 38?"`` -> ``"85"``.
+    """Seeded generator of arithmetic problems, e.g. ``"What is 47 + 38?"`` -> ``"85"``. Each problem's columns
+    (given to reward functions by name) are ``answer`` and ``equation_prefix``, the problem in MAWPS's prefix
+    notation (``"+ 47 38"``), so an equation-writing reward reads arithmetic and MAWPS rows alike.
 
     Args:
         operations: a subset of ``"+"``, ``"-"``, ``"*"``; each problem picks one uniformly.
