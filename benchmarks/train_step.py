@@ -140,16 +140,7 @@ def train_step(model, optimizer, params, batch: tuple, settings: Settings) -> No
         ids, mask, adv = (t[lo : lo + settings.micro_batch_size] for t in (ids_BL, mask_BT, advantages_B))
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [b, L-1, V]
         logprobs_BT = selective_log_softmax(logits, ids[:, 1:])
-        loss, _ = ppo_clip_loss(
-            logprobs_BT,
-            logprobs_BT.detach(),
-            adv,
-            mask,
-            clip_eps_low=ALGO.clip_eps_low,
-            clip_eps_high=ALGO.clip_eps_high,
-            aggregation=ALGO.loss_aggregation,
-            kl_coef=ALGO.kl_coef,
-        )
+        loss, _ = ppo_clip_loss(logprobs_BT, logprobs_BT.detach(), adv, mask, **ALGO.loss_args())
         (loss * (float(mask.sum()) / total_tokens)).backward()
     distributed.sum_gradients(params)  # LoRA weights are replicated over ranks (lora_rl_core.distributed)
     distributed.clip_grad_norm_(params, 1.0)

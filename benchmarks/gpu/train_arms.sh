@@ -20,12 +20,12 @@ if [ -d .gpu-ours ] && [ ! -f /tmp/ours/.complete ]; then
 fi
 k=0; pids=(); FIRST=${FIRST_GPU:-0}
 read -r -a gpus <<< "${GPUS:-}"
+gpu_of() { if [ ${#gpus[@]} -gt 0 ]; then echo "${gpus[$(($1 % ${#gpus[@]}))]}"; else echo $((FIRST + $1)); fi; }
 for arm in "$@"; do
   name=${arm%%=*}; overrides=${arm#*=}
   dir=/tmp/arms/$name; mkdir -p "$dir/out"
-  gpu=$((FIRST + k)); if [ ${#gpus[@]} -gt 0 ]; then gpu=${gpus[$((k % ${#gpus[@]}))]}; fi
   # shellcheck disable=SC2086 # the overrides are words
-  CUDA_VISIBLE_DEVICES=$gpu SGLANG_PORT=$((30000 + 10 * (FIRST + k))) RUNS=$dir/runs STORE=$dir/store OUT=$dir/out \
+  CUDA_VISIBLE_DEVICES=$(gpu_of $k) SGLANG_PORT=$((30000 + 10 * (FIRST + k))) RUNS=$dir/runs STORE=$dir/store OUT=$dir/out \
     bash benchmarks/gpu/flow_sglang.sh "$CONFIG" run.id="$name" $overrides > "$dir/out/arm.log" 2>&1 &
   pids+=($!); k=$((k + 1))
 done
@@ -43,8 +43,7 @@ done
 if [ "${HELDOUT:-0}" = 1 ]; then
   k=0; pids=()
   for name in "${names[@]}"; do
-    gpu=$((FIRST + k)); if [ ${#gpus[@]} -gt 0 ]; then gpu=${gpus[$((k % ${#gpus[@]}))]}; fi
-    CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=/tmp/ours:$PWD HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python3 \
+    CUDA_VISIBLE_DEVICES=$(gpu_of $k) PYTHONPATH=/tmp/ours:$PWD HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python3 \
       benchmarks/heldout_wording.py -c "$CONFIG" --adapter "$name@latest" --out "/tmp/arms/$name/out/heldout_wording.json" \
       --set model.name_or_path=/tmp/models/smollm2-gguf "store.uri=file:///tmp/arms/$name/store" \
       > "/tmp/arms/$name/out/heldout_wording.txt" 2>&1 &

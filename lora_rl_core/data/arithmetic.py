@@ -99,7 +99,6 @@ class ArithmeticGenerator:
         result = {"+": a + b, "-": a - b, "*": a * b}[op]
         stream = f"{self.stream}-" if self.stream else ""
         problem_id = f"arith-{OPERATIONS[op]}-{self._digits_label}-s{self.seed}-{stream}{index}"
-        # `equation_prefix` in MAWPS's prefix notation (`+ 76 57`), so an equation-writing reward reads both
         return Problem(
             prompt=f"What is {a} {op} {b}?",
             answer=str(result),

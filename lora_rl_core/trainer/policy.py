@@ -273,12 +273,9 @@ class PolicyTrainer:
             old_BT,
             packed.advantages_B,
             packed.mask_BT,
-            clip_eps_low=self.algo.clip_eps_low,
-            clip_eps_high=self.algo.clip_eps_high,
-            aggregation=self.algo.loss_aggregation,
             importance_weights_BT=weights_BT,
             ref_logprobs_BT=ref_BT,
-            kl_coef=self.algo.kl_coef,
+            **self.algo.loss_args(),
         )
         (loss * weight).backward()
         with torch.no_grad():

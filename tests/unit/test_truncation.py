@@ -93,16 +93,7 @@ def _loss(batch: TrainBatch) -> float:
     logprobs = torch.full(mask.shape, -0.5)
     algo = AlgorithmConfig()  # on-policy, ratio 1: the clip range does not matter
     advantages = torch.tensor(batch.advantages)
-    loss, _ = ppo_clip_loss(
-        logprobs,
-        logprobs,
-        advantages,
-        mask,
-        clip_eps_low=algo.clip_eps_low,
-        clip_eps_high=algo.clip_eps_high,
-        aggregation=algo.loss_aggregation,
-        kl_coef=algo.kl_coef,
-    )
+    loss, _ = ppo_clip_loss(logprobs, logprobs, advantages, mask, **algo.loss_args())
     return float(loss)
 
 
