@@ -97,7 +97,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class TimedPhases:
-    """`StepPhases` that time each call of another's phases (wall seconds by phase name, `take()` empties)."""
+    """A `PhaseRunner` that times each phase another one runs now (wall seconds by phase name, `take()` empties).
+    Version 0's publish and sync (set-up, before step 1) and the final flush are not timed."""
 
     def __init__(self, inner: Any, around: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
         self.inner = inner
@@ -109,45 +110,21 @@ class TimedPhases:
         times, self.times = self.times, {}
         return times
 
-    def _timed(self, phase: str, fn: Any, *args: Any) -> Any:
+    def call(self, phase: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """Timed `phase` (its function's name, `rollout` ... `sync`)."""
+        name = phase.__name__
+        if name not in PHASES or (name == "publish" and args[0] == 0) or (name == "sync" and args[0].version == 0):
+            return self.inner.call(phase, *args, **kwargs)
         start = time.perf_counter()
         try:
-            with self.around(phase):
-                return fn(*args)
+            with self.around(name):
+                return self.inner.call(phase, *args, **kwargs)
         finally:
-            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
 
-    def publish(self, step: int, metrics: Any) -> Any:
-        """Timed `publish`; version 0 (set-up, before step 1) is not timed."""
-        if step == 0:
-            return self.inner.publish(step, metrics)
-        return self._timed("publish", self.inner.publish, step, metrics)
-
-    def sync(self, ref: Any) -> Any:
-        """Timed `sync`; version 0's is not timed."""
-        if ref.version == 0:
-            return self.inner.sync(ref)
-        return self._timed("sync", self.inner.sync, ref)
-
-    def rollout(self, step: int) -> Any:
-        """Timed `rollout`."""
-        return self._timed("rollout", self.inner.rollout, step)
-
-    def submit_rollout(self, step: int) -> Any:
+    def submit(self, phase: Any, /, *args: Any, **kwargs: Any) -> Any:
         """Not timed: this benchmark runs sync mode."""
-        return self.inner.submit_rollout(step)
-
-    def score(self, step: int) -> Any:
-        """Timed `score`."""
-        return self._timed("score", self.inner.score, step)
-
-    def train(self, step: int) -> Any:
-        """Timed `train`."""
-        return self._timed("train", self.inner.train, step)
-
-    def flush(self) -> None:
-        """Not timed: after the last step (the store writes still queued then)."""
-        self.inner.flush()
+        return self.inner.submit(phase, *args, **kwargs)
 
 
 def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = build_problems(cfg.data, "test", cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
     grader = AnswerGrader(verify_timeout_s=cfg.reward.verify_timeout_s)
-    built = build_engine(EngineInputs(cfg.engine, cfg.model, cfg.lora, cfg.store, tokenizer=tokenizer))
+    store = cfg.store.build()
+    built = build_engine(EngineInputs(cfg.engine, cfg.model, cfg.lora, store, tokenizer=tokenizer))
     engine = built.engine
     results: dict[str, dict[str, Any]] = {}
     try:
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if folder.is_dir():
             name, uri = "heldout-wording-adapter", str(folder.resolve())
         else:
-            ref = cfg.store.build().resolve(args.adapter)
+            ref = store.resolve(args.adapter)
             name, uri = ref.name, ref.uri
         engine.load_adapter(name, path=uri)
         for wording, (instruction, rewrite) in wordings(prompt_instruction(cfg.data, cfg.rollout)).items():

@@ -75,53 +75,34 @@ def cpu_seconds() -> dict[str, float]:
 
 
 class TracedPhases:
-    """`StepPhases` that record every call of another's phases as a span `(phase, step, start s, end s)`, the
+    """A `PhaseRunner` that records every phase another one runs as a span `(phase, step, start s, end s)`, the
     times in seconds since this module loaded, and after each step's sync the CPU seconds used so far
-    (`cpu_seconds`). Version 0's publish and sync (before step 1) are left out."""
+    (`cpu_seconds`). Version 0's publish and sync (before step 1), the flush and the report's phases are left
+    out; a submitted rollout is recorded as `submit_rollout` (its run is the task runner's, not on this track)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.spans: list[tuple[str, int, float, float]] = []
         self.cpu: dict[int, dict[str, float]] = {0: cpu_seconds()}
 
-    def _span(self, phase: str, step: int, fn: Any, *args: Any) -> Any:
+    def call(self, phase: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """Traced `phase`; after a sync, the CPU seconds used so far are sampled (the end of that step)."""
+        return self._span(phase.__name__, self.inner.call, phase, *args, **kwargs)
+
+    def submit(self, phase: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """Traced submission."""
+        return self._span(f"submit_{phase.__name__}", self.inner.submit, phase, *args, **kwargs)
+
+    def _span(self, name: str, run: Any, phase: Any, *args: Any, **kwargs: Any) -> Any:
+        step = args[0].version if name == "sync" else args[0] if args and isinstance(args[0], int) else 0
         start = time.perf_counter() - T0
         try:
-            return fn(*args)
+            return run(phase, *args, **kwargs)
         finally:
             if step > 0:
-                self.spans.append((phase, step, start, time.perf_counter() - T0))
-
-    def publish(self, step: int, metrics: Any) -> Any:
-        """Traced `publish`."""
-        return self._span("publish", step, self.inner.publish, step, metrics)
-
-    def sync(self, ref: Any) -> Any:
-        """Traced `sync`; the CPU seconds used so far are sampled after it (the end of step `ref.version`)."""
-        try:
-            return self._span("sync", ref.version, self.inner.sync, ref)
-        finally:
-            self.cpu[ref.version] = cpu_seconds()
-
-    def rollout(self, step: int) -> Any:
-        """Traced `rollout`."""
-        return self._span("rollout", step, self.inner.rollout, step)
-
-    def submit_rollout(self, step: int) -> Any:
-        """Traced submission of an async rollout (its run is the task runner's, not on this track)."""
-        return self._span("submit_rollout", step, self.inner.submit_rollout, step)
-
-    def score(self, step: int) -> Any:
-        """Traced `score`."""
-        return self._span("score", step, self.inner.score, step)
-
-    def train(self, step: int) -> Any:
-        """Traced `train`."""
-        return self._span("train", step, self.inner.train, step)
-
-    def flush(self) -> None:
-        """Not traced: after the last step."""
-        self.inner.flush()
+                self.spans.append((name, step, start, time.perf_counter() - T0))
+            if name == "sync":
+                self.cpu[step] = cpu_seconds()
 
 
 def build_model(out: Path, layers: int, hidden: int) -> Path:
@@ -172,7 +153,8 @@ def run_library(cfg: Any, run_id: str) -> tuple[list[dict[str, Any]], TracedPhas
 
 def run_prefect(cfg: Any, run_id: str) -> tuple[list[dict[str, Any]], TracedPhases]:
     """The steps through the real `train` flow: its `TaskPhases` are traced (the flow module's name for them is
-    swapped for the tracer's constructor while the flow runs)."""
+    swapped for the tracer's constructor while the flow runs; the flow's evaluations and report pass through
+    it untraced)."""
     import flows.grpo_lora as flow
 
     tracers: list[TracedPhases] = []

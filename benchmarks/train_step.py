@@ -58,11 +58,11 @@ from _common import TINY_CONFIG  # noqa: E402  (benchmarks/ is on sys.path when 
 
 from lora_rl_core import distributed  # noqa: E402
 from lora_rl_core.algorithm import ppo_clip_loss, selective_log_softmax  # noqa: E402
-from lora_rl_core.config import AlgorithmConfig  # noqa: E402
 from lora_rl_core.lora import cpu_copies  # noqa: E402
+from lora_rl_testing.plans import trainer_plan  # noqa: E402
 
 GIB = 1024**3
-ALGO = AlgorithmConfig()  # the run's defaults: clip ranges, aggregation
+LOSS_ARGS = trainer_plan().loss.loss_args()  # the run's defaults, as its plan makes them: clip ranges, aggregation
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def train_step(model, optimizer, params, batch: tuple, settings: Settings) -> No
         ids, mask, adv = (t[lo : lo + settings.micro_batch_size] for t in (ids_BL, mask_BT, advantages_B))
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [b, L-1, V]
         logprobs_BT = selective_log_softmax(logits, ids[:, 1:])
-        loss, _ = ppo_clip_loss(logprobs_BT, logprobs_BT.detach(), adv, mask, **ALGO.loss_args())
+        loss, _ = ppo_clip_loss(logprobs_BT, logprobs_BT.detach(), adv, mask, **LOSS_ARGS)
         (loss * (float(mask.sum()) / total_tokens)).backward()
     distributed.sum_gradients(params)  # LoRA weights are replicated over ranks (lora_rl_core.distributed)
     distributed.clip_grad_norm_(params, 1.0)

@@ -1,4 +1,4 @@
-"""`lora-rl` command line: train, eval, serve, subscribe, adapters.
+"""`lora-rl` command line: train, plan, eval, serve, subscribe, adapters.
 
 User errors (bad config, missing data, unloadable reward or model, store
 problems) print one line `lora-rl: error: ...` and exit with code 2; a bad command line (unknown option or
@@ -57,44 +57,46 @@ def train(
     # Prefect gives its temporary server 20 s to answer; a fresh PREFECT_HOME on a busy 2-core CPU takes longer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(PREFECT_STARTUP_TIMEOUT_S))
     from lora_rl_core.config import load_config
-    from lora_rl_core.run import preflight
+    from lora_rl_core.run import prepare_run
+    from tasks import registry
 
     cfg = load_config(config, overrides or [])  # validated once: the flow takes this object
-    preflight(cfg)  # config, store, data, reward, model: one line, before Prefect
-    reaper.watch()  # before anything starts: nothing outlives this process, even on SIGKILL
-    from flows.grpo_lora import train as train_flow
+    prepared = prepare_run(cfg)  # store, data, rewards, grader, model and the plan, once: one line, before Prefect
+    with registry.handed_over(prepared):  # the flow's open_run builds from them; closed if it never does
+        reaper.watch()  # before the engine, the trainer and Prefect: nothing outlives this process, even on SIGKILL
+        from flows.grpo_lora import train as train_flow
 
-    shutdown.quiet_console_logs()  # Prefect's handlers exist now: its crash lines on SIGTERM stay off the terminal
-    shutdown.isolate_prefect_server()  # a terminal's Ctrl-C reaches lora-rl, which stops the server last
+        shutdown.quiet_console_logs()  # Prefect's handlers exist now: its crash lines on SIGTERM stay off the terminal
+        shutdown.isolate_prefect_server()  # a terminal's Ctrl-C reaches lora-rl, which stops the server last
 
-    bar = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-    )
-    task_id = bar.add_task("training", total=None)
+        bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        task_id = bar.add_task("training", total=None)
 
-    def on_event(event: str, data: dict[str, Any]) -> None:
-        if event == "run_started":
-            bar.update(task_id, total=data["steps"], description=f"training {data['run_id']}")
-            bar.console.print(progress.format_runtime(data["runtime"]), markup=False)
-        elif event == "step":
-            bar.console.print(progress.format_step(data))
-            bar.advance(task_id)
-        elif event == "eval":
-            bar.console.print(
-                f"greedy accuracy {data['phase']} training: {progress.format_accuracy(data)} ({data['n']} problems)"
-            )
+        def on_event(event: str, data: dict[str, Any]) -> None:
+            if event == "run_started":
+                bar.update(task_id, total=data["steps"], description=f"training {data['run_id']}")
+                bar.console.print(progress.format_runtime(data["runtime"]), markup=False)
+            elif event == "step":
+                bar.console.print(progress.format_step(data))
+                bar.advance(task_id)
+            elif event == "eval":
+                bar.console.print(
+                    f"greedy accuracy {data['phase']} training: {progress.format_accuracy(data)} ({data['n']} problems)"
+                )
 
-    unsubscribe = progress.subscribe(on_event)
-    try:
-        with bar:
-            summary = train_flow(config_path=config, overrides=list(overrides or []), run_id=run_id, config=cfg)
-    finally:
-        unsubscribe()
+        unsubscribe = progress.subscribe(on_event)
+        try:
+            with bar:
+                summary = train_flow(config_path=config, overrides=list(overrides or []), run_id=run_id, config=cfg)
+        finally:
+            unsubscribe()
     _print_summary(summary)
 
 
@@ -119,21 +121,20 @@ def eval_(
     """
     from lora_rl_core.config import load_config
     from lora_rl_core.evaluation import evaluate_run_policy
-    from lora_rl_core.run import build_evaluation, plan_run
+    from lora_rl_core.run import build_evaluation, prepare_run
 
     cfg = load_config(config, overrides or [])
-    cfg.store.build()  # a bad store URI fails before the data and the tokenizer load
-    plan, inputs = plan_run(cfg, train=False)
+    prepared = prepare_run(cfg, train=False)
     reaper.watch()  # nothing started from here on outlives this process, even on SIGKILL
-    with build_evaluation(plan, inputs) as ev:  # the engine and the grader, as a training run builds them
-        engine = ev.built.engine
+    with build_evaluation(prepared) as ev:  # the engine and the grader, as a training run builds them
+        engine, inputs = ev.built.engine, ev.inputs
         name = None
         if adapter:
-            ref = ev.store.resolve(adapter)
+            ref = inputs.store.resolve(adapter)
             if ref.name not in engine.list_adapters():
                 engine.load_adapter(ref.name, path=ref.uri)  # the engine reads the version sha256-verified
             name = ref.name
-        result = evaluate_run_policy(engine, inputs.tokenizer, inputs.test, ev.grader, cfg, adapter=name)
+        result = evaluate_run_policy(engine, inputs.tokenizer, inputs.test, inputs.grader, cfg, adapter=name)
     if json_out:
         console.print_json(json.dumps(result))
     else:
@@ -143,6 +144,28 @@ def eval_(
             + (f"; {sampled} ({result['samples_per_prompt']} samples each)" if sampled else "")
             + f" ({result['seconds']:.1f} s)"
         )
+
+
+@app.command("plan")
+def plan_(
+    config: ConfigOpt,
+    overrides: OverridesArg = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+) -> None:
+    """Print the run's plan without training: every resolved setting with its value and the reason (`auto`
+    resolved on this machine, or set in the config), and on a GPU the memory plan. The inputs are loaded and
+    checked as `train` checks them (store, data, rewards, grader, model); no engine or trainer is started."""
+    from lora_rl_core.config import load_config
+    from lora_rl_core.run import prepare_run
+
+    cfg = load_config(config, overrides or [])
+    prepared = prepare_run(cfg)
+    prepared.close()  # the reward terms' and the grader's worker processes stop: nothing else was started
+    summary = prepared.plan.summary()
+    if json_out:
+        console.print_json(json.dumps(summary))
+    else:
+        console.print(progress.format_runtime(summary), markup=False)  # what the run log shows when it opens
 
 
 def _check_port_is_not_sglangs(cfg: RunConfig, port: int, servers: int = 1) -> None:
@@ -222,7 +245,7 @@ def serve(
         console.print(f"model dtype {dtype.value}: {dtype.reason}", markup=False)
     tokenizer = load_tokenizer(cfg.model)
     serve_engine(
-        build_serving_engine(engine_inputs(plan, tokenizer, Path.cwd())),
+        build_serving_engine(engine_inputs(plan, tokenizer, Path.cwd(), store)),
         model_path=model,
         tokenizer=tokenizer,
         store=store,

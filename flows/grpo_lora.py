@@ -3,7 +3,7 @@
 Reads like the algorithm: open the run, measure the base model, run the steps (the library's step loop,
 `lora_rl_core.run.loop.run_steps`: publish and sync version 0, then per step rollout -> score -> train ->
 publish -> sync, each phase a Prefect task, the checkpoint and version uploads running in the background
-until `flush_writes`), and finally measure the trained adapter (or, with `run.eval_before_after: false`, take a
+until `flush`), and finally measure the trained adapter (or, with `run.eval_before_after: false`, take a
 few of its greedy held-out completions) and write the report and artifacts. With
 `rollout.mode: async` the loop submits the rollouts of the next `algorithm.max_staleness` steps as task
 futures before a step trains, so they are generated while it trains, each with the version current when it
@@ -23,9 +23,10 @@ from prefect.runtime import flow_run
 from lora_rl_core import progress
 from lora_rl_core.config import RunConfig, load_config
 from lora_rl_core.report import artifact_markdown, run_summary, step_table
+from lora_rl_core.run import phases, samples
 from lora_rl_core.run.loop import run_steps
 from tasks.registry import close_run
-from tasks.steps import StepTasks, TaskPhases, prefect_slug, result_storage, step_tasks
+from tasks.steps import TaskPhases, open_run, prefect_slug, result_storage
 
 
 @flow(name="lora-rl-train")
@@ -55,20 +56,20 @@ def train(
     run_id = run_id or cfg.run.id or f"{cfg.run.name}-{str(flow_run.id)[:8]}"
     logger = get_run_logger()
     steps = cfg.trainer.steps
-    t = step_tasks(result_storage(cfg.store, run_id))
-    resumed = t.open_run(cfg, run_id)
+    resumed = open_run(cfg, run_id)
+    t = TaskPhases(run_id, result_storage(resumed.store_uri, cfg.store.storage_options, run_id))
     try:
         progress.emit("run_started", {"steps": steps, **resumed.model_dump()})
         logger.info(f"run {run_id}: {steps} steps, resuming after checkpoint step {resumed.restored_step}")
         logger.info(progress.format_runtime(resumed.runtime))
-        base_eval = _evaluate(t, run_id, None, "before", cfg.run.eval_before_after, logger)
+        base_eval = _evaluate(t, None, "before", cfg.run.eval_before_after, logger)
 
         def on_step(metrics: dict[str, Any]) -> None:
             logger.info(progress.format_step(metrics))
             progress.emit("step", metrics)
 
-        done = run_steps(TaskPhases(t, run_id), steps=steps, ahead=resumed.rollouts_ahead, on_step=on_step)
-        final_eval = _evaluate(t, run_id, done.final.name, "after", cfg.run.eval_before_after, logger)
+        done = run_steps(t, steps=steps, ahead=resumed.rollouts_ahead, on_step=on_step)
+        final_eval = _evaluate(t, done.final.name, "after", cfg.run.eval_before_after, logger)
         summary = run_summary(
             run_id,
             done.history,
@@ -79,10 +80,10 @@ def train(
             resumed.store_uri,
             resumed.runtime,
         )
-        summary["step_samples"] = t.step_samples(run_id, len(done.history))
+        summary["step_samples"] = t.call(samples.step_samples, len(done.history))
         if final_eval is None:  # not evaluated: the report still shows what the trained adapter writes
-            summary["final_preview"] = t.heldout_preview(run_id, done.final.name)
-        summary["report"] = t.write_report(run_id, done.history, summary)
+            summary["final_preview"] = t.call(samples.heldout_preview, done.final.name)
+        summary["report"] = t.call(samples.report, done.history, summary)
         _artifacts(run_id, cfg, done.history, summary)
         progress.emit("run_finished", summary)
         return summary
@@ -90,12 +91,10 @@ def train(
         close_run(run_id)  # the loop has waited for rollouts running ahead: the engine can close
 
 
-def _evaluate(
-    t: StepTasks, run_id: str, adapter: str | None, phase: str, enabled: bool, logger: Any
-) -> dict[str, Any] | None:
+def _evaluate(t: TaskPhases, adapter: str | None, phase: str, enabled: bool, logger: Any) -> dict[str, Any] | None:
     if not enabled:
         return None
-    result = t.evaluate(run_id, adapter)
+    result = t.call(phases.evaluate, adapter)
     logger.info(
         f"greedy accuracy {phase} training: {progress.format_accuracy(result)} on {result['n']} held-out problems"
     )

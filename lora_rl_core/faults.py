@@ -1,7 +1,7 @@
 """Fault injection for resume tests: `LORA_RL_FAULT=phase:step[:mode]`.
 
-`phase` is a step phase (`rollout`, `score`, `train_step`, `publish_adapter`,
-`sync_engines`) or a background write (`checkpoint`; `publish_adapter` fires in
+`phase` is a step phase (`rollout`, `score`, `train`, `publish`,
+`sync`) or a background write (`checkpoint`; `publish` fires in
 the version's upload, with its files written and its manifest not), `step` the
 step number, `mode` one of `raise` (default: raise `InjectedFault`), `kill`
 (SIGKILL this process, as `kill -9` would) or `hang` (sleep up to an hour, so a
@@ -31,7 +31,7 @@ def parse_faults(spec: str) -> list[tuple[str, int, str]]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         parts = item.split(":")
         if len(parts) not in (2, 3) or not parts[1].isdigit():
-            raise ValueError(f"{ENV}={spec!r}: expected phase:step[:raise|kill|hang], e.g. train_step:3")
+            raise ValueError(f"{ENV}={spec!r}: expected phase:step[:raise|kill|hang], e.g. train:3")
         mode = parts[2] if len(parts) == 3 else "raise"
         if mode not in ("raise", "kill", "hang"):
             raise ValueError(f"{ENV}={spec!r}: mode {mode!r} is not raise, kill or hang")

@@ -102,7 +102,8 @@ def cut_change(summary: dict[str, Any]) -> str:
 def format_runtime(runtime: dict[str, Any]) -> str:
     """The run's plan for the run log, printed once when the run opens (`lora_rl_core.plan.RunPlan.summary`):
     a first line with the device, the model dtype and why, the LoRA compute dtype and why, CPU threads; then
-    one line per other resolved setting (`  <setting> = <value>: <reason>`) and the memory plan (GiB)."""
+    one line per other resolved setting (`  <setting> = <value>: <reason>`), the memory plan (GiB), and what
+    each Ray replica resolved on its host (`replicas`)."""
     head = (
         f"model dtype {runtime['dtype']} on {runtime['device']}: {runtime['dtype_reason']}; "
         + lora_compute_part(runtime)
@@ -114,6 +115,9 @@ def format_runtime(runtime: dict[str, Any]) -> str:
     ]
     if runtime.get("memory_plan"):
         lines.append(f"  memory plan (GiB): {runtime['memory_plan']}")
+    for i, replica in enumerate(runtime.get("replicas", [])):
+        told = {k: v for k, v in replica.items() if k not in ("node", "reasons", "dtype_reason")}
+        lines.append(f"  engine replica {i} on {replica.get('node')}, resolved there: {told}")
     return "\n".join([head, *lines])
 
 

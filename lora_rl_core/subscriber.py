@@ -1,7 +1,7 @@
 """Keep inference engines on a run's newest adapter versions (the hot-swap protocol, docs/HOTSWAP.md).
 
 `sync_version` is the one piece of code that moves a published version into engines; the
-training flow's `sync_engines` and the long-running `AdapterSubscriber` both call it:
+training flow's `sync` and the long-running `AdapterSubscriber` both call it:
 
 1. load the version under its versioned name `<run>-vNNNNNN` on every engine: from tensors
    (the tensor path: in-process, or same-host HTTP as safetensors bytes) or from the store
@@ -392,8 +392,8 @@ def open_subscriber(
         StoreError: a bad store URI; LoraRLError: a bad run id or keep.
     """
     from lora_rl_core.config import ServerEngineConfig, SGLangEngineConfig
+    from lora_rl_core.engines.records import EngineInputs
     from lora_rl_core.engines.registry import build_engine  # lazy: keeps httpx out of in-process use
-    from lora_rl_core.engines.spec import EngineInputs
 
     if engine_kind not in REMOTE_ENGINE_KINDS:
         raise ConfigError(f"engine kind must be one of {list(REMOTE_ENGINE_KINDS)}, got {engine_kind!r}")

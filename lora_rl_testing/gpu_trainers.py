@@ -3,6 +3,8 @@ same trainer (Liger's kernels, compiled layers) build both copies from the same 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from lora_rl_core.config import LoRAConfig, ModelConfig, TrainerConfig
@@ -44,7 +46,7 @@ def qwen2_trainer(*, liger: bool = False, compiled: bool = False, micro_batch_si
     trainer = TrainerConfig(lr=1e-3, micro_batch_size=micro_batch_size, lora_compute_dtype="bfloat16")
     plan = trainer_plan(trainer=trainer, model=ModelConfig(device="cpu", dtype="bfloat16"))  # the plan's sections
     # the plan was made for a CPU (no compilation there): it says what was done here, so `close` stops the workers
-    return PolicyTrainer(model, plan.model_copy(update={"torch_compile": compiled}), pad_id=0)
+    return PolicyTrainer(model, dataclasses.replace(plan, torch_compile=compiled), pad_id=0)
 
 
 def mixed_batch(seed: int = 2) -> TrainBatch:

@@ -7,7 +7,7 @@ from typing import Any
 
 from lora_rl_core.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
 from lora_rl_core.plan import make_plan
-from lora_rl_core.trainer.spec import TrainerPlan
+from lora_rl_core.trainer.plan import TrainerPlan
 
 
 def trainer_plan(

@@ -196,16 +196,6 @@ class AlgorithmConfig(Section):
         refuse_moved_keys(data, "algorithm", _MOVED)
         return data
 
-    def loss_args(self) -> dict[str, Any]:
-        """The keyword arguments `algorithm.losses.ppo_clip_loss` takes from this section (the clip range, the
-        aggregation and the KL coefficient), so every caller passes the validated values the same way."""
-        return {
-            "clip_eps_low": self.clip_eps_low,
-            "clip_eps_high": self.clip_eps_high,
-            "aggregation": self.loss_aggregation,
-            "kl_coef": self.kl_coef,
-        }
-
     def correction(self, mode: RolloutMode) -> ResolvedCorrection:
         """The off-policy correction in effect for a rollout mode: `auto` resolved to `token-truncate` (cap 2)
         in async mode and `none` in sync mode."""

@@ -25,16 +25,19 @@ IPC_LAYOUTS: tuple[str, ...] = get_args(IpcLayout)
 TensorDtype = Literal["bfloat16", "float16", "float32", "keep"]
 TENSOR_DTYPES: tuple[str, ...] = get_args(TensorDtype)
 RolloutMode = Literal["sync", "async"]
+SET_IN_CONFIG = "set in the config"
+"""The reason the run's plan records for a setting that was not `auto` (`lora_rl_core.plan.Choice`)."""
 SGLANG_DEFAULT_PORT = 30000
 """The port SGLang and `lora-rl serve` listen on unless told otherwise (SGLang's `--port` default)."""
 
 
 class Section(BaseModel):
-    """Base for config sections: unknown keys are errors, values are validated on assignment."""
+    """Base for config sections: unknown keys are errors, and a validated section is never changed."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
-    """Unknown keys are errors, values are validated on assignment, and each field's attribute docstring is
-    its `description` (in the JSON schema, for tooling; tests/unit/test_config_docs.py requires one)."""
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    """Unknown keys are errors, a field cannot be assigned once validated (a changed copy is `model_copy`), and
+    each field's attribute docstring is its `description` (in the JSON schema, for tooling;
+    tests/unit/test_config_docs.py requires one)."""
 
 
 def keyed_by_type(default: str) -> BeforeValidator:

@@ -1,10 +1,10 @@
 """Inference engines behind two protocols, split by who uses them (`RolloutEngine`: what a training step
 needs; `ServingEngine`: that and what serving needs), with SGLang's LoRA semantics.
 
-A folder per subsystem, each touching only `base`, `spec` and the rooms below it:
+A folder per subsystem, each touching only `base`, `records` and the rooms below it:
 
 * `base`: the protocol and its records (`GenerationRequest`, `Completion`, `FinishReason`, `SamplingParams`);
-  `spec`: what an engine builder reads (`EngineInputs`) and returns (`BuiltEngine`: the engine and what it owns).
+  `records`: what an engine builder reads (`EngineInputs`) and returns (`BuiltEngine`: the engine and what it owns).
 * `embedded/`: the in-process transformers + PEFT engine (`engine`: lifecycle, deadlines, worker thread;
   `requests`: queue, admission, abort; `peft_model`: model and adapter injection; `generation`: batched
   generation; `pool`: adapter registry and resident pool; `scheduler`: batch formation; `build`).
@@ -36,7 +36,7 @@ from lora_rl_core.engines.base import (
 )
 from lora_rl_core.engines.embedded.engine import EmbeddedEngine
 from lora_rl_core.engines.multi import MultiEngine
-from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
+from lora_rl_core.engines.records import BuiltEngine, EngineInputs
 from lora_rl_core.errors import EngineUnavailable
 
 __all__ = [

@@ -19,10 +19,10 @@ from lora_rl_core.config import EngineConfig, ray_replicas
 from lora_rl_core.engines.embedded.build import embedded_engine
 from lora_rl_core.engines.launch.ray_replicas import start_ray_replicas
 from lora_rl_core.engines.launch.sglang import sglang_engine, sglang_replicas
+from lora_rl_core.engines.records import BuiltEngine, EngineInputs
 from lora_rl_core.engines.remote.connect import connect
 from lora_rl_core.engines.remote.dialect import SERVER
 from lora_rl_core.engines.remote.transport import sglang_tensor_load_reads_folder
-from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
 from lora_rl_core.errors import ConfigError
 
 Builder = Callable[[EngineInputs], BuiltEngine]

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lora_rl_core.config import RolloutMode, RunConfig, SGLangEngineConfig, SGLangLaunchConfig
+from lora_rl_core.config import SET_IN_CONFIG, RolloutMode, RunConfig, SGLangEngineConfig, SGLangLaunchConfig
+from lora_rl_core.config.trainer import MICRO_BATCH_AUTO_MAX
 from lora_rl_core.errors import ConfigError
 from lora_rl_core.memory.shape import GIB, ModelShape
 
@@ -32,10 +33,10 @@ class MemoryPlan:
     """What the run's GPU memory allows, decided before step 1 (module docstring). Sizes in bytes.
 
     Attributes:
-        gradient_checkpointing: the trainer's setting (resolved from `auto`).
-        micro_batch_size: sequences per forward/backward pass: `trainer.micro_batch_size`, halved where it
-            does not fit and `gradient_checkpointing` is `auto` (without checkpointing not below
-            `MIN_MICRO_BATCH`).
+        gradient_checkpointing: the trainer's setting (resolved from `auto`), and why (`checkpointing_reason`).
+        micro_batch_size: sequences per forward/backward pass (and why: `micro_batch_reason`):
+            `trainer.micro_batch_size`, halved where it does not fit and `gradient_checkpointing` is `auto`
+            (without checkpointing not below `MIN_MICRO_BATCH`).
         mem_fraction_static: SGLang's `--mem-fraction-static`; None = SGLang's own (no trainer beside it).
         memory_saver: SGLang frees its KV cache during each train phase.
         memory_saver_reason: why (or why not), for the run log and `run.json`.
@@ -49,6 +50,8 @@ class MemoryPlan:
 
     gradient_checkpointing: bool
     micro_batch_size: int
+    checkpointing_reason: str
+    micro_batch_reason: str
     mem_fraction_static: float | None = None
     memory_saver: bool = False
     memory_saver_reason: str = "no trainer shares SGLang's GPU"
@@ -184,18 +187,19 @@ def _plan_memory(
     if gpu.mode not in ("sync", "async"):
         raise ValueError(f"plan_memory needs rollout.mode resolved (sync or async), got {gpu.mode!r}")
     batch = rollout_batch(cfg, gpu.mode)
-    checkpointing = cfg.trainer.gradient_checkpointing
+    r, t = cfg.rollout, cfg.trainer
+    checkpointing = t.gradient_checkpointing
+    start = t.micro_batch_start(r.prompts_per_step * r.group_size, on_gpu=shape is not None)
     if shape is None:
         return MemoryPlan(
             gradient_checkpointing=checkpointing is True,
-            micro_batch_size=cfg.trainer.micro_batch_start(
-                cfg.rollout.prompts_per_step * cfg.rollout.group_size, on_gpu=False
-            ),
+            micro_batch_size=start,
+            checkpointing_reason=SET_IN_CONFIG if checkpointing != "auto" else "auto: off without a GPU",
+            micro_batch_reason=_micro_batch_reason(t.micro_batch_size, start, start, on_gpu=False),
             shard_weights=shard,
             shard_weights_reason=shard_reason,
             rollout_batch=batch,
         )
-    r, t = cfg.rollout, cfg.trainer
     launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
     seq = gpu.prompt_tokens + r.max_new_tokens
     # LoRA weights, gradients and AdamW state in float32 on every GPU (replicated over ranks, which also hold the
@@ -236,7 +240,7 @@ def _plan_memory(
         """(checkpointing, micro-batch) for this much room: without recomputation where a micro-batch of at
         least MIN_MICRO_BATCH fits (halving it costs less than the ~1/3 more compute of recomputing every
         layer), else with it, at the largest halving that fits."""
-        micro = t.micro_batch_start(r.prompts_per_step * r.group_size, on_gpu=True)
+        micro = start
         if checkpointing != "auto":  # an `auto` micro-batch still halves to fit; a set one is taken as set
             fixed = bool(checkpointing)
             if t.micro_batch_size == "auto":
@@ -298,6 +302,11 @@ def _plan_memory(
     return MemoryPlan(
         gradient_checkpointing=ckpt,
         micro_batch_size=micro,
+        checkpointing_reason=SET_IN_CONFIG
+        if checkpointing != "auto"
+        else "auto: the memory plan: activations "
+        + ("do not fit without recomputation" if ckpt else "fit without recomputation"),
+        micro_batch_reason=_micro_batch_reason(t.micro_batch_size, start, micro, on_gpu=True),
         mem_fraction_static=fraction,
         memory_saver=saver,
         memory_saver_reason=saver_reason,
@@ -312,6 +321,18 @@ def _plan_memory(
         kv_cache=kv,
         kv_needed=kv_needed,
     )
+
+
+def _micro_batch_reason(setting: int | str, start: int, micro: int, *, on_gpu: bool) -> str:
+    """Why the micro-batch is `micro` (`trainer.micro_batch_size` set to `setting`, the plan starting at
+    `start`)."""
+    if micro < start:
+        why = f"the memory plan halved {start} to fit the GPU"
+    elif setting != "auto":
+        return SET_IN_CONFIG
+    else:
+        why = f"the batch's rows, at most {MICRO_BATCH_AUTO_MAX}" if on_gpu else "without a GPU to plan"
+    return ("auto: " if setting == "auto" else "") + why
 
 
 def check_engine_alone(

@@ -30,19 +30,20 @@ from typing import Any, TypeVar
 import torch
 
 from lora_rl_core.config import (
+    SET_IN_CONFIG,
     AutoCorrection,
     PlacedGPUs,
     RankedBackend,
     RayBackend,
+    RayReplicas,
     RolloutMode,
     RunConfig,
     SGLangEngineConfig,
     sglang_section,
 )
-from lora_rl_core.config.trainer import MICRO_BATCH_AUTO_MAX
 from lora_rl_core.data import Problem, PromptStyle
 from lora_rl_core.engines.launch.probe import SGLangEnvironment, probe_for_launch
-from lora_rl_core.engines.launch.process import LaunchPlan
+from lora_rl_core.engines.launch.process import LaunchBudget
 from lora_rl_core.engines.launch.resolve import ResolvedLaunch, resolve_launch
 from lora_rl_core.engines.registry import sync_reads_folder
 from lora_rl_core.engines.remote.ipc import is_loopback
@@ -59,11 +60,11 @@ from lora_rl_core.plan.placement import (
     rollout_mode,
 )
 from lora_rl_core.plan.record import Choice, EnginePlan, RunPlan
-from lora_rl_core.runtime import choose_dtype, choose_lora_compute_dtype, cpu_threads
+from lora_rl_core.runtime import DtypeChoice, choose_dtype, choose_lora_compute_dtype, cpu_threads
 from lora_rl_core.trainer.kernels import choose_compile, choose_kernels
-from lora_rl_core.trainer.spec import TrainerPlan
+from lora_rl_core.trainer.plan import OptimizerSettings, PolicyLoss, TrainerPlan
 
-SET = "set in the config"
+SET = SET_IN_CONFIG
 T = TypeVar("T")
 
 
@@ -119,7 +120,9 @@ def make_plan(
             placement, memory = plan_for("sync")
             mode, mode_reason = "sync", "auto: rollouts one step ahead do not fit SGLang's memory; sync does"
         choices["rollout.mode"] = Choice(mode, mode_reason)
-        trainer = _trainer(cfg, trainer_device, memory, placement, mode, choices)
+        # the base weights' dtype on the trainer's device: the engine's unless the trainer is on another kind
+        base = dtype if trainer_device.type == device.type else choose_dtype(cfg.model.dtype, trainer_device)
+        trainer = _trainer(cfg, trainer_device, base, memory, placement, mode, choices)
     elif placement.engine_gpus:  # servers only: the smallest tensor parallelism whose copy fits (TP_SMALLEST)
         total = torch.cuda.mem_get_info(torch.device("cuda", placement.engine_gpus[0]))[1]
         shape = ModelShape.of(cfg.model, cfg.lora)
@@ -133,14 +136,6 @@ def make_plan(
     turns = " (rollout.mode sync: the GPUs take turns; async overlaps them)" if train and mode == "sync" else ""
     choices["placement"] = Choice(placement.describe(), placement.reason + (turns if placement.kind == "split" else ""))
     engine = _engine(cfg, device, dtype.name, memory, trainer_device, colocated, launch_env, placement, choices)
-    if train:
-        correction = cfg.algorithm.correction(mode)
-        choices["algorithm.off_policy_correction"] = Choice(
-            correction.model_dump(),
-            SET
-            if not isinstance(cfg.algorithm.off_policy_correction, AutoCorrection)
-            else f"auto: rollout.mode {mode}",
-        )
     return RunPlan(
         config=cfg,
         device=str(device),
@@ -255,12 +250,13 @@ def _choose_tp(
 def _trainer(
     cfg: RunConfig,
     device: torch.device,
+    base: DtypeChoice,
     memory: MemoryPlan,
     placement: Placement,
     mode: RolloutMode,
     choices: dict[str, Choice],
 ) -> TrainerPlan:
-    t = cfg.trainer
+    t, a = cfg.trainer, cfg.algorithm
     backend = t.backend
     if placement.trainer_gpus:  # placed: ranks on the placement's GPUs (one GPU: this process)
         kind, ranks = ("local" if placement.ranks else "in-process"), placement.ranks
@@ -272,56 +268,43 @@ def _trainer(
         choices["trainer.backend"] = Choice(
             kind, f"{backend.world_size} FSDP2 ranks" if isinstance(backend, RankedBackend) else SET
         )
-    base = choose_dtype(cfg.model.dtype, device)
     lora = choose_lora_compute_dtype(t.lora_compute_dtype, device, base.name)
     choices["trainer.lora_compute_dtype"] = Choice(lora.name, lora.reason)
     kernels = choose_kernels(t.liger_kernels, device, _model_type(cfg) if t.liger_kernels else "")
     choices["trainer.liger_kernels"] = Choice(kernels.enabled, kernels.reason)
     compiled = choose_compile(t.torch_compile, device, ranks)
     choices["trainer.torch_compile"] = Choice(compiled.enabled, compiled.reason)
-    on_gpu = memory.gpu_total > 0
-    choices["trainer.gradient_checkpointing"] = Choice(
-        memory.gradient_checkpointing,
-        SET
-        if t.gradient_checkpointing != "auto"
-        else "auto: the memory plan"
-        + (
-            ": activations do not fit without recomputation"
-            if memory.gradient_checkpointing
-            else ": activations fit without recomputation"
-        )
-        if on_gpu
-        else f"auto: off on {device.type}",
+    choices["trainer.gradient_checkpointing"] = Choice(memory.gradient_checkpointing, memory.checkpointing_reason)
+    choices["trainer.micro_batch_size"] = Choice(memory.micro_batch_size, memory.micro_batch_reason)
+    correction = a.correction(mode)
+    choices["algorithm.off_policy_correction"] = Choice(
+        correction.model_dump(),
+        SET if not isinstance(a.off_policy_correction, AutoCorrection) else f"auto: rollout.mode {mode}",
     )
-    start = t.micro_batch_start(cfg.rollout.prompts_per_step * cfg.rollout.group_size, on_gpu=on_gpu)
-    if memory.micro_batch_size < start:
-        why = f"the memory plan halved {start} to fit the GPU"
-    elif t.micro_batch_size != "auto":
-        why = SET
-    else:
-        why = f"the batch's rows, at most {MICRO_BATCH_AUTO_MAX}" if on_gpu else "without a GPU to plan"
-    auto = "auto: " if t.micro_batch_size == "auto" else ""
-    choices["trainer.micro_batch_size"] = Choice(memory.micro_batch_size, auto + why)
     if ranks:
         choices["trainer.shard_weights"] = Choice(memory.shard_weights, memory.shard_weights_reason)
     return TrainerPlan(
-        model=cfg.model,
+        model=cfg.model.model_copy(update={"device": rank_device, "dtype": base.name}),  # no `auto` left in it
         lora=cfg.lora,
-        algorithm=cfg.algorithm,
-        trainer=t,
+        loss=PolicyLoss(
+            clip_eps_low=a.clip_eps_low,
+            clip_eps_high=a.clip_eps_high,
+            kl_coef=a.kl_coef,
+            aggregation=a.loss_aggregation,
+            num_minibatches=a.num_minibatches,
+            off_policy_correction=correction,
+        ),
+        optimizer=OptimizerSettings(t.lr, t.betas, t.weight_decay, t.warmup_steps, t.max_grad_norm),
         temperature=cfg.rollout.temperature,
         seed=cfg.run.seed,
-        device=rank_device,
-        dtype=base.name,
         lora_compute_dtype=lora.name,  # type: ignore[arg-type]  # choose_lora_compute_dtype: float32 | bfloat16
         liger_kernels=kernels.enabled,
         torch_compile=compiled.enabled,
         gradient_checkpointing=memory.gradient_checkpointing,
         micro_batch_size=memory.micro_batch_size,
-        off_policy_correction=cfg.algorithm.correction(mode),
         backend=kind,  # type: ignore[arg-type]  # a TrainerBackend: in-process, local or ray
         world_size=ranks,
-        gpus=gpus,
+        gpus=tuple(gpus),
         empty_cache_after_step=memory.memory_saver,
         shard_weights=memory.shard_weights,
         ray_gpus_per_rank=backend.gpus_per_rank
@@ -377,14 +360,24 @@ def _engine(
         for key, reason in launch.reasons.items():
             choices[f"engine.launch.{key}"] = Choice(getattr(launch, key), reason)
     elif isinstance(e, SGLangEngineConfig) and e.launch.enabled:
-        choices["engine.launch"] = Choice("per replica", "each Ray replica resolves its `auto` flags on its host")
+        choices["engine.launch"] = Choice(
+            "per replica",
+            "only each Ray replica's host knows its GPUs: it resolves the `auto` flags when it starts, "
+            "before step 1 (run.json `replicas`)",
+        )
+    elif isinstance(e, RayReplicas) and e.ray_replicas and cfg.model.device == "auto":
+        choices["engine.model_device"] = Choice(
+            "per replica",
+            "only each Ray replica's host knows its devices: it resolves model.device and "
+            "model.dtype when it starts, before step 1 (run.json `replicas`)",
+        )
     transport = _transport(cfg, trainer_device, colocated, placement)
     choices["engine.tensor_transport"] = transport
     return EnginePlan(
         device=str(device),
         dtype=dtype,
         launch=launch,
-        launch_plan=LaunchPlan(batch, fraction, saver)
+        launch_budget=LaunchBudget(batch, fraction, saver)
         if isinstance(e, SGLangEngineConfig) and e.ray_replicas
         else None,
         tensor_transport=transport.value,

@@ -4,15 +4,17 @@ Ray actors). Made once, by `lora_rl_core.plan.make.make_plan`, before any engine
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from lora_rl_core.config import RolloutMode, RunConfig, TensorTransport
-from lora_rl_core.engines.launch.process import LaunchPlan
+from lora_rl_core.engines.launch.process import LaunchBudget
 from lora_rl_core.engines.launch.resolve import ResolvedLaunch
 from lora_rl_core.memory import MemoryPlan
-from lora_rl_core.trainer.spec import TrainerPlan
+from lora_rl_core.trainer.plan import TrainerPlan
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class EnginePlan:
         device / dtype: the embedded engine's model device and dtype (this process).
         launch: the SGLang server this process launches, its `auto` settings resolved against the installed
             SGLang (`engines.launch.resolve`); None when none is launched here.
-        launch_plan: what Ray SGLang replicas resolve their own `auto` settings with on their hosts.
+        launch_budget: what Ray SGLang replicas resolve their own `auto` settings with on their hosts.
         tensor_transport: `engine.tensor_transport` resolved where the servers are known (`auto` stays for
             servers whose host is known only at connect time: then per server, `ipc` on this host with CUDA,
             else the published folder).
@@ -46,7 +48,7 @@ class EnginePlan:
     device: str
     dtype: str
     launch: ResolvedLaunch | None
-    launch_plan: LaunchPlan | None
+    launch_budget: LaunchBudget | None
     tensor_transport: TensorTransport
     sync_reads_folder: bool
 
@@ -59,13 +61,13 @@ class RunPlan:
     sections (`trainer`, `engine`) and never a rewritten config.
 
     Attributes:
-        config: the run's config as validated (never rewritten).
+        config: the run's config as validated (frozen sections: never rewritten).
         device: the model's device in this process (the embedded engine's; `model.device` resolved).
         trainer: the trainer's build plan; None for an evaluation or a server (no trainer).
         engine: the engine's build plan.
         memory: the GPU memory plan (None on a CPU).
         cpu_threads: torch's intra-op threads in this process.
-        choices: every resolved setting by its dotted config name, with the reason.
+        choices: every resolved setting by its dotted config name, with the reason (read-only).
         rollout_mode: `rollout.mode` resolved (`sync` or `async`; `plan.placement.rollout_mode`).
 
     A run's local files go to `workdir(run_id)`: `<run.output_dir>/<run_id>`.
@@ -77,8 +79,12 @@ class RunPlan:
     engine: EnginePlan
     memory: MemoryPlan | None
     cpu_threads: int
-    choices: dict[str, Choice] = field(default_factory=dict)
+    choices: Mapping[str, Choice] = field(default_factory=dict)
     rollout_mode: RolloutMode = "sync"
+
+    def __post_init__(self) -> None:
+        # deeply frozen: the config's sections are frozen models, and the choices a read-only view
+        object.__setattr__(self, "choices", MappingProxyType(dict(self.choices)))
 
     def rollouts_ahead(self) -> int:
         """How many steps ahead of the training step rollouts run (`algorithm.max_staleness` in async mode, 0 in

@@ -1,8 +1,9 @@
-"""The one place that builds what a training run uses, from its plan: store, run files, rewards, grader, engine
-and trainer (`build_run`), or what an evaluation uses (`build_evaluation`).
+"""The one place that builds what a training run uses: its inputs and plan (`prepare_run`), then run files,
+engine and trainer (`build_run`), or what an evaluation uses (`build_evaluation`).
 
-The order is: the inputs (`lora_rl_core.run.inputs.load_inputs`: data and tokenizer), the plan
-(`lora_rl_core.plan.make_plan`: every `auto` resolved, the memory plan), then `build_run(plan, inputs, run_id)`.
+The order is: the inputs (`lora_rl_core.run.inputs.load_inputs`: store, data, tokenizer, rewards, grader), the
+plan (`lora_rl_core.plan.make_plan`: every `auto` resolved, the memory plan), together `prepare_run`, each built
+once per process; then `build_run(prepared, run_id)` builds the engine and the trainer.
 The phases (`lora_rl_core.run.phases`) and resume (`lora_rl_core.run.resume`) are functions over the
 `RunComponents`. Nothing here runs a phase, and nothing here knows about Prefect: the flow's tasks keep the
 components of open runs in `tasks.registry`.
@@ -28,8 +29,8 @@ from lora_rl_core.engines import BuiltEngine, EngineInputs, RolloutEngine
 from lora_rl_core.engines.registry import build_engine
 from lora_rl_core.memory import MemoryPlan
 from lora_rl_core.plan import RunPlan, make_plan
-from lora_rl_core.rewards import Grader, RewardSet, build_grader
-from lora_rl_core.run.inputs import RunInputs, build_rewards, check_leaks, load_inputs
+from lora_rl_core.rewards import Grader, RewardSet
+from lora_rl_core.run.inputs import RunInputs, load_inputs
 from lora_rl_core.run.rundir import RunDir
 from lora_rl_core.run.state import PolicyState, Restored
 from lora_rl_core.run.writer import StoreWriter
@@ -40,44 +41,80 @@ from lora_rl_core.trainer import Trainer, build_trainer
 log = logging.getLogger(__name__)
 
 
-def plan_run(cfg: RunConfig, *, train: bool = True) -> tuple[RunPlan, RunInputs]:
-    """The run's inputs (`load_inputs`), then its plan (`make_plan`): what `build_run` (or, with `train=False`,
-    `build_evaluation`) builds from. Nothing is started and nothing is written.
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run's plan and inputs, made once per process before anything trains (`prepare_run`); `close()` stops
+    the inputs' worker processes where no run was built from them (a built run owns them)."""
+
+    plan: RunPlan
+    inputs: RunInputs
+
+    def close(self) -> None:
+        """Stop the reward terms' and the grader's worker processes."""
+        self.inputs.close()
+
+
+def prepare_run(cfg: RunConfig, *, train: bool = True) -> PreparedRun:
+    """The run's inputs (`load_inputs`: store, data, tokenizer, rewards, grader, and their checks), then its plan
+    (`make_plan`): what `build_run` (or, with `train=False`, `build_evaluation`) builds from. No engine or
+    trainer is started and nothing is written.
 
     Raises:
-        DataError / ModelError / ConfigError / EngineError: as `load_inputs` and `make_plan`.
+        StoreError / DataError / RewardError / ModelError / ConfigError / EngineError: as `load_inputs` and
+        `make_plan` (what was built is closed again).
     """
     inputs = load_inputs(cfg, train=train)
-    return make_plan(cfg, tokenizer=inputs.tokenizer, problems=inputs.train, train=train), inputs
+    try:
+        return PreparedRun(make_plan(cfg, tokenizer=inputs.tokenizer, problems=inputs.train, train=train), inputs)
+    except BaseException:
+        inputs.close()
+        raise
 
 
 def start_run(cfg: RunConfig, run_id: str) -> RunComponents:
-    """A run's components from its config: `plan_run`, then `build_run` (the flow's `open_run`, scripts, tests).
+    """A run's components from its config: `prepare_run`, then `build_run` (scripts, tests, benchmarks).
 
     Raises:
-        as `plan_run` and `build_run`.
+        as `prepare_run` and `build_run`.
     """
-    plan, inputs = plan_run(cfg)
-    return build_run(plan, inputs, run_id)
+    prepared = prepare_run(cfg)
+    try:
+        return build_run(prepared, run_id)
+    except BaseException:
+        prepared.close()
+        raise
 
 
-def engine_inputs(plan: RunPlan, tokenizer: PreTrainedTokenizerBase | None, log_dir: Path | None) -> EngineInputs:
-    """What the engine registry builds the run's engine from: the `engine`, `model`, `lora` and `store` sections
-    and the plan's engine section (device, dtype, a launched SGLang's resolved flags, the tensor transport)."""
+def engine_inputs(
+    plan: RunPlan, tokenizer: PreTrainedTokenizerBase | None, log_dir: Path | None, store: AdapterStore | None
+) -> EngineInputs:
+    """What the engine registry builds the run's engine from: the `engine`, `model` and `lora` sections, the
+    adapter store, and the plan's engine section (device, dtype, a launched SGLang's resolved flags, the tensor
+    transport)."""
     cfg, e = plan.config, plan.engine
     return EngineInputs(
         cfg.engine,
         cfg.model,
         cfg.lora,
-        cfg.store,
+        store,
         tokenizer=tokenizer,
         log_dir=log_dir,
         device=e.device,
         dtype=e.dtype,
         launch=e.launch,
-        launch_plan=e.launch_plan,
+        launch_budget=e.launch_budget,
         tensor_transport=e.tensor_transport,
     )
+
+
+def runtime_summary(plan: RunPlan, built: BuiltEngine) -> dict[str, Any]:
+    """The plan's summary (device, dtypes and why, every choice, the memory plan: `RunPlan.summary`), and under
+    `replicas` what each Ray replica resolved on its own host before step 1 (`BuiltEngine.resolved`: its node,
+    the model's device and dtype, or its SGLang flags and why), where the run has Ray replicas."""
+    summary = plan.summary()
+    if built.resolved:
+        summary["replicas"] = list(built.resolved)
+    return summary
 
 
 @dataclass
@@ -87,18 +124,15 @@ class RunComponents:
     Attributes:
         plan: the run's plan (its validated config, every `auto` resolved).
         run_id: the run's id.
-        store: the adapter store (versions are published here).
         run_dir: the run's own files in the store (phase outputs, config snapshot, fault markers).
         checkpoints: the run's trainer checkpoints.
         workdir: the local folder for the report, plots and launched servers' logs (`<run.output_dir>/<run_id>`).
-        inputs: the data and the tokenizer (`RunInputs`).
+        inputs: the store, data, tokenizer, reward terms and grader (`RunInputs`; closed with the run).
         prompt: how problems become prompts (`PromptStyle`: the one renderer of rollouts and evaluations).
         built: the engine (`engine`: its own copy of the base model, or clients of remote engines) with what
             was started for it (an SGLang server, Ray actors), from the engine registry.
         trainer: the policy LoRA and the optimizer (`build_trainer`).
         sampler: the training prompts' order.
-        rewards: the reward terms (`RewardSet`: it owns the math verifier's worker processes).
-        grader: the evaluation's fixed grader (`eval.grader`), apart from the reward terms.
         writer: writes train records, checkpoints and adapter versions to the store, in step order, on a
             background thread (`trainer.background_publish`) or at once.
         policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
@@ -107,7 +141,6 @@ class RunComponents:
 
     plan: RunPlan
     run_id: str
-    store: AdapterStore
     run_dir: RunDir
     checkpoints: CheckpointStore
     workdir: Path
@@ -116,8 +149,6 @@ class RunComponents:
     built: BuiltEngine
     trainer: Trainer
     sampler: PromptSampler
-    rewards: RewardSet
-    grader: Grader
     writer: StoreWriter
     policy: PolicyState = field(default_factory=PolicyState)
     restored: Restored = Restored()
@@ -126,6 +157,22 @@ class RunComponents:
     def cfg(self) -> RunConfig:
         """The run's config, as validated (the plan's; never rewritten)."""
         return self.plan.config
+
+    @property
+    def store(self) -> AdapterStore:
+        """The adapter store (versions are published here)."""
+        return self.inputs.store
+
+    @property
+    def rewards(self) -> RewardSet:
+        """The reward terms (`RewardSet`: it owns the math verifier's worker processes)."""
+        assert self.inputs.rewards is not None  # a training run's inputs have them (`load_inputs(train=True)`)
+        return self.inputs.rewards
+
+    @property
+    def grader(self) -> Grader:
+        """The evaluation's fixed grader (`eval.grader`), apart from the reward terms."""
+        return self.inputs.grader
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -144,8 +191,8 @@ class RunComponents:
 
     @property
     def runtime(self) -> dict[str, Any]:
-        """The plan's summary (device, dtypes and why, every choice, the memory plan): `RunPlan.summary`."""
-        return self.plan.summary()
+        """The plan's summary with the Ray replicas' answers (`runtime_summary`)."""
+        return runtime_summary(self.plan, self.built)
 
     @property
     def memory(self) -> MemoryPlan | None:
@@ -196,52 +243,47 @@ class RunComponents:
         processes, then the engine (its worker thread, or its HTTP clients) and what was started for it
         (`engine.launch`'s SGLang server, Ray actors)."""
         with ExitStack() as stack:  # closes in reverse order, each one even if an earlier one raised
-            stack.callback(self.rewards.close)
-            stack.callback(self.grader.close)
+            stack.callback(self.inputs.close)
             stack.callback(self.built.close)
             stack.callback(self.trainer.close)
             stack.callback(self.writer.close)
 
 
-def build_run(plan: RunPlan, inputs: RunInputs, run_id: str) -> RunComponents:
-    """Build the components of run `run_id` from its plan: set CPU threads, write the config snapshot
-    `run.json` (the config and the plan, once), build the rewards (and check that none pays for a restated
-    prompt), the grader, the engine and the trainer, and seed Python's and torch's RNGs with `run.seed`.
+def build_run(prepared: PreparedRun, run_id: str) -> RunComponents:
+    """Build the components of run `run_id` from its plan and inputs (`prepare_run`): set CPU threads, build the
+    engine, write the config snapshot `run.json` (the config and the plan with what Ray replicas resolved on
+    their hosts: `runtime_summary`, once), build the trainer, and seed Python's and torch's RNGs with
+    `run.seed`. The components own the inputs from then on (`close`).
 
     The engine comes from the engine registry (`lora_rl_core.engines.registry.build_engine`) with what it
     starts: with `engine.launch.enabled` an SGLang server (log: `<workdir>/sglang.log`), with
     `engine.ray_replicas` Ray actors (SGLang logs `<workdir>/sglang-<i>.log`). If a later part fails, what was
-    already built is closed or stopped again.
+    already built is closed or stopped again (the inputs stay the caller's).
 
     Raises:
-        StoreError: bad run id, or the store cannot be opened or written.
-        ConfigError / DataError / RewardError / ModelError / EngineError: what could not be built.
+        StoreError: bad run id, or the store cannot be written.
+        ModelError / EngineError / TrainerWorkerError: what could not be built.
     """
+    plan, inputs = prepared.plan, prepared.inputs
     cfg = plan.config
     if plan.trainer is None:
-        raise ValueError("build_run needs a training plan (make_plan(..., train=True))")
+        raise ValueError("build_run needs a training plan (prepare_run(..., train=True))")
     run_id = validate_run_id(run_id)
     configure_threads()
-    store = cfg.store.build()
+    store = inputs.store
     run_dir = RunDir(store.uri, run_id, cfg.store.storage_options)
-    run_dir.write_config({**cfg.model_dump(mode="json"), "plan": plan.summary()})
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     workdir = plan.workdir(run_id)
     with ExitStack() as started:  # on a failure, what was built so far is stopped again
-        rewards = build_rewards(cfg)
-        started.callback(rewards.close)
-        check_leaks(cfg, inputs.tokenizer, inputs.test, rewards)
-        grader = build_grader(cfg.eval, cfg.reward)
-        started.callback(grader.close)
-        built = build_engine(engine_inputs(plan, inputs.tokenizer, workdir))
+        built = build_engine(engine_inputs(plan, inputs.tokenizer, workdir, inputs.store))
         started.callback(built.close)
+        run_dir.write_config({**cfg.model_dump(mode="json"), "plan": runtime_summary(plan, built)})
         trainer = build_trainer(plan.trainer, pad_id=inputs.tokenizer.pad_token_id)
         started.pop_all()  # built: the components own them now
     return RunComponents(
         plan=plan,
         run_id=run_id,
-        store=store,
         run_dir=run_dir,
         checkpoints=CheckpointStore(store.uri, cfg.store.storage_options),
         workdir=workdir,
@@ -250,8 +292,6 @@ def build_run(plan: RunPlan, inputs: RunInputs, run_id: str) -> RunComponents:
         built=built,
         trainer=trainer,
         sampler=PromptSampler(inputs.train, seed=cfg.run.seed),
-        rewards=rewards,
-        grader=grader,
         writer=StoreWriter(background=cfg.trainer.background_publish),
     )
 
@@ -262,23 +302,19 @@ class EvalComponents:
     built as a run builds them. `close()` when done.
 
     Attributes:
-        plan: the evaluation's plan (`make_plan(..., train=False)`: no trainer).
-        inputs: the held-out problems and the tokenizer.
+        plan: the evaluation's plan (`prepare_run(..., train=False)`: no trainer).
+        inputs: the store, the held-out problems, the tokenizer and the grader.
         built: the engine with what was started for it.
-        grader: the evaluation's fixed grader.
-        store: the adapter store (adapters are loaded from it by reference).
     """
 
     plan: RunPlan
     inputs: RunInputs
     built: BuiltEngine
-    grader: Grader
-    store: AdapterStore
 
     def close(self) -> None:
         """Stop the engine and what was started for it, then the grader's workers."""
         with ExitStack() as stack:
-            stack.callback(self.grader.close)
+            stack.callback(self.inputs.close)
             stack.callback(self.built.close)
 
     def __enter__(self) -> EvalComponents:
@@ -288,20 +324,19 @@ class EvalComponents:
         self.close()
 
 
-def build_evaluation(plan: RunPlan, inputs: RunInputs) -> EvalComponents:
+def build_evaluation(prepared: PreparedRun) -> EvalComponents:
     """The engine (from the engine registry, as `build_run` builds it; a launched server logs to the working
-    directory) and the grader for evaluating adapters of `plan`'s store on its held-out problems.
+    directory) for evaluating adapters of the plan's store on its held-out problems with its grader. The
+    components own the inputs from then on; on a failure they are closed.
 
     Raises:
-        StoreError / RewardError / ModelError / EngineError: what could not be built.
+        ModelError / EngineError: what could not be built.
     """
-    cfg = plan.config
-    store = cfg.store.build()
     configure_threads()
-    grader = build_grader(cfg.eval, cfg.reward)
     try:
-        built = build_engine(engine_inputs(plan, inputs.tokenizer, Path.cwd()))
+        inputs = prepared.inputs
+        built = build_engine(engine_inputs(prepared.plan, inputs.tokenizer, Path.cwd(), inputs.store))
     except BaseException:
-        grader.close()
+        prepared.close()
         raise
-    return EvalComponents(plan=plan, inputs=inputs, built=built, grader=grader, store=store)
+    return EvalComponents(plan=prepared.plan, inputs=prepared.inputs, built=built)

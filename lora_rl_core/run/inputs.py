@@ -1,13 +1,13 @@
-"""A run's inputs: its data and reward terms, and the checks made on them before step 1 (`preflight` for the
-command line, the same checks again in `load_inputs` and `build_run` for a deployment that starts without
-it): the store, data,
-reward functions, grader and model can be had; the data has the gold answers the `math` reward and the default
-grader need; no reward term pays for restating the prompt (the leak check); `rollout.stop_token_ids` are ids of
-the tokenizer's vocabulary.
+"""A run's inputs, built once per process before its plan (`load_inputs`): the adapter store, the data, the
+tokenizer, the reward terms and the evaluation's grader, with the checks made on them before step 1: the store,
+data, reward functions, grader and model can be had; the data has the gold answers the `math` reward and the
+default grader need; no reward term pays for restating the prompt (the leak check); `rollout.stop_token_ids`
+are ids of the tokenizer's vocabulary.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -16,24 +16,32 @@ from transformers import PreTrainedTokenizerBase
 from lora_rl_core.config import DataConfig, RunConfig
 from lora_rl_core.data import Problem, PromptStyle, load_problems
 from lora_rl_core.errors import ConfigError, DataError
-from lora_rl_core.models import load_tokenizer, model_folder
-from lora_rl_core.rewards import RewardSet, build_grader
+from lora_rl_core.models import load_tokenizer
+from lora_rl_core.rewards import Grader, RewardSet, build_grader
 from lora_rl_core.rewards.grader import NO_GOLD_FIX, missing_text
 from lora_rl_core.rewards.leaks import check_reward_leaks
+from lora_rl_core.store import AdapterStore
 
 
 @dataclass(frozen=True)
 class RunInputs:
-    """A run's data and tokenizer, loaded once (`load_inputs`) before its plan is made.
+    """What a run (or an evaluation) reads and scores with, built once (`load_inputs`) before its plan is made.
+    `close()` stops the reward terms' and the grader's worker processes (a run's components do it for it).
 
     Attributes:
+        store: the adapter store (`store` section).
         tokenizer: the model's tokenizer.
         train / test: the training and held-out problems (`train` empty for an evaluation).
+        rewards: the reward terms (`reward` section; None for an evaluation).
+        grader: the evaluation's fixed grader (`eval.grader`), apart from the reward terms.
     """
 
+    store: AdapterStore
     tokenizer: PreTrainedTokenizerBase
     train: list[Problem]
     test: list[Problem]
+    rewards: RewardSet | None
+    grader: Grader
     _by_id: dict[str, Problem] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -53,22 +61,44 @@ class RunInputs:
                 "changed since the rollouts were written; resume with the run's own data"
             ) from None
 
+    def close(self) -> None:
+        """Stop the reward terms' and the grader's worker processes."""
+        with ExitStack() as stack:
+            stack.callback(self.grader.close)
+            if self.rewards is not None:
+                stack.callback(self.rewards.close)
+
 
 def load_inputs(cfg: RunConfig, *, train: bool = True) -> RunInputs:
-    """The tokenizer and the problems (`train=False`: the held-out split alone, for an evaluation), with the
-    gold answers the rewards and the grader need checked (`check_answers`).
+    """Build the store, the problems (`train=False`: the held-out split alone, for an evaluation), the reward
+    terms (training only), the grader and the tokenizer, once, and check them: the gold answers the rewards and
+    the grader need (`check_answers`), the stop token ids (`check_stop_token_ids`) and, for training, that no
+    reward term pays for restating the prompt (`check_leaks`). On a failure, what was built is closed again.
 
     Raises:
+        StoreError: an unknown store protocol or a missing fsspec package.
         DataError: a missing dataset, file, split or column, an empty split, a malformed row, missing answers.
-        ModelError: the tokenizer cannot be loaded.
+        RewardError: a reward function or grader that cannot be loaded, or a term that pays for the prompt.
+        ModelError: the tokenizer cannot be loaded. ConfigError: a stop token id outside the vocabulary.
     """
+    store = cfg.store.build()  # an unknown store protocol or a missing fsspec package, before the data loads
     train_problems = build_problems(cfg.data, "train", cfg.run.seed) if train else []
     test_problems = build_problems(cfg.data, "test", cfg.run.seed)
     if train:
         check_answers(cfg, train_problems, test_problems)
-    tokenizer = load_tokenizer(cfg.model)
-    check_stop_token_ids(cfg, tokenizer)
-    return RunInputs(tokenizer, train_problems, test_problems)
+    with ExitStack() as built:  # on a failure, the worker processes started so far are stopped again
+        # the rewards before the tokenizer: a bad reward name fails without loading a model
+        rewards = RewardSet.from_config(cfg.reward) if train else None
+        if rewards is not None:
+            built.callback(rewards.close)
+        grader = build_grader(cfg.eval, cfg.reward)
+        built.callback(grader.close)
+        tokenizer = load_tokenizer(cfg.model)
+        check_stop_token_ids(cfg, tokenizer)
+        if rewards is not None:
+            check_leaks(cfg, tokenizer, test_problems, rewards)
+        built.pop_all()
+    return RunInputs(store, tokenizer, train_problems, test_problems, rewards, grader)
 
 
 def build_problems(cfg: DataConfig, split: Literal["train", "test"], seed: int) -> list[Problem]:
@@ -78,36 +108,6 @@ def build_problems(cfg: DataConfig, split: Literal["train", "test"], seed: int) 
         DataError: a missing dataset, file, split or column, an empty split, or a malformed row.
     """
     return load_problems(cfg, split, seed)
-
-
-def build_rewards(cfg: RunConfig) -> RewardSet:
-    """The run's reward terms (`reward` section); close the set when done (it may own worker processes).
-
-    Raises:
-        RewardError: a name that is neither built in nor an importable `module:function` / `file.py:function`.
-    """
-    return RewardSet.from_config(cfg.reward)
-
-
-def preflight(cfg: RunConfig) -> None:
-    """Check, before any training work, that the store, the data, the reward functions, the evaluation's grader
-    and the model can be had, that the data has what the rewards and the grader need (gold answers), that
-    no reward term pays for restating the prompt (`check_leaks`) and that the stop token ids are the
-    tokenizer's (`check_stop_token_ids`).
-
-    Raises:
-        StoreError / DataError / RewardError / ModelError / ConfigError: with one clear line naming what is wrong.
-    """
-    cfg.store.build()  # an unknown store protocol or a missing fsspec package
-    train = build_problems(cfg.data, "train", cfg.run.seed)
-    test = build_problems(cfg.data, "test", cfg.run.seed)
-    check_answers(cfg, train, test)
-    build_grader(cfg.eval, cfg.reward).close()
-    with build_rewards(cfg) as rewards:  # before the tokenizer: a bad reward name fails without loading a model
-        tokenizer = load_tokenizer(cfg.model)
-        check_stop_token_ids(cfg, tokenizer)
-        check_leaks(cfg, tokenizer, test, rewards)
-    model_folder(cfg.model)
 
 
 def check_stop_token_ids(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:

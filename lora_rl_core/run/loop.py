@@ -16,67 +16,53 @@ In `rollout.mode: async` (`ahead` > 0), taking step k's rollout first submits th
 so up to `ahead` rollouts are generated while step k trains, each with the version current when it starts
 (docs/DESIGN.md, "Asynchronous rollouts"); the trainer drops and corrects stale rows (`TrainBatch.from_scored`).
 
-`run_steps` drives any `StepPhases`: `RunPhases` calls `lora_rl_core.run.phases` and `versions` directly (the
-CPU benchmark, tests, scripts), the Prefect flow wraps each phase as a task (`tasks.steps.TaskPhases`: cached,
-retried, persisted) and submits async rollouts as task futures. Evaluation and the report stay with the caller.
+`run_steps` calls each phase function (`lora_rl_core.run.phases`, `versions`) through a `PhaseRunner`, which
+runs it now (`call`) or in the background (`submit`): `RunPhases` calls it directly on the run's components (the
+CPU benchmark, tests, scripts); the Prefect flow runs it as the task of the same name (`tasks.steps.TaskPhases`:
+cached, retried, persisted), so a phase has one name from this loop to the task run the UI shows. Evaluation and
+the report stay with the caller.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from lora_rl_core.errors import BackgroundWriteError
-from lora_rl_core.records import RolloutStats, ScoreStats, SyncStats, TrainStats
+from lora_rl_core.records import RolloutStats
 from lora_rl_core.run import phases, versions
 from lora_rl_core.run.components import RunComponents
 from lora_rl_core.store import AdapterRef
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
-class Pending(Protocol):
-    """A rollout submitted ahead (a `concurrent.futures.Future`, a Prefect task future)."""
+class Pending(Protocol[T_co]):
+    """A phase submitted to run in the background (a `concurrent.futures.Future`, a Prefect task future)."""
 
-    def result(self) -> RolloutStats:
-        """Wait for the rollout; raises what it raised."""
+    def result(self) -> T_co:
+        """Wait for the phase; raises what it raised."""
         ...
 
 
-class StepPhases(Protocol):
-    """The phases of one training step, as `run_steps` calls them."""
+class PhaseRunner(Protocol):
+    """Runs a phase function of the run (its first argument, the run's components, is the runner's)."""
 
-    def publish(self, step: int, metrics: Mapping[str, Any]) -> AdapterRef:
-        """Publish the trainer's adapter as version `step` (numeric `metrics` go into its manifest)."""
+    def call(self, phase: Callable[Concatenate[RunComponents, P], T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run `phase(run, *args, **kwargs)` now and return what it returned."""
         ...
 
-    def sync(self, ref: AdapterRef) -> SyncStats:
-        """Make version `ref` the one rollouts use."""
-        ...
-
-    def rollout(self, step: int) -> RolloutStats:
-        """Sample step `step`'s completions now."""
-        ...
-
-    def submit_rollout(self, step: int) -> Pending:
-        """Start step `step`'s rollout in the background."""
-        ...
-
-    def score(self, step: int) -> ScoreStats:
-        """Reward step `step`'s completions and compute advantages."""
-        ...
-
-    def train(self, step: int) -> TrainStats:
-        """One policy update on step `step`'s scored rollouts."""
-        ...
-
-    def flush(self) -> None:
-        """Wait until every train record, checkpoint and version handed to the store is written; raise the
-        first background write that failed."""
+    def submit(
+        self, phase: Callable[Concatenate[RunComponents, P], T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[T]:
+        """Start `phase(run, *args, **kwargs)` in the background."""
         ...
 
 
@@ -95,7 +81,7 @@ class LoopResult:
 
 
 def run_steps(
-    run: StepPhases,
+    runner: PhaseRunner,
     *,
     steps: int,
     ahead: int = 0,
@@ -105,7 +91,7 @@ def run_steps(
     step's metrics.
 
     Args:
-        run: the phases (`RunPhases`, or the flow's tasks).
+        runner: runs the phase functions (`RunPhases`, or the flow's `TaskPhases`).
         steps: the number of training steps (`trainer.steps`).
         ahead: rollouts generated ahead of the step that trains (`RunPlan.rollouts_ahead()`; 0 = sync mode).
         on_step: called after each step with its metrics (logging, progress events, benchmarks).
@@ -118,34 +104,34 @@ def run_steps(
         already running ahead finish (and persist their output), and the store writes still queued finish,
         before it propagates.
     """
-    rollouts = _Rollouts(run, ahead=ahead, last=steps)
+    rollouts = _Rollouts(runner, ahead=ahead, last=steps)
     history: list[dict[str, Any]] = []
     try:
-        ref = run.publish(0, {})
-        run.sync(ref)
+        ref = runner.call(versions.publish, 0, {})
+        runner.call(versions.sync, ref)
         for step in range(1, steps + 1):
             start = time.perf_counter()
             metrics: dict[str, Any] = {"step": step, "steps": steps}
             metrics.update(rollouts.take(step).metrics())
-            metrics.update(run.score(step).metrics())
-            metrics.update(run.train(step).metrics())
-            ref = run.publish(step, metrics)
-            metrics.update(run.sync(ref).metrics(), step_seconds=time.perf_counter() - start)
+            metrics.update(runner.call(phases.score, step).metrics())
+            metrics.update(runner.call(phases.train, step).metrics())
+            ref = runner.call(versions.publish, step, metrics)
+            metrics.update(runner.call(versions.sync, ref).metrics(), step_seconds=time.perf_counter() - start)
             history.append(metrics)
             if on_step is not None:
                 on_step(metrics)
     except BaseException as error:
         rollouts.drain()
-        _flush_after_failure(run, error)
+        _flush_after_failure(runner, error)
         raise
-    run.flush()  # the final version and checkpoint are complete before the caller evaluates or reports
+    runner.call(versions.flush)  # the final version and checkpoint are complete before the caller evaluates or reports
     return LoopResult(history, ref)
 
 
-def _flush_after_failure(run: StepPhases, error: BaseException) -> None:
+def _flush_after_failure(runner: PhaseRunner, error: BaseException) -> None:
     """Let the queued store writes finish on the way out of a failed loop; the loop's own `error` propagates."""
     try:
-        run.flush()
+        runner.call(versions.flush)
     except Exception as exc:  # noqa: BLE001 - reported, but the step's error is the one that propagates
         if not isinstance(error, BackgroundWriteError):
             log.warning("a store write failed too while the run was failing: %s", exc)
@@ -156,17 +142,17 @@ class _Rollouts:
     """The rollouts of a loop. Sync mode (`ahead` 0): a step's rollout runs when the step needs it. Async mode:
     taking step k's rollout first submits those of steps k .. k + ahead (not beyond `last`)."""
 
-    run: StepPhases
+    runner: PhaseRunner
     ahead: int
     last: int
-    pending: dict[int, Pending] = field(default_factory=dict)
+    pending: dict[int, Pending[RolloutStats]] = field(default_factory=dict)
 
     def take(self, step: int) -> RolloutStats:
         if self.ahead == 0 and step not in self.pending:
-            return self.run.rollout(step)
+            return self.runner.call(phases.rollout, step)
         for s in range(step, min(self.last, step + self.ahead) + 1):
             if s not in self.pending:
-                self.pending[s] = self.run.submit_rollout(s)
+                self.pending[s] = self.runner.submit(phases.rollout, s)
         return self.pending.pop(step).result()
 
     def drain(self) -> None:
@@ -181,8 +167,8 @@ class _Rollouts:
 
 
 class RunPhases:
-    """`StepPhases` over a run's components, without Prefect: each phase is a call into `run.phases` /
-    `run.versions`; async rollouts run on worker threads. Use as a context manager (the threads stop on exit).
+    """A `PhaseRunner` over a run's components, without Prefect: each phase is a direct call; submitted ones
+    run on worker threads. Use as a context manager (the threads stop on exit).
 
     Args:
         run: the components (`build_run`).
@@ -199,33 +185,15 @@ class RunPhases:
         self.close()
 
     def close(self) -> None:
-        """Wait for rollouts still running, then stop the threads."""
+        """Wait for phases still running, then stop the threads."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def publish(self, step: int, metrics: Mapping[str, Any]) -> AdapterRef:
-        """`versions.publish`."""
-        return versions.publish(self.run, step, dict(metrics))
+    def call(self, phase: Callable[Concatenate[RunComponents, P], T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """`phase(run, ...)` on this thread."""
+        return phase(self.run, *args, **kwargs)
 
-    def sync(self, ref: AdapterRef) -> SyncStats:
-        """`versions.sync`."""
-        return versions.sync(self.run, ref)
-
-    def rollout(self, step: int) -> RolloutStats:
-        """`phases.rollout`, on this thread."""
-        return phases.rollout(self.run, step)
-
-    def submit_rollout(self, step: int) -> Future[RolloutStats]:
-        """`phases.rollout` on a worker thread."""
-        return self._pool.submit(phases.rollout, self.run, step)
-
-    def score(self, step: int) -> ScoreStats:
-        """`phases.score`."""
-        return phases.score(self.run, step)
-
-    def train(self, step: int) -> TrainStats:
-        """`phases.train`."""
-        return phases.train(self.run, step)
-
-    def flush(self) -> None:
-        """`versions.flush`."""
-        versions.flush(self.run)
+    def submit(
+        self, phase: Callable[Concatenate[RunComponents, P], T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Future[T]:
+        """`phase(run, ...)` on a worker thread."""
+        return self._pool.submit(phase, self.run, *args, **kwargs)

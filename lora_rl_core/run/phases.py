@@ -119,7 +119,7 @@ def train(run: RunComponents, step: int) -> TrainStats:
     if step <= run.restored.step:
         return _recorded_train(run, step)
     run.writer.check()  # a failed write fails the run before another update is computed
-    maybe_fail("train_step", step, run.run_dir)
+    maybe_fail("train", step, run.run_dir)
     algo = run.cfg.algorithm
     rows = run.run_dir.read_phase("scored", step, ScoredBatch).rows
     batch = TrainBatch.from_scored(

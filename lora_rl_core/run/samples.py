@@ -65,3 +65,11 @@ def heldout_preview(run: RunComponents, adapter: str) -> dict[str, Any] | None:
     return preview_run_policy(
         run.engine, run.tokenizer, problems, run.grader, run.cfg, adapter=adapter, prompt=run.prompt
     )
+
+
+def report(run: RunComponents, history: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    """Write the run's `report.md`, `reward_curve.png` and `history.json` to its working folder
+    (`lora_rl_core.report.write_report`); returns the report's path."""
+    from lora_rl_core.report import write_report
+
+    return str(write_report(run.workdir, run.run_id, run.cfg, history, summary))

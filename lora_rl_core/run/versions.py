@@ -100,7 +100,7 @@ def _prepare_and_write(
     )
     prepared.set_result(version.ref)
     # fault injection fires with the data files written and the manifest not yet: the worst moment
-    return run.store.write(version, before_manifest=lambda: maybe_fail("publish_adapter", step, run.run_dir))
+    return run.store.write(version, before_manifest=lambda: maybe_fail("publish", step, run.run_dir))
 
 
 def _settle(prepared: Future[AdapterRef], stored: Future[AdapterRef]) -> None:

@@ -1,7 +1,7 @@
 """The policy trainer: one PPO-clip update of the LoRA parameters per training step, in this process or as
 FSDP2 ranks.
 
-`spec`: `TrainerPlan` (what a trainer is built from, every `auto` resolved by the run's plan); `build`:
+`plan`: `TrainerPlan` (what a trainer is built from, every `auto` resolved by the run's plan); `build`:
 `build_trainer`, the one place a trainer is built; `base`: the `Trainer` protocol; `policy`: `PolicyTrainer`
 (in-process, or one rank of a sharded trainer); `batching`: rows into tensors (`pack`) and rows to ranks
 (`rank_micro_batches`); `workers`: the ranks as spawned processes (`TrainerWorkers`); `ray_actors`: the ranks
@@ -11,7 +11,7 @@ as Ray actors (`RayTrainer`). The sharding itself is `lora_rl_core.distributed`.
 from lora_rl_core.trainer.base import Trainer
 from lora_rl_core.trainer.batching import PackedBatch, pack, rank_micro_batches
 from lora_rl_core.trainer.build import build_trainer
+from lora_rl_core.trainer.plan import TrainerPlan
 from lora_rl_core.trainer.policy import PolicyTrainer
-from lora_rl_core.trainer.spec import TrainerPlan
 
 __all__ = ["PackedBatch", "PolicyTrainer", "Trainer", "TrainerPlan", "build_trainer", "pack", "rank_micro_batches"]

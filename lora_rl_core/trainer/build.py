@@ -8,8 +8,8 @@ from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
 from lora_rl_core.trainer.base import Trainer
 from lora_rl_core.trainer.kernels import apply_kernels, compile_layers
+from lora_rl_core.trainer.plan import TrainerPlan
 from lora_rl_core.trainer.policy import PolicyTrainer
-from lora_rl_core.trainer.spec import TrainerPlan
 
 log = logging.getLogger(__name__)
 

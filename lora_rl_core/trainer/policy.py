@@ -72,7 +72,7 @@ from lora_rl_core.trainer.batching import (
     rank_micro_batches,
     split_even,
 )
-from lora_rl_core.trainer.spec import TrainerPlan
+from lora_rl_core.trainer.plan import TrainerPlan
 
 log = logging.getLogger(__name__)
 _LOSS_KEYS = frozenset({"loss", "pg_loss"})
@@ -86,8 +86,8 @@ class PolicyTrainer:
     Args:
         model: a PeftModel whose only trainable parameters are the LoRA weights; for sharded training,
             already passed through `distributed.shard_model` (the process group decides rank and world size).
-        plan: the trainer's plan (`TrainerPlan`: the algorithm and trainer sections, every `auto` resolved:
-            the LoRA compute dtype, the micro-batch, gradient checkpointing, the off-policy correction).
+        plan: the trainer's plan (`TrainerPlan`: the loss and optimizer settings, every `auto` resolved: the
+            LoRA compute dtype, the micro-batch, gradient checkpointing, the off-policy correction).
             Gradient checkpointing is applied here for an in-process trainer; sharded ranks get it per decoder
             layer from `shard_model`.
         pad_id: the tokenizer's pad token id.
@@ -97,19 +97,15 @@ class PolicyTrainer:
         self.model = model
         self.pad_id = pad_id
         self.plan = plan
-        self.algo = plan.algorithm
-        self.correction = plan.off_policy_correction
-        self.cfg = plan.trainer
+        self.loss = plan.loss
         self.temperature = plan.temperature
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.param_names = [name for name, _ in trainable]
         self.params = [p for _, p in trainable]
         self.rank, self.world_size = distributed.rank_and_world_size()
-        trainer = plan.trainer
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=trainer.lr, betas=trainer.betas, weight_decay=trainer.weight_decay
-        )
-        warmup = max(1, trainer.warmup_steps)
+        opt = plan.optimizer
+        self.optimizer = torch.optim.AdamW(self.params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
+        warmup = max(1, opt.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self.compute_dtype = DTYPES[plan.lora_compute_dtype]
         if self.compute_dtype != torch.float32:
@@ -143,14 +139,14 @@ class PolicyTrainer:
                 "train_seconds": 0.0,
                 "lr": float(self.scheduler.get_last_lr()[0]),
             }
-        chunks = list(split_even(len(batch), self.algo.num_minibatches))
+        chunks = list(split_even(len(batch), self.loss.num_minibatches))
         lengths = batch.row_lengths()
-        plans = [self._micro_plan(lengths, rows) for rows in chunks]
+        schedules = [self._micro_batches(lengths, rows) for rows in chunks]
         sums: dict[str, float] = {}
         try:
-            old_logprobs = self._old_logprobs(batch, plans) if self.algo.num_minibatches > 1 else None
-            for rows, plan in zip(chunks, plans, strict=True):
-                for k, v in self._minibatch_update(batch, rows, plan, old_logprobs).items():
+            old_logprobs = self._old_logprobs(batch, schedules) if self.loss.num_minibatches > 1 else None
+            for rows, micros in zip(chunks, schedules, strict=True):
+                for k, v in self._minibatch_update(batch, rows, micros, old_logprobs).items():
                     sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
         except torch.OutOfMemoryError as exc:  # raised below, once the frames holding the activations are gone
             out_of_memory: str | None = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -169,7 +165,7 @@ class PolicyTrainer:
         tokens = sum(len(c) for c in batch.completion_ids)
         return {
             **sums,
-            "padding_fraction": padding_fraction(lengths, [m for plan in plans for m in plan]),
+            "padding_fraction": padding_fraction(lengths, [m for micros in schedules for m in micros]),
             "train_sequences": float(len(batch)),
             "train_tokens": float(tokens),
             "train_seconds": time.perf_counter() - start,
@@ -215,14 +211,14 @@ class PolicyTrainer:
         )
         return metrics, head + "\n" + events.table(sort_by=sort, row_limit=row_limit, max_name_column_width=70)
 
-    def _micro_plan(self, lengths: list[int], rows: list[int]) -> list[list[int]]:
+    def _micro_batches(self, lengths: list[int], rows: list[int]) -> list[list[int]]:
         """This rank's micro-batches of the minibatch `rows` (`rank_micro_batches`; `lengths`: every row's)."""
         return rank_micro_batches(
             lengths, rows, size=self.plan.micro_batch_size, rank=self.rank, world_size=self.world_size
         )
 
     def _minibatch_update(
-        self, batch: TrainBatch, rows: list[int], plan: list[list[int]], old: dict[int, torch.Tensor] | None
+        self, batch: TrainBatch, rows: list[int], micros: list[list[int]], old: dict[int, torch.Tensor] | None
     ) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -232,12 +228,13 @@ class PolicyTrainer:
         # metrics stay on the device until the minibatch ends. What still waits once per forward is transformers'
         # padding-mask check (tests/gpu/test_trainer_syncs.py).
         packed = [
-            pack(batch.select(micro) if micro else dummy_batch(self.pad_id), self.pad_id, self.device) for micro in plan
+            pack(batch.select(micro) if micro else dummy_batch(self.pad_id), self.pad_id, self.device)
+            for micro in micros
         ]
         sums: dict[str, torch.Tensor] = {}
-        for micro, micro_packed in zip(plan, packed, strict=True):  # an empty micro is a zero-weight dummy pass
+        for micro, micro_packed in zip(micros, packed, strict=True):  # an empty micro is a zero-weight dummy pass
             tokens = sum(len(batch.completion_ids[i]) for i in micro)  # (keeps FSDP collectives matched)
-            weight = tokens / total_tokens if self.algo.loss_aggregation == "token-mean" else len(micro) / len(rows)
+            weight = tokens / total_tokens if self.loss.aggregation == "token-mean" else len(micro) / len(rows)
             micro_old = [old[i] for i in micro] if old is not None and micro else None
             m = self._micro_backward(micro_packed, micro_old, weight)
             _accumulate(
@@ -245,7 +242,7 @@ class PolicyTrainer:
             )
         metrics = _all_reduce_metrics(sums)
         distributed.sum_gradients(self.params)  # the ranks' shares of the minibatch (no-op in one process)
-        grad_norm = distributed.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        grad_norm = distributed.clip_grad_norm_(self.params, self.plan.optimizer.max_grad_norm)
         self.optimizer.step()
         self.model.eval()
         return {**metrics, "grad_norm": grad_norm}
@@ -258,15 +255,16 @@ class PolicyTrainer:
         logits = self._logits(packed)  # [b, F, V]
         logprobs_BT = selective_log_softmax(logits, packed.targets_BT)
         old_BT = logprobs_BT.detach() if old is None else frame(old, packed.mask_BT)
-        ref_BT = self._ref_logprobs(packed) if self.algo.kl_coef > 0 else None
+        ref_BT = self._ref_logprobs(packed) if self.loss.kl_coef > 0 else None
         weights_BT, is_metrics = None, dict[str, torch.Tensor]()
-        if self.correction.type != "none":
+        correction = self.loss.off_policy_correction
+        if correction.type != "none":
             weights_BT, is_metrics = off_policy_weights(
                 old_BT,
                 packed.inference_logprobs_BT,
                 packed.mask_BT,
-                mode=self.correction.type,
-                **self.correction.weight_args(),  # the kind's own bounds (cap, floor, geo_low / geo_high)
+                mode=correction.type,
+                **correction.weight_args(),  # the kind's own bounds (cap, floor, geo_low / geo_high)
             )
         loss, m = ppo_clip_loss(
             logprobs_BT,
@@ -275,7 +273,7 @@ class PolicyTrainer:
             packed.mask_BT,
             importance_weights_BT=weights_BT,
             ref_logprobs_BT=ref_BT,
-            **self.algo.loss_args(),
+            **self.loss.loss_args(),
         )
         (loss * weight).backward()
         with torch.no_grad():
@@ -308,10 +306,10 @@ class PolicyTrainer:
             return selective_log_softmax(self._logits(packed), packed.targets_BT)
 
     @torch.no_grad()
-    def _old_logprobs(self, batch: TrainBatch, plans: list[list[list[int]]]) -> dict[int, torch.Tensor]:
+    def _old_logprobs(self, batch: TrainBatch, schedules: list[list[list[int]]]) -> dict[int, torch.Tensor]:
         """This rank's per-row completion logprobs under the current policy (before any update of this step)."""
         result: dict[int, torch.Tensor] = {}
-        for micro in (m for plan in plans for m in plan):
+        for micro in (m for micros in schedules for m in micros):
             packed = pack(batch.select(micro) if micro else dummy_batch(self.pad_id), self.pad_id, self.device)
             lp = selective_log_softmax(self._logits(packed), packed.targets_BT)
             for j, row in enumerate(micro):

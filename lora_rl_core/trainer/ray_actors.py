@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from lora_rl_core import distributed
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
-from lora_rl_core.trainer.spec import TrainerPlan
+from lora_rl_core.trainer.plan import TrainerPlan
 from lora_rl_core.trainer.workers import (
     COMMANDS,
     RankCommands,
@@ -37,8 +37,8 @@ from lora_rl_core.trainer.workers import (
 class TrainerRank:
     """The body of one rank's actor."""
 
-    def __init__(self, rank: int, plan: dict[str, Any], timeout_s: float) -> None:
-        self.plan = TrainerPlan.model_validate(plan)
+    def __init__(self, rank: int, plan: TrainerPlan, timeout_s: float) -> None:
+        self.plan = plan  # as the run's plan made it (Ray pickles it), not validated again
         self.rank, self.world_size, self.timeout_s = rank, self.plan.world_size, timeout_s
         self.trainer: Any = None
 
@@ -101,7 +101,6 @@ class RayTrainer(RankCommands):
         self._actors: list[Any] = []
         try:
             ray.get(self._group.ready(), timeout=start_timeout_s)
-            config = plan.model_dump(mode="json")
             rank_cls: Any = ray.remote(TrainerRank)  # Ray's stubs: untyped
             for rank in range(world_size):
                 strategy = PlacementGroupSchedulingStrategy(
@@ -109,7 +108,7 @@ class RayTrainer(RankCommands):
                 )
                 options = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0}
                 actor = rank_cls.options(**options, scheduling_strategy=strategy)
-                self._actors.append(actor.remote(rank, config, timeout_s))
+                self._actors.append(actor.remote(rank, plan, timeout_s))
             addr, port = ray.get(self._actors[0].address.remote(), timeout=start_timeout_s)
             infos = self._gather([a.setup.remote(addr, port) for a in self._actors], "start", start_timeout_s)
         except TrainerWorkerError:

@@ -64,8 +64,8 @@ from lora_rl_core.models import load_model
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import cpu_threads
 from lora_rl_core.trainer.kernels import apply_kernels
+from lora_rl_core.trainer.plan import TrainerPlan
 from lora_rl_core.trainer.policy import PolicyTrainer
-from lora_rl_core.trainer.spec import TrainerPlan
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ class TrainerWorkers(RankCommands):
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         atexit.register(self.close)
-        spec = _WorkerSpec(plan.model_dump(mode="json"), distributed.free_port(), timeout_s)
+        spec = _WorkerSpec(plan, distributed.free_port(), timeout_s)  # pickled to the ranks as made
         ctx = mp.get_context("spawn")
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -357,7 +357,7 @@ class TrainerWorkers(RankCommands):
 # ---------------------------------------------------------------------- worker side
 @dataclass(frozen=True)
 class _WorkerSpec:
-    plan: dict[str, Any]  # TrainerPlan.model_dump(mode="json")
+    plan: TrainerPlan
     port: int
     timeout_s: float
 
@@ -394,7 +394,7 @@ def _exit(code: int) -> NoReturn:
 
 
 def _setup(rank: int, spec: _WorkerSpec) -> PolicyTrainer:
-    plan = TrainerPlan.model_validate(spec.plan)
+    plan = spec.plan
     device = rank_device(plan.device, plan.gpus[rank] if plan.gpus else rank, plan.world_size)
     distributed.init_process_group(
         device, rank=rank, world_size=plan.world_size, port=spec.port, timeout_s=spec.timeout_s

@@ -4,6 +4,7 @@ steps resumes from the rollouts that ran ahead."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -44,9 +45,10 @@ def traced(monkeypatch):
     import time
 
     calls: list[tuple[str, int, str, float, float]] = []
-    for phase, name in (("rollout", "rollout"), ("train", "train_step")):
+    for phase, name in (("rollout", "rollout"), ("train", "train")):
         original = getattr(phases, phase)
 
+        @functools.wraps(original)  # the flow's task of the same name runs it
         def wrapped(run, step, _original=original, _name=name):
             start = time.perf_counter()
             try:
@@ -73,7 +75,7 @@ def test_async_rollouts_overlap_training_and_keep_their_versions(tmp_path, tiny_
         assert versions[step] <= {step - 2, step - 1}
     # Rollouts ran on the task runner's threads, and at least one of them while a step trained.
     rollouts = [c for c in traced if c[0] == "rollout"]
-    trains = [c for c in traced if c[0] == "train_step"]
+    trains = [c for c in traced if c[0] == "train"]
     assert len(rollouts) == 4 and all(c[2] != threading.main_thread().name for c in rollouts)
     assert any(r[3] < t[4] and t[3] < r[4] for r in rollouts for t in trains if r[1] == t[1] + 1)
 
@@ -122,7 +124,7 @@ def test_a_crash_during_overlapped_steps_resumes_from_the_rollouts_that_ran_ahea
     from flows.grpo_lora import train
 
     config = _config(tmp_path, tiny_model_dir, "crash")
-    monkeypatch.setenv("LORA_RL_FAULT", "train_step:3")
+    monkeypatch.setenv("LORA_RL_FAULT", "train:3")
     with pytest.raises(InjectedFault):
         train(config_path=config)
     assert sorted((c[0], c[1]) for c in traced if c[0] == "rollout") == [("rollout", s) for s in (1, 2, 3, 4)]
@@ -133,7 +135,7 @@ def test_a_crash_during_overlapped_steps_resumes_from_the_rollouts_that_ran_ahea
 
     traced.clear()
     train(config_path=config)  # a new flow run with the same run id resumes it
-    assert [(c[0], c[1]) for c in traced] == [("train_step", 3), ("train_step", 4)]
+    assert [(c[0], c[1]) for c in traced] == [("train", 3), ("train", 4)]
     assert _rows(tmp_path, "crash", 4) == before
     assert store.versions("crash") == [0, 1, 2, 3, 4]
 

@@ -3,7 +3,7 @@
 A temporary `PREFECT_HOME`, `prefect server start` on 127.0.0.1, a process work pool, `prefect deploy --all`
 from the project's prefect.yaml, a worker, and `prefect deployment run` with a tiny random model:
 
-1. an injected fault (`LORA_RL_FAULT=train_step:2`) fails the flow run; `prefect flow-run retry` (what the UI's
+1. an injected fault (`LORA_RL_FAULT=train:2`) fails the flow run; `prefect flow-run retry` (what the UI's
    Retry does: AwaitingRetry, then a worker runs it again) completes it: the finished rollouts and scores show
    as Cached, step 1's update comes from its checkpoint and version 1 from the store;
 2. `kill -9` of the worker (and its flow process) while the background upload of version 2 has written its files
@@ -23,7 +23,7 @@ so that no later worker takes it.
 
 Every process runs in a process group of its own (`tests.support.processes`) and is stopped with its group and
 its descendants, which covers the flow-run processes a worker starts in sessions of their own: the hung one of
-the kill test (`publish_adapter:2:hang`) once outlived the test suite.
+the kill test (`publish:2:hang`) once outlived the test suite.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_injected_fault_then_ui_retry_completes_from_cache(server, tiny_model_di
     api, env = server
     config, store = _config(tmp_path, tiny_model_dir)
     log = tmp_path / "worker.log"
-    worker = _worker(env, log, {"LORA_RL_FAULT": "train_step:2"})
+    worker = _worker(env, log, {"LORA_RL_FAULT": "train:2"})
     flow_run = None
     try:
         flow_run = _run_deployment(env, config, "it-fault")
@@ -221,7 +221,7 @@ def test_injected_fault_then_ui_retry_completes_from_cache(server, tiny_model_di
     assert states["rollout-1"] == "Cached" and states["score-1"] == "Cached"
     # not cached, answered from the store: the step-1 checkpoint holds the update (its stats are replayed, nothing
     # is recomputed), and version 1 is returned as stored
-    assert states["train_step-1"] == "Completed" and states["publish_adapter-1"] == "Completed"
+    assert states["train-1"] == "Completed" and states["publish-1"] == "Completed"
     assert AdapterStore(f"file://{store}").versions("it-fault") == [0, 1, 2, 3]
 
 
@@ -229,7 +229,7 @@ def test_kill_worker_mid_publish_leaves_no_partial_version(server, tiny_model_di
     api, env = server
     config, store = _config(tmp_path, tiny_model_dir)
     log = tmp_path / "worker.log"
-    worker = _worker(env, log, {"LORA_RL_FAULT": "publish_adapter:2:hang"})
+    worker = _worker(env, log, {"LORA_RL_FAULT": "publish:2:hang"})
     attempt_dir = store / "it-kill" / "adapters" / "v000002"
     flow_run = None
     try:

@@ -72,6 +72,9 @@ def test_two_replicas_generate_what_one_and_the_in_process_engine_generate(local
         assert all(NAME in m.list_adapters() for m in two.engine.members())  # the load reached every replica
         served = [m.metrics()["adapters"].get(NAME, {}).get("requests", 0) for m in two.engine.members()]
         assert all(n > 0 for n in served)  # both replicas took prompts
+        # each replica resolved the model's device and dtype on its own host, and said what it chose
+        assert [(r["device"], r["dtype"]) for r in two.resolved] == [("cpu", model_cfg.dtype)] * 2
+        assert all(r["node"] and r["dtype_reason"] for r in two.resolved)
     finally:
         two.close()
 
@@ -128,6 +131,10 @@ def test_flow_with_two_engine_replicas_on_ray(local_ray, tiny_model_dir, tmp_pat
     overrides = ["engine.ray_replicas=2", "trainer.steps=2", f"store.uri=file://{tmp_path / 'store'}"]
     summary = train(config_path=str(path), run_id="it-ray", overrides=overrides)
     assert summary["final_adapter"] == "it-ray-v000002"
+    from lora_rl_core.run.rundir import RunDir
+
+    snapshot = RunDir(f"file://{tmp_path / 'store'}", "it-ray").read_config()
+    assert snapshot is not None and [r["device"] for r in snapshot["plan"]["replicas"]] == ["cpu", "cpu"]
     assert ray.is_initialized()  # the test's cluster: the run neither started nor stopped it
     assert not ray.util.list_named_actors()  # nothing left behind
 
@@ -191,6 +198,9 @@ def test_sglang_replicas_on_ray_own_their_servers(local_ray, tiny_model_dir, tmp
     run = start_run(load_config(_sglang_replicas_config(tmp_path, tiny_model_dir, "ray-sgl")), "ray-sgl")
     try:
         assert isinstance(run.engine, MultiEngine) and len(run.engine.members()) == 2
+        answers = run.runtime["replicas"]  # each server's flags, resolved on its host
+        assert [a["url"] for a in answers] == [m.url for m in run.engine.members()]
+        assert all(a["reasons"] and a["flags"].keys() == a["reasons"].keys() for a in answers)
         pids = ray.get([a.pids.remote() for a in run.built.actors])
         run.engine.load_adapter(NAME, path=str(folder))
         assert all(NAME in m.list_adapters() for m in run.engine.members())

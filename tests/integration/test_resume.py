@@ -9,6 +9,7 @@ trains only the steps after the checkpoint, and ends with the same versions as a
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -64,16 +65,18 @@ def executed(monkeypatch) -> list[tuple[str, int]]:
     training: list[int] = []
     rollout, train, update = phases.rollout, phases.train, PolicyTrainer.train_step
 
+    @functools.wraps(rollout)  # the flow's task of the same name runs it
     def traced_rollout(run, step):
         calls.append(("rollout", step))
         return rollout(run, step)
 
+    @functools.wraps(train)
     def traced_train(run, step):
         training.append(step)
         return train(run, step)
 
     def traced_update(self, batch):
-        calls.append(("train_step", training[-1]))
+        calls.append(("train", training[-1]))
         return update(self, batch)
 
     monkeypatch.setattr(phases, "rollout", traced_rollout)
@@ -95,15 +98,15 @@ def _assert_same_versions(store: AdapterStore, run_id: str, straight: dict[int, 
 def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path, tiny_model_dir, straight, executed, monkeypatch):
     from flows.grpo_lora import train
 
-    monkeypatch.setenv("LORA_RL_FAULT", "train_step:3")
+    monkeypatch.setenv("LORA_RL_FAULT", "train:3")
     resumed_cfg = _write_config(tmp_path, tiny_model_dir, "resumed")
     with pytest.raises(InjectedFault):
         train(config_path=resumed_cfg)
-    assert ("train_step", 2) in executed and ("train_step", 3) not in executed
+    assert ("train", 2) in executed and ("train", 3) not in executed
     executed.clear()
     train(config_path=resumed_cfg)  # a new flow run with the same run id resumes it
     # steps 1-2 come from the step-2 checkpoint (their stats replayed); step 3's rollout was cached before the fault
-    assert executed == [("train_step", 3), ("rollout", 4), ("train_step", 4)]
+    assert executed == [("train", 3), ("rollout", 4), ("train", 4)]
     _assert_same_versions(AdapterStore(f"file://{tmp_path / 'store'}"), "resumed", straight)
 
 
@@ -115,7 +118,7 @@ def test_a_run_checkpointed_every_other_step_resumes_from_its_last_checkpoint(
     from flows.grpo_lora import train
 
     config = _write_config(tmp_path, tiny_model_dir, "every2", checkpoint_every=2)
-    monkeypatch.setenv("LORA_RL_FAULT", "train_step:4")
+    monkeypatch.setenv("LORA_RL_FAULT", "train:4")
     with pytest.raises(InjectedFault):
         train(config_path=config)
     store = AdapterStore(f"file://{tmp_path / 'store'}")
@@ -123,7 +126,7 @@ def test_a_run_checkpointed_every_other_step_resumes_from_its_last_checkpoint(
     stored_v3 = store.manifest("every2", 3).data_dir
     executed.clear()
     train(config_path=config)
-    assert executed == [("train_step", 3), ("train_step", 4)]  # the rollouts of steps 3 and 4 were cached
+    assert executed == [("train", 3), ("train", 4)]  # the rollouts of steps 3 and 4 were cached
     assert store.manifest("every2", 3).data_dir == stored_v3  # the stored version, not written again
     _assert_same_versions(store, "every2", straight)
 
@@ -132,7 +135,7 @@ def test_a_run_checkpointed_every_other_step_resumes_from_its_last_checkpoint(
     ("fault", "message", "checkpoint"),
     [
         # v2's files are written, its manifest is not: step 2's checkpoint (written before it) is complete
-        ("publish_adapter:2", r"adapter version inflight-v000002 .*InjectedFault", 2),
+        ("publish:2", r"adapter version inflight-v000002 .*InjectedFault", 2),
         # step 2's checkpoint files are written, its manifest is not: v2 (queued behind it) is never written
         ("checkpoint:2", r"the checkpoint of step 2 of run inflight .*InjectedFault", 1),
     ],
@@ -152,7 +155,7 @@ def test_a_background_write_that_fails_in_flight_fails_the_run_and_resume_redoes
     executed.clear()
     train(config_path=config)
     # only the steps after the restored checkpoint train again (step 3's rollout may have run before the failure)
-    assert [s for phase, s in executed if phase == "train_step"] == list(range(checkpoint + 1, 5))
+    assert [s for phase, s in executed if phase == "train"] == list(range(checkpoint + 1, 5))
     _assert_same_versions(store, "inflight", straight)
 
 
@@ -173,7 +176,7 @@ def test_a_run_killed_while_a_version_uploads_resumes_from_its_checkpoint(tmp_pa
     config = _write_config(tmp_path, tiny_model_dir, "killed")
     env = {
         **os.environ,
-        "LORA_RL_FAULT": "publish_adapter:2:kill",
+        "LORA_RL_FAULT": "publish:2:kill",
         "PREFECT_API_URL": str(PREFECT_API_URL.value()),  # the test server: the flow's results persist there
         "PREFECT_HOME": str(tmp_path / "prefect-home"),
         "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -186,5 +189,5 @@ def test_a_run_killed_while_a_version_uploads_resumes_from_its_checkpoint(tmp_pa
     assert half and not (tmp_path / "store" / "killed" / "adapters" / "v000002" / "manifest.json").exists()
 
     train(config_path=config)
-    assert [s for phase, s in executed if phase == "train_step"] == [3, 4]
+    assert [s for phase, s in executed if phase == "train"] == [3, 4]
     _assert_same_versions(store, "killed", straight)

@@ -10,6 +10,7 @@ gradient clipping that is active on every step (so a per-rank instead of global 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -382,7 +383,7 @@ def test_whole_weights_on_every_rank_train_as_one_process_and_checkpoints_move_t
     """`shard_weights: false` (data parallel: no FSDP2, only the LoRA gradients summed) makes the same updates as
     one process, and its checkpoint resumes on FSDP2-sharded ranks."""
     reference = inprocess_trainer(cfg)
-    plan = ranks(cfg, 2).model_copy(update={"shard_weights": False})
+    plan = dataclasses.replace(ranks(cfg, 2), shard_weights=False)
     with TrainerWorkers(plan, timeout_s=120) as whole:
         whole.load_state_dict(initial_state)
         for batch in BATCHES:

@@ -27,11 +27,11 @@ def shapes(tmp_path_factory) -> dict[str, ModelShape]:
     return out
 
 
-def _cfg(mode: str = "sync", **trainer) -> object:
+def _cfg(mode: str = "sync", tokens: int = 256, launch: dict | None = None, **trainer) -> object:
     return config_from_dict(
         {
-            "rollout": {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 256, "mode": mode},
-            "engine": {"type": "sglang", "launch": {"enabled": True}},
+            "rollout": {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": tokens, "mode": mode},
+            "engine": {"type": "sglang", "launch": {"enabled": True, **(launch or {})}},
             "trainer": trainer,
         }
     )
@@ -104,8 +104,7 @@ def test_a_run_that_cannot_fit_says_so_naming_the_settings(shapes):
     with pytest.raises(ConfigError, match="activations") as err:
         _plan(_cfg(micro_batch_size=128, gradient_checkpointing=False), shapes["7b"])
     assert "trainer.micro_batch_size" in str(err.value) and "trainer.gradient_checkpointing: auto" in str(err.value)
-    hand_set = _cfg("async")
-    hand_set.engine.launch.mem_fraction_static = 0.9
+    hand_set = _cfg("async", launch={"mem_fraction_static": 0.9})
     with pytest.raises(ConfigError) as err:
         _plan(hand_set, shapes["7b"])
     assert "engine.launch.mem_fraction_static" in str(err.value) and "rollout.mode: sync" in str(err.value)
@@ -149,8 +148,7 @@ def test_longer_completions_are_refused_before_step_1_never_planned_past_the_gpu
     total = int(79.18 * GIB)
     accepted, refused = [], None
     for tokens in range(256, 32768 + 1, 128):
-        cfg = _cfg(mode="sync")
-        cfg.rollout.max_new_tokens = tokens
+        cfg = _cfg(mode="sync", tokens=tokens)
         try:
             plan = _plan(cfg, shapes[shape_name], gib=79.18, saver=saver)
         except ConfigError as exc:
@@ -180,13 +178,12 @@ def test_longer_completions_are_refused_before_step_1_never_planned_past_the_gpu
 def test_a_fraction_that_leaves_the_trainer_no_room_is_refused(shapes):
     """`engine.launch.mem_fraction_static` set by hand, beside a trainer: a fraction whose KV cache does not fit
     beside both models' weights is refused naming it; null (SGLang's own, ~0.84) is refused on a shared GPU."""
-    cfg = _cfg()
-    cfg.engine.launch.mem_fraction_static = 0.9
+    cfg = _cfg(launch={"mem_fraction_static": 0.9})
     with pytest.raises(ConfigError, match="SGLang's KV cache takes .* and the trainer's and SGLang's weights leave"):
         _plan(cfg, shapes["7b"], gib=79.18)
-    cfg.engine.launch.mem_fraction_static = 0.5
+    cfg = _cfg(launch={"mem_fraction_static": 0.5})
     assert _plan(cfg, shapes["7b"], gib=79.18).mem_fraction_static == pytest.approx(0.5, abs=0.01)
-    cfg.engine.launch.mem_fraction_static = None
+    cfg = _cfg(launch={"mem_fraction_static": None})
     with pytest.raises(ConfigError, match="engine.launch.mem_fraction_static: null"):
         _plan(cfg, shapes["7b"], gib=79.18)
 
@@ -200,8 +197,7 @@ def test_the_plan_says_why_the_kv_cache_is_or_is_not_released(shapes):
         smaller.memory_saver_reason == "releasing the KV cache while training buys micro-batch 8 (else micro-batch 4)"
     )
     assert _plan(_cfg("async"), shapes["7b"], gib=70.0).memory_saver_reason.startswith("rollout.mode async")
-    long = _cfg()
-    long.rollout.max_new_tokens = 6144  # the KV cache alone leaves no room for any micro-batch beside it
+    long = _cfg(tokens=6144)  # the KV cache alone leaves no room for any micro-batch beside it
     assert _plan(long, shapes["7b"], gib=79.18).memory_saver_reason == (
         "releasing the KV cache while training is needed: no micro-batch fits beside the KV cache; released, "
         "micro-batch 1 with recomputation"

@@ -142,7 +142,7 @@ def test_one_sglang_server_per_gpu_each_on_its_port(monkeypatch, tmp_path):
 
     import lora_rl_core.engines.launch.sglang as sglang_kind
     from lora_rl_core.engines.multi import MultiEngine
-    from lora_rl_core.engines.spec import EngineInputs
+    from lora_rl_core.engines.records import EngineInputs
     from lora_rl_core.errors import EngineError
 
     started: list[tuple[int, str, str]] = []

@@ -165,3 +165,52 @@ def test_a_failed_resume_after_a_failed_update_does_not_hide_the_update_error(ca
     assert "resume_memory_occupation failed" in caplog.text
     with pytest.raises(EngineError, match="resume_memory_occupation"), RunComponents.engine_memory_released(run):  # type: ignore[arg-type]
         pass  # after an update that succeeded, a failed resume is the error
+
+
+def test_a_run_is_prepared_once_per_process_and_the_flow_builds_from_what_the_cli_handed_over(cfg, monkeypatch):
+    """Issue 44, item 2: `lora-rl train` prepares the run (store, data, tokenizer, rewards, leak check, grader,
+    plan) before Prefect and hands it over; the flow's `open_run` builds from it without preparing again. A
+    flow run with nothing handed over (a deployment's) prepares once."""
+    from lora_rl_core.config import StoreConfig
+    from lora_rl_core.run import prepare_run
+
+    calls: list[str] = []
+    real_load, real_plan, real_store = components.load_inputs, components.make_plan, StoreConfig.build
+
+    def counted(name, fn):
+        def spy(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(components, "load_inputs", counted("inputs", real_load))
+    monkeypatch.setattr(components, "make_plan", counted("plan", real_plan))
+    monkeypatch.setattr(StoreConfig, "build", counted("store", real_store))
+    prepared = prepare_run(cfg)
+    assert sorted(calls) == ["inputs", "plan", "store"]  # the store inside the inputs
+    same_config = type(cfg).model_validate_json(cfg.model_dump_json())  # as a flow's parameter may arrive
+    with registry.handed_over(prepared):
+        try:
+            registry.open_run(same_config, "comp-handed")
+            run = registry.get_run("comp-handed")
+            assert run.inputs is prepared.inputs and run.plan is prepared.plan and len(calls) == 3
+        finally:
+            registry.close_run("comp-handed")
+    calls.clear()
+    try:
+        registry.open_run(cfg, "comp-alone")  # nothing handed over: prepared here, once
+        assert sorted(calls) == ["inputs", "plan", "store"]
+    finally:
+        registry.close_run("comp-alone")
+
+
+def test_a_prepared_run_no_flow_took_is_closed_at_the_end_of_the_hand_over(cfg, monkeypatch):
+    from lora_rl_core.run import prepare_run
+
+    prepared = prepare_run(cfg)
+    closed: list[bool] = []
+    monkeypatch.setattr(type(prepared.inputs.grader), "close", lambda self: closed.append(True))
+    with registry.handed_over(prepared):
+        pass  # the flow failed before open_run
+    assert closed == [True]

@@ -1,6 +1,6 @@
 """`run_steps`: the one place that says the step order, in sync and async mode, and what it does on a failure.
 
-A recording `StepPhases` stands in for the run (no model): the test asserts the exact sequence of phase calls,
+A recording `PhaseRunner` stands in for the run (no model): the test asserts the exact sequence of phase calls,
 the metrics handed to `on_step`, that the store writes are flushed at the end, and that rollouts submitted ahead
 and the store writes are waited for when a step fails. The real
 phases run through the same loop in the flow tests and `benchmarks/cpu_step.py`.
@@ -35,13 +35,30 @@ class Ref:
 
 
 class Recorder:
-    """Records every phase call; `fail_train` makes that step's train raise, `fail_flush` every flush."""
+    """A `PhaseRunner` that records every phase it is given by the phase function's name; `fail_train` makes
+    that step's train raise, `fail_flush` every flush."""
 
     def __init__(self, fail_train: int | None = None, fail_flush: Exception | None = None) -> None:
         self.calls: list[str] = []
         self.fail_train = fail_train
         self.fail_flush = fail_flush
         self.waited: list[int] = []
+
+    def call(self, phase, *args):
+        return getattr(self, phase.__name__)(*args)
+
+    def submit(self, phase, step):
+        assert phase.__name__ == "rollout"
+        self.calls.append(f"submit{step}")
+        recorder = self
+
+        class Pending(Future):
+            def result(self, timeout=None):
+                recorder.waited.append(step)
+                recorder.calls.append(f"result{step}")
+                return Stats({"completions": 4, "rollout_step": step})
+
+        return Pending()
 
     def publish(self, step, metrics):
         self.calls.append(f"publish{step}")
@@ -54,18 +71,6 @@ class Recorder:
     def rollout(self, step):
         self.calls.append(f"rollout{step}")
         return Stats({"completions": 4, "rollout_step": step})
-
-    def submit_rollout(self, step):
-        self.calls.append(f"submit{step}")
-        recorder = self
-
-        class Pending(Future):
-            def result(self, timeout=None):
-                recorder.waited.append(step)
-                recorder.calls.append(f"result{step}")
-                return Stats({"completions": 4, "rollout_step": step})
-
-        return Pending()
 
     def score(self, step):
         self.calls.append(f"score{step}")

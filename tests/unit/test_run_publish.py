@@ -190,11 +190,11 @@ def test_a_failed_upload_fails_the_next_step_naming_the_version_and_keeps_what_w
 ):
     run = make_run()
     first_version(run)
-    monkeypatch.setenv("LORA_RL_FAULT", "publish_adapter:1")  # raises with v1's files written, before its manifest
+    monkeypatch.setenv("LORA_RL_FAULT", "publish:1")  # raises with v1's files written, before its manifest
     ref = versions.publish(run, 1)  # returns: the upload fails in the background
     upload = run.policy.pending.stored
     versions.sync(run, ref)
-    message = r"adapter version bg-v000001.*InjectedFault: injected fault at publish_adapter step 1"
+    message = r"adapter version bg-v000001.*InjectedFault: injected fault at publish step 1"
     with pytest.raises(BackgroundWriteError, match=message):
         upload.result(timeout=30)
     with pytest.raises(BackgroundWriteError, match=message) as info:
@@ -214,7 +214,7 @@ def test_without_background_publish_the_upload_happens_inside_publish(make_run, 
     assert ref == run.store.ref("fg", 0) and ref.sha256 is not None  # complete: written inline
     versions.sync(run, ref)
     assert run.store.versions("fg") == [0] and not run.writer.background
-    monkeypatch.setenv("LORA_RL_FAULT", "publish_adapter:1")
+    monkeypatch.setenv("LORA_RL_FAULT", "publish:1")
     with pytest.raises(InjectedFault):
         versions.publish(run, 1)
     assert run.store.versions("fg") == [0]
@@ -247,7 +247,7 @@ def test_a_resumed_run_republishes_a_lost_version_from_the_restored_trainer_and_
     first.run_dir.write_phase("trained", 1, recorded)
     write_checkpoint(first, 1, checkpoint_state(first, 1))
     expected, _ = first.trainer.adapter_state()
-    monkeypatch.setenv("LORA_RL_FAULT", "publish_adapter:1")
+    monkeypatch.setenv("LORA_RL_FAULT", "publish:1")
     versions.publish(first, 1)
     with pytest.raises(BackgroundWriteError):
         versions.flush(first)

@@ -3,6 +3,7 @@ the choice is reported."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -177,3 +178,27 @@ def test_run_log_and_report_name_the_lora_compute_dtype() -> None:
     assert format_runtime(rt).endswith(line)
     text = summary_markdown("r", RunConfig(), run_summary("r", [], None, None, "r-v000000", 1.0, "file://x", rt))
     assert "- compute: cuda, bfloat16 (auto: bfloat16 on cuda); LoRA compute bfloat16 (auto: why); 16 CPU" in text
+
+
+def test_the_plan_is_deeply_frozen_and_its_trainer_section_holds_resolved_values_only(native_bf16) -> None:
+    """Issue 44, item 1: the trainer is built from resolved values (no `auto` anywhere in its section), the plan
+    cannot be changed after it is made, and the trainer's section reaches ranks pickled as made."""
+    import dataclasses
+    import pickle
+
+    import pydantic
+
+    native_bf16(False)
+    cfg = RunConfig(model=ModelConfig(device="cpu"))
+    plan = make_plan(cfg)
+    t = plan.trainer
+    assert t is not None and "auto" not in json.dumps(dataclasses.asdict(t), default=str)
+    assert (t.device, t.dtype) == ("cpu", "float32")
+    assert t.loss.off_policy_correction.type == "none" and t.loss.clip_eps_high == cfg.algorithm.clip_eps_high
+    assert pickle.loads(pickle.dumps(t)) == t
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.micro_batch_size = 2  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        plan.choices["model.dtype"] = None  # type: ignore[index]
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        plan.config.algorithm.clip_eps_high = 0.5  # type: ignore[misc]

@@ -18,6 +18,7 @@ from lora_rl_core.rewards import RewardSet
 from lora_rl_core.rewards.score import RewardTerm
 from lora_rl_core.rewards.verify import MathVerifier
 from lora_rl_core.run.step import OVERLONG_TERM, score_batch, score_stats
+from lora_rl_testing.plans import trainer_plan
 
 LIMIT = 48
 
@@ -93,7 +94,7 @@ def _loss(batch: TrainBatch) -> float:
     logprobs = torch.full(mask.shape, -0.5)
     algo = AlgorithmConfig()  # on-policy, ratio 1: the clip range does not matter
     advantages = torch.tensor(batch.advantages)
-    loss, _ = ppo_clip_loss(logprobs, logprobs, advantages, mask, **algo.loss_args())
+    loss, _ = ppo_clip_loss(logprobs, logprobs, advantages, mask, **trainer_plan(algorithm=algo).loss.loss_args())
     return float(loss)
 
 

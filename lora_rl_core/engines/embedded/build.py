@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
+from lora_rl_core.engines.records import BuiltEngine, EngineInputs
 from lora_rl_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -63,9 +63,13 @@ def embedded_engine(inputs: EngineInputs) -> BuiltEngine:
     """
     if inputs.model is None:
         raise ConfigError("engine.type embedded needs the model section (EngineInputs.model)")
-    store = inputs.store.build() if inputs.store is not None else None
     return BuiltEngine(
         build_embedded_engine(
-            inputs.engine, inputs.model, store, tokenizer=inputs.tokenizer, device=inputs.device, dtype=inputs.dtype
+            inputs.engine,
+            inputs.model,
+            inputs.store,
+            tokenizer=inputs.tokenizer,
+            device=inputs.device,
+            dtype=inputs.dtype,
         )
     )

@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING
 
 import httpx
 
-from lora_rl_core.engines.spec import LaunchPlan, ResolvedLaunch
+from lora_rl_core.engines.records import LaunchBudget, ResolvedLaunch
 from lora_rl_core.errors import EngineError
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ class SGLangServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self.memory_saver = memory_saver
+        self.resolved: ResolvedLaunch | None = None  # set by `launch_sglang`
         """Started with `--enable-memory-saver`: `release_memory` / `resume_memory` work."""
 
     @property
@@ -198,7 +199,7 @@ def launch_sglang(
     log_path: str | Path,
     *,
     resolved: ResolvedLaunch | None = None,
-    plan: LaunchPlan | None = None,
+    plan: LaunchBudget | None = None,
     index: int = 0,
 ) -> SGLangServer:
     """Start the SGLang server `engine.launch` describes, for the run's model, and wait until it is healthy.
@@ -227,7 +228,7 @@ def launch_sglang(
     launch = engine.launch
     env: SGLangEnvironment | str = "flags resolved by the run's plan"
     if resolved is None:
-        plan = plan or LaunchPlan()
+        plan = plan or LaunchBudget()
         env = probe_for_launch(launch)
         resolved = resolve_launch(
             launch,
@@ -251,4 +252,5 @@ def launch_sglang(
         startup_timeout_s=launch.startup_timeout_s,
         memory_saver=resolved.memory_saver,
     )
+    server.resolved = resolved  # what its `auto` flags became, and why
     return server.start()

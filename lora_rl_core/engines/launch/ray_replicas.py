@@ -39,7 +39,7 @@ from typing import Any
 from lora_rl_core.config import RayReplicas
 from lora_rl_core.engines.base import Completion, GenerationRequest
 from lora_rl_core.engines.multi import MultiEngine
-from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
+from lora_rl_core.engines.records import BuiltEngine, EngineInputs
 from lora_rl_core.errors import ConfigError, EngineError, EngineUnavailable
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
 
@@ -55,10 +55,24 @@ class EngineReplica:
     stopped with it), with `torch` limited to `num_threads` threads. Its methods are the engine's own."""
 
     def __init__(self, build: Callable[[EngineInputs], BuiltEngine], inputs: EngineInputs, num_threads: int) -> None:
+        import ray
         import torch
 
         torch.set_num_threads(max(1, num_threads))
+        self.answer: dict[str, Any] = {"node": ray.util.get_node_ip_address()}
+        if inputs.model is not None and inputs.device is None:
+            # only this host knows its devices: `model.device` and `model.dtype` resolved here, once
+            from lora_rl_core.models import model_dtype, resolve_device
+
+            device, dtype = resolve_device(inputs.model.device), model_dtype(inputs.model)
+            inputs = dataclasses.replace(inputs, device=str(device), dtype=dtype.name)
+            self.answer.update(device=str(device), dtype=dtype.name, dtype_reason=dtype.reason)
         self.built = build(inputs)
+
+    def resolved(self) -> dict[str, Any]:
+        """What this replica resolved on its host: `node` (its address), and for a model it loads `device`,
+        `dtype` and `dtype_reason`."""
+        return self.answer
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """`engine.<method>(*args, **kwargs)`; `close` also stops what the builder started."""
@@ -247,7 +261,8 @@ def start_ray_replicas(
     Takes one use of Ray (`ray_cluster.acquire_ray`: `RAY_ADDRESS`, else a local Ray), given back when the
     `BuiltEngine` closes. Each actor reserves `num_cpus` CPUs (torch gets as many threads), and
     `engine.ray_gpus_per_replica` GPUs when the model runs on CUDA (Ray hides the GPUs from an actor that
-    reserves none).
+    reserves none). Each replica resolves `model.device` and `model.dtype` on its own host (`BuiltEngine.resolved`
+    holds the answers).
 
     Raises:
         EngineError: an actor failed to start (the ones started are killed).
@@ -277,10 +292,10 @@ def start_ray_replicas(
         for i, a in enumerate(actors)
     ]
     try:
-        ray.get([a.pid.remote() for a in actors], timeout=600)  # constructed: the model is loaded
+        resolved = ray.get([a.resolved.remote() for a in actors], timeout=600)  # constructed: the model is loaded
     except Exception as exc:
         for a in actors:
             ray.kill(a, no_restart=True)
         release_ray()
         raise EngineError(f"engine replicas did not start: {type(exc).__name__}: {exc}") from None
-    return BuiltEngine(MultiEngine(engines), owned=[release_ray], actors=actors)
+    return BuiltEngine(MultiEngine(engines), owned=[release_ray], actors=actors, resolved=resolved)

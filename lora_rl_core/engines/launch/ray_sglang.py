@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_rl_core.config import sglang_section
-from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
+from lora_rl_core.engines.records import BuiltEngine, EngineInputs
 from lora_rl_core.errors import ConfigError, EngineError
 from lora_rl_core.ray_cluster import acquire_ray, release_ray
 
@@ -88,7 +88,7 @@ class SGLangReplica:
         engine = section.model_copy(update={"launch": launch})
         self.host = launch.host
         self.server: SGLangServer = launch_sglang(
-            engine, inputs.model, inputs.lora, Path(log_dir) / f"sglang-{index}.log", plan=inputs.launch_plan
+            engine, inputs.model, inputs.lora, Path(log_dir) / f"sglang-{index}.log", plan=inputs.launch_budget
         )
         assert self.server.pid is not None
         starter = subprocess.Popen(
@@ -109,6 +109,20 @@ class SGLangReplica:
 
             return self.server.url.replace(self.host, ray.util.get_node_ip_address(), 1)
         return self.server.url
+
+    def resolved(self) -> dict[str, Any]:
+        """What this replica resolved on its host: `node` (its address), `url`, and its server's `auto` flags
+        (`flags`: each resolved value) with their `reasons`."""
+        import ray
+
+        launch = self.server.resolved
+        reasons = dict(launch.reasons) if launch is not None else {}
+        return {
+            "node": ray.util.get_node_ip_address(),
+            "url": self.url(),
+            "flags": {key: getattr(launch, key) for key in reasons},
+            "reasons": reasons,
+        }
 
     def pids(self) -> dict[str, int | None]:
         """The actor's, the server's (its process group) and the reaper's process ids."""
@@ -149,8 +163,8 @@ def start_sglang_replicas(inputs: EngineInputs, connect: Callable[[list[str]], B
     actor_cls: Any = ray.remote(SGLangReplica).options(**options)  # Ray's stubs: untyped
     actors = [actor_cls.remote(inputs, i, log_dir) for i in range(engine.ray_replicas)]
     try:
-        urls = ray.get([a.url.remote() for a in actors], timeout=engine.launch.startup_timeout_s + 120)
-        clients = connect(urls)
+        resolved = ray.get([a.resolved.remote() for a in actors], timeout=engine.launch.startup_timeout_s + 120)
+        clients = connect([r["url"] for r in resolved])
     except Exception as exc:
         _stop_actors(actors)
         release_ray()
@@ -159,6 +173,7 @@ def start_sglang_replicas(inputs: EngineInputs, connect: Callable[[list[str]], B
         ) from None
     clients.owned += [release_ray, lambda: _stop_actors(actors)]  # run last first: the actors stop, then Ray
     clients.actors += actors
+    clients.resolved += resolved
     return clients
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lora_rl_core.engines.launch.probe import SGLangEnvironment
-from lora_rl_core.engines.spec import ResolvedLaunch
+from lora_rl_core.engines.records import ResolvedLaunch
 
 if TYPE_CHECKING:
     from lora_rl_core.config import SGLangLaunchConfig

@@ -11,9 +11,9 @@ from pathlib import Path
 from lora_rl_core.config import sglang_section
 from lora_rl_core.engines.launch.process import SGLangServer, launch_sglang
 from lora_rl_core.engines.launch.ray_sglang import start_sglang_replicas
+from lora_rl_core.engines.records import BuiltEngine, EngineInputs
 from lora_rl_core.engines.remote.connect import connect
 from lora_rl_core.engines.remote.dialect import SGLANG
-from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
 from lora_rl_core.errors import ConfigError
 
 
@@ -38,7 +38,7 @@ def sglang_engine(inputs: EngineInputs) -> BuiltEngine:
     logs = [(inputs.log_dir or Path.cwd()) / ("sglang.log" if i == 0 else f"sglang-{i}.log") for i in range(count)]
 
     def start(i: int) -> SGLangServer:
-        return launch_sglang(engine, model, lora, logs[i], resolved=inputs.launch, plan=inputs.launch_plan, index=i)
+        return launch_sglang(engine, model, lora, logs[i], resolved=inputs.launch, plan=inputs.launch_budget, index=i)
 
     with ThreadPoolExecutor(count) as pool:  # SGLang's start is minutes: the servers start side by side
         starts = [pool.submit(start, i) for i in range(count)]

@@ -8,9 +8,9 @@ import os
 from lora_rl_core.config import SGLANG_DEFAULTS, RemoteEngine, SGLangEngineConfig
 from lora_rl_core.engines.base import ServingEngine
 from lora_rl_core.engines.multi import MultiEngine
+from lora_rl_core.engines.records import BuiltEngine, EngineInputs
 from lora_rl_core.engines.remote.client import HTTPEngine
 from lora_rl_core.engines.remote.dialect import SGLANG, Dialect
-from lora_rl_core.engines.spec import BuiltEngine, EngineInputs
 from lora_rl_core.errors import ConfigError, EngineError
 
 

@@ -99,7 +99,7 @@ from lora_rl_core.engines.serve.openai_api import OpenAIRoutes
 from lora_rl_core.errors import LoraRLError
 
 if TYPE_CHECKING:
-    from lora_rl_core.engines.spec import BuiltEngine
+    from lora_rl_core.engines.records import BuiltEngine
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # as SGLANG_HEALTH_CHECK_TIMEOUT
 RESOLVE_ATTEMPTS = 3  # resolutions of one call that raced a sync retiring the version resolved (`complete_named`)

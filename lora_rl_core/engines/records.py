@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig, StoreConfig, TensorTransport
+    from lora_rl_core.config import EngineConfig, LoRAConfig, ModelConfig, TensorTransport
     from lora_rl_core.engines.base import ServingEngine
+    from lora_rl_core.store import AdapterStore
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
+class LaunchBudget:
     """What the run knows that the launcher resolves `auto` settings with.
 
     Attributes:
@@ -77,7 +78,8 @@ class EngineInputs:
         engine: the `engine` section (kind, URLs, limits, launch, Ray replicas).
         model: the `model` section; read by the engines that load the model (embedded) or launch a server.
         lora: the `lora` section; read by a launched SGLang (`--max-lora-rank`, `--lora-target-modules`).
-        store: the `store` section, for `store://` adapter names and paths of an embedded engine.
+        store: the adapter store (built once by the run's inputs), for `store://` adapter names and paths of an
+            embedded engine.
         tokenizer: the model's tokenizer if the caller has it already (embedded engine only; not sent to
             Ray actors).
         log_dir: where launched servers write their logs (`sglang.log`, `sglang-<i>.log`).
@@ -86,7 +88,7 @@ class EngineInputs:
             `model.device` / `model.dtype` resolved where the engine is built (a Ray actor on its host).
         launch: the SGLang server to launch here, its `auto` flags resolved by the run's plan; None = resolved
             by the launcher against SGLang's defaults (a server without a plan: a Ray replica's).
-        launch_plan: what a Ray replica's launcher resolves its `auto` settings with on its host (rollout
+        launch_budget: what a Ray replica's launcher resolves its `auto` settings with on its host (rollout
             batch, the memory plan's fraction and saver); None = SGLang's own defaults.
         tensor_transport: `engine.tensor_transport` as the run's plan resolved it; None = the section's.
     """
@@ -94,14 +96,14 @@ class EngineInputs:
     engine: EngineConfig
     model: ModelConfig | None = None
     lora: LoRAConfig | None = None
-    store: StoreConfig | None = None
+    store: AdapterStore | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
     log_dir: Path | None = None
     api_key: str | None = None
     device: str | None = None
     dtype: str | None = None
     launch: ResolvedLaunch | None = None
-    launch_plan: LaunchPlan | None = None
+    launch_budget: LaunchBudget | None = None
     tensor_transport: TensorTransport | None = None
 
 
@@ -135,12 +137,16 @@ class BuiltEngine:
             each even if an earlier one raised.
         servers: the SGLang servers launched here for it (their URLs, pids and logs).
         actors: the Ray actor handles started for it, in replica order.
+        resolved: what each Ray replica resolved on its own host when it started, before step 1, in replica
+            order: its node, and the model's device and dtype (embedded replicas) or its SGLang server's flags
+            with their reasons (SGLang replicas); what the run's plan cannot know on this host.
     """
 
     engine: ServingEngine
     owned: list[Callable[[], None]] = field(default_factory=list)
     servers: list[LaunchedServer] = field(default_factory=list)
     actors: list[Any] = field(default_factory=list)
+    resolved: list[dict[str, Any]] = field(default_factory=list)
     _closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
