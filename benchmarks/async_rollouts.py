@@ -144,11 +144,11 @@ class VersionCheck:
 
     def accuracies(self, run_id: str, seed: int | None, versions: list[int]) -> dict[str, float]:
         """`{version: greedy accuracy}` on the run's held-out problems (the seed's split, as the flow's)."""
+        from lora_rl_core.data import load_problems
         from lora_rl_core.evaluation import evaluate_run_policy
         from lora_rl_core.rewards import build_grader
-        from lora_rl_core.run import build_problems
 
-        problems = build_problems(self.cfg.data, "test", self.cfg.run.seed if seed is None else seed)
+        problems = load_problems(self.cfg.data, "test", self.cfg.run.seed if seed is None else seed)
         result: dict[str, float] = {}
         grader = build_grader(self.cfg.eval, self.cfg.reward)  # one grader for every version
         try:

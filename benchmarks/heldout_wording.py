@@ -61,18 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from lora_rl_core.config import load_config
-    from lora_rl_core.data import Problem, PromptStyle, prompt_instruction
+    from lora_rl_core.data import Problem, PromptStyle, load_problems, prompt_instruction
     from lora_rl_core.engines import EngineInputs
     from lora_rl_core.engines.registry import build_engine
     from lora_rl_core.evaluation import evaluate_policy
     from lora_rl_core.models import load_tokenizer, resolve_device
     from lora_rl_core.rewards import AnswerGrader
-    from lora_rl_core.run import build_problems
     from lora_rl_core.runtime import configure_threads
 
     cfg = load_config(args.config, args.set)
     configure_threads()
-    problems = build_problems(cfg.data, "test", cfg.run.seed)
+    problems = load_problems(cfg.data, "test", cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model)
     grader = AnswerGrader(verify_timeout_s=cfg.reward.verify_timeout_s)
     store = cfg.store.build()

@@ -124,17 +124,16 @@ def eval_(
     from lora_rl_core.run import build_evaluation, prepare_run
 
     cfg = load_config(config, overrides or [])
-    prepared = prepare_run(cfg, train=False)
-    reaper.watch()  # nothing started from here on outlives this process, even on SIGKILL
-    with build_evaluation(prepared) as ev:  # the engine and the grader, as a training run builds them
-        engine, inputs = ev.built.engine, ev.inputs
-        name = None
-        if adapter:
-            ref = inputs.store.resolve(adapter)
-            if ref.name not in engine.list_adapters():
-                engine.load_adapter(ref.name, path=ref.uri)  # the engine reads the version sha256-verified
-            name = ref.name
-        result = evaluate_run_policy(engine, inputs.tokenizer, inputs.test, inputs.grader, cfg, adapter=name)
+    with prepare_run(cfg, train=False) as prepared:  # the store, held-out data and grader, as a run builds them
+        reaper.watch()  # nothing started from here on outlives this process, even on SIGKILL
+        with build_evaluation(prepared) as built:
+            engine, inputs, name = built.engine, prepared.inputs, None
+            if adapter:
+                ref = inputs.store.resolve(adapter)
+                if ref.name not in engine.list_adapters():
+                    engine.load_adapter(ref.name, path=ref.uri)  # the engine reads the version sha256-verified
+                name = ref.name
+            result = evaluate_run_policy(engine, inputs.tokenizer, inputs.test, inputs.grader, cfg, adapter=name)
     if json_out:
         console.print_json(json.dumps(result))
     else:
@@ -159,9 +158,8 @@ def plan_(
     from lora_rl_core.run import prepare_run
 
     cfg = load_config(config, overrides or [])
-    prepared = prepare_run(cfg)
-    prepared.close()  # the reward terms' and the grader's worker processes stop: nothing else was started
-    summary = prepared.plan.summary()
+    with prepare_run(cfg) as prepared:  # its worker processes stop at the end: nothing else is started
+        summary = prepared.plan.summary()
     if json_out:
         console.print_json(json.dumps(summary))
     else:

@@ -20,14 +20,13 @@ from lora_rl_core.run.components import (
     prepare_run,
     start_run,
 )
-from lora_rl_core.run.inputs import RunInputs, build_problems, load_inputs
+from lora_rl_core.run.inputs import RunInputs, load_inputs
 
 __all__ = [
     "PreparedRun",
     "RunComponents",
     "RunInputs",
     "build_evaluation",
-    "build_problems",
     "build_run",
     "load_inputs",
     "prepare_run",

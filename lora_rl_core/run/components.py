@@ -24,12 +24,11 @@ from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import RunConfig
-from lora_rl_core.data import Problem, PromptSampler, PromptStyle
+from lora_rl_core.data import PromptSampler, PromptStyle
 from lora_rl_core.engines import BuiltEngine, EngineInputs, RolloutEngine
 from lora_rl_core.engines.registry import build_engine
-from lora_rl_core.memory import MemoryPlan
 from lora_rl_core.plan import RunPlan, make_plan
-from lora_rl_core.rewards import Grader, RewardSet
+from lora_rl_core.rewards import RewardSet
 from lora_rl_core.run.inputs import RunInputs, load_inputs
 from lora_rl_core.run.rundir import RunDir
 from lora_rl_core.run.state import PolicyState, Restored
@@ -52,6 +51,12 @@ class PreparedRun:
     def close(self) -> None:
         """Stop the reward terms' and the grader's worker processes."""
         self.inputs.close()
+
+    def __enter__(self) -> PreparedRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def prepare_run(cfg: RunConfig, *, train: bool = True) -> PreparedRun:
@@ -170,43 +175,14 @@ class RunComponents:
         return self.inputs.rewards
 
     @property
-    def grader(self) -> Grader:
-        """The evaluation's fixed grader (`eval.grader`), apart from the reward terms."""
-        return self.inputs.grader
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The model's tokenizer."""
-        return self.inputs.tokenizer
-
-    @property
-    def train_problems(self) -> list[Problem]:
-        """The training problems."""
-        return self.inputs.train
-
-    @property
-    def test_problems(self) -> list[Problem]:
-        """The held-out problems."""
-        return self.inputs.test
-
-    @property
     def runtime(self) -> dict[str, Any]:
         """The plan's summary with the Ray replicas' answers (`runtime_summary`)."""
         return runtime_summary(self.plan, self.built)
 
     @property
-    def memory(self) -> MemoryPlan | None:
-        """The GPU memory plan (None on a CPU)."""
-        return self.plan.memory
-
-    @property
     def engine(self) -> RolloutEngine:
         """The engine rollouts, syncs and evaluations use."""
         return self.built.engine
-
-    def problem(self, problem_id: str) -> Problem:
-        """The training problem a rollout row names (`RunInputs.problem`). Raises `DataError` if none has it."""
-        return self.inputs.problem(problem_id)
 
     @contextmanager
     def engine_memory_released(self) -> Iterator[None]:
@@ -296,47 +272,14 @@ def build_run(prepared: PreparedRun, run_id: str) -> RunComponents:
     )
 
 
-@dataclass
-class EvalComponents:
-    """What an evaluation outside a run uses (`lora-rl eval`): the engine, the grader and the held-out data,
-    built as a run builds them. `close()` when done.
-
-    Attributes:
-        plan: the evaluation's plan (`prepare_run(..., train=False)`: no trainer).
-        inputs: the store, the held-out problems, the tokenizer and the grader.
-        built: the engine with what was started for it.
-    """
-
-    plan: RunPlan
-    inputs: RunInputs
-    built: BuiltEngine
-
-    def close(self) -> None:
-        """Stop the engine and what was started for it, then the grader's workers."""
-        with ExitStack() as stack:
-            stack.callback(self.inputs.close)
-            stack.callback(self.built.close)
-
-    def __enter__(self) -> EvalComponents:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def build_evaluation(prepared: PreparedRun) -> EvalComponents:
-    """The engine (from the engine registry, as `build_run` builds it; a launched server logs to the working
-    directory) for evaluating adapters of the plan's store on its held-out problems with its grader. The
-    components own the inputs from then on; on a failure they are closed.
+def build_evaluation(prepared: PreparedRun) -> BuiltEngine:
+    """The engine for evaluating adapters of the plan's store on its held-out problems (`lora-rl eval`), from
+    the engine registry as `build_run` builds it (a launched server logs to the working directory); the caller
+    closes it, then the prepared inputs.
 
     Raises:
         ModelError / EngineError: what could not be built.
     """
     configure_threads()
-    try:
-        inputs = prepared.inputs
-        built = build_engine(engine_inputs(prepared.plan, inputs.tokenizer, Path.cwd(), inputs.store))
-    except BaseException:
-        prepared.close()
-        raise
-    return EvalComponents(plan=prepared.plan, inputs=prepared.inputs, built=built)
+    inputs = prepared.inputs
+    return build_engine(engine_inputs(prepared.plan, inputs.tokenizer, Path.cwd(), inputs.store))

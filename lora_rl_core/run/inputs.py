@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from lora_rl_core.config import DataConfig, RunConfig
+from lora_rl_core.config import RunConfig
 from lora_rl_core.data import Problem, PromptStyle, load_problems
 from lora_rl_core.errors import ConfigError, DataError
 from lora_rl_core.models import load_tokenizer
@@ -82,8 +81,8 @@ def load_inputs(cfg: RunConfig, *, train: bool = True) -> RunInputs:
         ModelError: the tokenizer cannot be loaded. ConfigError: a stop token id outside the vocabulary.
     """
     store = cfg.store.build()  # an unknown store protocol or a missing fsspec package, before the data loads
-    train_problems = build_problems(cfg.data, "train", cfg.run.seed) if train else []
-    test_problems = build_problems(cfg.data, "test", cfg.run.seed)
+    train_problems = load_problems(cfg.data, "train", cfg.run.seed) if train else []
+    test_problems = load_problems(cfg.data, "test", cfg.run.seed)
     if train:
         check_answers(cfg, train_problems, test_problems)
     with ExitStack() as built:  # on a failure, the worker processes started so far are stopped again
@@ -99,15 +98,6 @@ def load_inputs(cfg: RunConfig, *, train: bool = True) -> RunInputs:
             check_leaks(cfg, tokenizer, test_problems, rewards)
         built.pop_all()
     return RunInputs(store, tokenizer, train_problems, test_problems, rewards, grader)
-
-
-def build_problems(cfg: DataConfig, split: Literal["train", "test"], seed: int) -> list[Problem]:
-    """Training or held-out problems of the `data` section (`lora_rl_core.data.load_problems`).
-
-    Raises:
-        DataError: a missing dataset, file, split or column, an empty split, or a malformed row.
-    """
-    return load_problems(cfg, split, seed)
 
 
 def check_stop_token_ids(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -63,7 +63,7 @@ def rollout(run: RunComponents, step: int) -> RolloutStats:
         stop=tuple(r.stop),
         stop_token_ids=tuple(r.stop_token_ids),
     )
-    prompts = [run.prompt.render(run.tokenizer, p) for p in problems]
+    prompts = [run.prompt.render(run.inputs.tokenizer, p) for p in problems]
     # The version current now (async mode: maybe older than the trainer's by the time it trains), held until
     # the completions are back so that a sync meanwhile does not retire it.
     with run.policy.hold() as version:
@@ -85,9 +85,9 @@ def score(run: RunComponents, step: int) -> ScoreStats:
     start = time.perf_counter()
     batch = run.run_dir.read_phase("rollouts", step, RolloutBatch)
     cfg = run.cfg
-    texts = run.tokenizer.batch_decode([row.completion_ids for row in batch.rows], skip_special_tokens=True)
+    texts = run.inputs.tokenizer.batch_decode([row.completion_ids for row in batch.rows], skip_special_tokens=True)
     texts = trim_stops(texts, [row.finish_reason for row in batch.rows], cfg.rollout.stop)
-    problems = [run.problem(row.problem_id) for row in batch.rows]
+    problems = [run.inputs.problem(row.problem_id) for row in batch.rows]
     estimator = ADVANTAGE_ESTIMATORS[cfg.algorithm.advantage]
     scored = score_batch(
         batch,
@@ -195,5 +195,11 @@ def evaluate(run: RunComponents, adapter: str | None) -> dict[str, Any]:
     terms: greedy accuracy per grader metric (strict and flexible), and pass@k / mean@n with
     `eval.samples_per_prompt` samples (`lora_rl_core.evaluation`)."""
     return evaluate_run_policy(
-        run.engine, run.tokenizer, run.test_problems, run.grader, run.cfg, adapter=adapter, prompt=run.prompt
+        run.engine,
+        run.inputs.tokenizer,
+        run.inputs.test,
+        run.inputs.grader,
+        run.cfg,
+        adapter=adapter,
+        prompt=run.prompt,
     )

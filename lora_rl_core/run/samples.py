@@ -36,12 +36,12 @@ def step_samples(run: RunComponents, steps: int, per_step: int = SAMPLES_PER_STE
         except LoraRLError:
             continue
         firsts = [row for i, row in enumerate(rows) if i == 0 or rows[i - 1].group != row.group][:per_step]
-        texts = run.tokenizer.batch_decode([row.completion_ids for row in firsts], skip_special_tokens=True)
+        texts = run.inputs.tokenizer.batch_decode([row.completion_ids for row in firsts], skip_special_tokens=True)
         out += [
             {
                 "step": step,
                 "problem_id": row.problem_id,
-                "prompt": run.problem(row.problem_id).question,
+                "prompt": run.inputs.problem(row.problem_id).question,
                 "completion": text,
                 "gold": row.answer,
                 "reward": row.reward,
@@ -59,11 +59,11 @@ def heldout_preview(run: RunComponents, adapter: str) -> dict[str, Any] | None:
     (`lora_rl_core.evaluation.preview_run_policy`: the evaluation's code path on a subset): what the report
     shows of a run that does not evaluate (`run.eval_before_after: false`). With the default grader, problems
     without a gold answer are passed over (only an evaluating run requires them); None when none is left."""
-    problems = [p for p in run.test_problems if run.cfg.eval.grader is not None or p.answer is not None]
+    problems = [p for p in run.inputs.test if run.cfg.eval.grader is not None or p.answer is not None]
     if not problems:
         return None
     return preview_run_policy(
-        run.engine, run.tokenizer, problems, run.grader, run.cfg, adapter=adapter, prompt=run.prompt
+        run.engine, run.inputs.tokenizer, problems, run.inputs.grader, run.cfg, adapter=adapter, prompt=run.prompt
     )
 
 

@@ -154,7 +154,8 @@ def test_closing_sglang_replicas_stops_every_actor_before_giving_back_ray(monkey
     class Actor:
         def __init__(self, inputs, index, log_dir):
             self.index = index
-            self.url = Method(lambda: f"http://127.0.0.1:{31000 + index}")
+            url = f"http://127.0.0.1:{31000 + index}"
+            self.resolved = Method(lambda: {"node": "127.0.0.1", "url": url, "flags": {}, "reasons": {}})
             self.stop = Method(lambda: events.append(f"stop {index}"))
 
     fake = types.ModuleType("ray")

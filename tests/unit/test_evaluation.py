@@ -200,12 +200,16 @@ def test_the_runs_preview_passes_over_problems_without_gold_under_the_default_gr
     problems = [Problem(f"What is {a} + 3?", None if a % 2 else str(a + 3), f"p{a}") for a in range(10)]
     engine = ScriptedEngine({p.question: f"#### {p.answer}" for p in problems}, finish="eos")
     grader = AnswerGrader(verify_timeout_s=5.0)
-    run = SimpleNamespace(engine=engine, tokenizer=CharTokenizer(), test_problems=problems, grader=grader,
-                          cfg=RunConfig(), prompt=PromptStyle(None, "Say it."))  # fmt: skip
+
+    def run_of(test):
+        inputs = SimpleNamespace(tokenizer=CharTokenizer(), test=test, grader=grader)
+        return SimpleNamespace(engine=engine, inputs=inputs, cfg=RunConfig(), prompt=PromptStyle(None, "Say it."))
+
+    run = run_of(problems)
     try:
         preview = heldout_preview(run, "r-v000003")
         assert [s["question"] for s in preview["samples"]] == [f"What is {a} + 3?" for a in (0, 2, 4, 6)]
         assert preview["accuracy/strict"] == 1.0 and preview["adapter"] == "r-v000003"
-        assert heldout_preview(SimpleNamespace(**{**vars(run), "test_problems": problems[1::2]}), "r-v000003") is None
+        assert heldout_preview(run_of(problems[1::2]), "r-v000003") is None
     finally:
         grader.close()

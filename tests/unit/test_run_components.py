@@ -26,7 +26,7 @@ def test_build_run_writes_the_snapshot_and_close_stops_the_engine(cfg, tmp_path)
         plan = snapshot["plan"]  # the run plan, written once with the config
         assert plan["dtype"] == "float32" and plan["device"] == "cpu"
         assert plan["choices"]["trainer.micro_batch_size"]["value"] == cfg.trainer.micro_batch_size
-        assert len(run.train_problems) == 64 and len(run.test_problems) == 4
+        assert len(run.inputs.train) == 64 and len(run.inputs.test) == 4
         assert run.policy.version is None and run.engine.health()["ok"]
     finally:
         run.close()
