@@ -201,10 +201,10 @@ def off_policy_weights(
     mask_BT: Tensor,
     *,
     mode: str,
-    cap: float = 2.0,
-    floor: float = 0.0,
-    geo_low: float = 0.99,
-    geo_high: float = 1.01,
+    cap: float | None = None,
+    floor: float | None = None,
+    geo_low: float | None = None,
+    geo_high: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Importance weights for completions sampled by another policy than the trainer's, and diagnostics.
 
@@ -232,8 +232,11 @@ def off_policy_weights(
         inference_logprobs_BT: ``[B, T]`` log-probs the engine reported when sampling them.
         mask_BT: ``[B, T]`` 1.0 on real completion tokens, 0.0 on padding.
         mode: one of ``OFF_POLICY_MODES``.
-        cap / floor: the truncation or kept range of the token and sequence modes.
+        cap / floor: the truncation (``cap``, the ``-truncate`` modes) or kept range (``floor`` and ``cap``, the
+            ``token-mask`` / ``sequence-mask`` modes).
         geo_low / geo_high: the kept range of the geometric mean (``geometric-mask``).
+        The bounds have no defaults and are not checked again here (once per micro-batch): the correction's
+        config section (``algorithm.off_policy_correction``, its ``weight_args``) is the one source of both.
 
     Returns:
         ``(weights_BT, metrics)``: ``[B, T]`` float32 detached weights, 0 on padding; 0-dim float32 tensors on
@@ -242,12 +245,16 @@ def off_policy_weights(
         tokens whose weight a mask set to 0).
 
     Raises:
-        ValueError: an unknown mode, bad bounds or mismatched shapes.
+        ValueError: an unknown mode, a bound the mode needs not given, or mismatched shapes.
     """
     if mode not in OFF_POLICY_MODES:
         raise ValueError(f"unknown off-policy correction {mode!r}; valid: {', '.join(OFF_POLICY_MODES)}")
-    if not (0.0 <= floor < cap and 0.0 < geo_low < geo_high):
-        raise ValueError(f"need 0 <= floor < cap and 0 < geo_low < geo_high, got {floor}, {cap}, {geo_low}, {geo_high}")
+    needed = {"geometric-mask": ("geo_low", "geo_high")}.get(
+        mode, ("cap",) if mode.endswith("-truncate") else ("cap", "floor")
+    )
+    given = {"cap": cap, "floor": floor, "geo_low": geo_low, "geo_high": geo_high}
+    if any(given[name] is None for name in needed):
+        raise ValueError(f"off-policy correction {mode} needs {' and '.join(needed)}")
     _check_same_shape(mask_BT, old_logprobs_BT=old_logprobs_BT, inference_logprobs_BT=inference_logprobs_BT)
     with torch.no_grad():
         real_BT = mask_BT > 0

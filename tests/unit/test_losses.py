@@ -275,8 +275,8 @@ def test_token_truncate_weights_are_detached_and_zero_on_padding():
     weights_BT, _ = off_policy_weights(old_BT, inference_BT, mask_BT, mode="token-truncate", cap=2.0)
     torch.testing.assert_close(weights_BT, torch.tensor([[1.0, 0.5, 2.0, 0.0]]))
     assert not weights_BT.requires_grad
-    with pytest.raises(ValueError, match="floor < cap"):  # cap <= 0 with the default floor 0
-        off_policy_weights(old_BT, inference_BT, mask_BT, mode="token-truncate", cap=0.0)
+    with pytest.raises(ValueError, match="token-mask needs cap and floor"):  # no bounds of its own
+        off_policy_weights(old_BT, inference_BT, mask_BT, mode="token-mask", cap=2.0)
 
 
 # --- off-policy corrections ----------------------------------------------------------
@@ -307,7 +307,7 @@ def test_sequence_modes_use_the_product_of_the_ratios():
     # row 0: 2 * 0.5 * 4 = 4; row 1: 1.5 * 1.5 = 2.25
     truncated_BT, _ = _off_policy("sequence-truncate", cap=3.0)
     torch.testing.assert_close(truncated_BT, torch.tensor([[3.0, 3.0, 3.0], [2.25, 2.25, 0.0]]))
-    masked_BT, m = _off_policy("sequence-mask", cap=3.0)
+    masked_BT, m = _off_policy("sequence-mask", cap=3.0, floor=0.0)
     torch.testing.assert_close(masked_BT, torch.tensor([[0.0, 0.0, 0.0], [2.25, 2.25, 0.0]]))
     assert m["is_masked_fraction"] == pytest.approx(3 / 5) and m["is_weight_max"] == pytest.approx(2.25)
 
@@ -321,8 +321,8 @@ def test_geometric_mask_rejects_whole_sequences_without_reweighting():
     torch.testing.assert_close(both_BT, torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]))
 
 
-def test_off_policy_weights_refuse_unknown_modes_and_bad_ranges():
+def test_off_policy_weights_refuse_unknown_modes_and_missing_bounds():
     with pytest.raises(ValueError, match="unknown off-policy correction 'icepop'"):
         _off_policy("icepop")
-    with pytest.raises(ValueError, match="floor < cap"):
-        _off_policy("token-mask", cap=1.0, floor=2.0)
+    with pytest.raises(ValueError, match="geometric-mask needs geo_low and geo_high"):
+        _off_policy("geometric-mask", geo_low=0.9)
