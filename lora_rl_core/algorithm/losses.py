@@ -249,12 +249,11 @@ def off_policy_weights(
     """
     if mode not in OFF_POLICY_MODES:
         raise ValueError(f"unknown off-policy correction {mode!r}; valid: {', '.join(OFF_POLICY_MODES)}")
-    needed = {"geometric-mask": ("geo_low", "geo_high")}.get(
-        mode, ("cap",) if mode.endswith("-truncate") else ("cap", "floor")
-    )
-    given = {"cap": cap, "floor": floor, "geo_low": geo_low, "geo_high": geo_high}
-    if any(given[name] is None for name in needed):
-        raise ValueError(f"off-policy correction {mode} needs {' and '.join(needed)}")
+    # the bounds the mode reads, as (low, high): none below a truncation, the kept range of a mask
+    low, high = (geo_low, geo_high) if mode == "geometric-mask" else (0.0 if mode.endswith("-truncate") else floor, cap)
+    if low is None or high is None:
+        needed = "geo_low and geo_high" if mode == "geometric-mask" else "cap" if low is not None else "cap and floor"
+        raise ValueError(f"off-policy correction {mode} needs {needed}")
     _check_same_shape(mask_BT, old_logprobs_BT=old_logprobs_BT, inference_logprobs_BT=inference_logprobs_BT)
     with torch.no_grad():
         real_BT = mask_BT > 0
@@ -268,13 +267,10 @@ def off_policy_weights(
                 log_seq_B1 = log_seq_B1 / real_BT.sum(dim=-1, keepdim=True).clamp(min=1)
             ratio_BT = torch.exp(log_seq_B1.clamp(-_KL_LOG_RATIO_CLAMP, _KL_LOG_RATIO_CLAMP)).expand_as(log_r_BT)
         if mode.endswith("-truncate"):
-            weights_BT = ratio_BT.clamp(max=cap)
-        elif mode == "geometric-mask":
-            keep_BT = real_BT & (ratio_BT >= geo_low) & (ratio_BT <= geo_high)
-            weights_BT = torch.ones_like(ratio_BT)
+            weights_BT = ratio_BT.clamp(max=high)
         else:
-            keep_BT = real_BT & (ratio_BT >= floor) & (ratio_BT <= cap)
-            weights_BT = ratio_BT
+            keep_BT = real_BT & (ratio_BT >= low) & (ratio_BT <= high)
+            weights_BT = torch.ones_like(ratio_BT) if mode == "geometric-mask" else ratio_BT
         weights_BT = torch.where(keep_BT, weights_BT, 0.0)
         n = real_BT.sum().clamp(min=1)
         stats = {
