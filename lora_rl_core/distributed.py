@@ -308,6 +308,23 @@ def all_reduce_max(values: dict[str, float]) -> dict[str, float]:
     return _all_reduce(values, dist.ReduceOp.MAX)
 
 
+def all_gather_cat(values: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every rank's 1-D float32 `values` (any lengths) concatenated in rank order, on every rank, and where this
+    rank's part starts in it. Without a process group: `(values, 0)`."""
+    if not is_distributed():
+        return values, 0
+    rank, world_size = rank_and_world_size()
+    device = _comm_device()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([values.numel()], dtype=torch.int64, device=device))
+    counts = [int(n.item()) for n in sizes]
+    padded = torch.zeros(max(counts), dtype=torch.float32, device=device)
+    padded[: values.numel()] = values.to(device, torch.float32)
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)]), sum(counts[:rank])
+
+
 def gather_objects(obj: Any) -> list[Any] | None:
     """Pickle-gather one object per rank onto rank 0: the list (by rank) there, None elsewhere."""
     if not is_distributed():

@@ -36,7 +36,8 @@ def format_step(m: dict[str, Any]) -> str:
     """One line per step: `step 3/30 reward 0.42±0.31 acc 41% signal 50% clip 0.000 kl 0.0000 ent 1.23 gnorm 0.5
     len 21.0 cut 3% end 97% 2.5 compl/s 18.2s`, then each reward term's mean (`len`: mean completion length,
     tokens; `cut`: completions that hit `rollout.max_new_tokens`, verl's `response_length/clip_ratio`; `end`:
-    completions that ended with end-of-sequence or a stop sequence)."""
+    completions that ended with end-of-sequence or a stop sequence; under M2PO `m2`, the batch's mean squared
+    log ratio before its mask, and the share of tokens the mask left out)."""
     return (
         f"step {m['step']}/{m.get('steps', '?')} reward {m.get('reward_mean', 0):.3f}±{m.get('reward_std', 0):.3f} "
         f"acc {100 * m.get('accuracy', 0):.0f}% signal {100 * m.get('groups_with_signal', 0):.0f}% "
@@ -45,6 +46,11 @@ def format_step(m: dict[str, Any]) -> str:
         f"cut {100 * m.get('truncated_fraction', 0):.0f}% end {100 * m.get('ended_fraction', 0):.0f}% "
         f"{m.get('completions_per_second', 0):.1f} compl/s {m.get('step_seconds', 0):.1f}s"
         + (f" lag {' '.join(f'{k}:{v}' for k, v in lag.items())}" if (lag := m.get("version_lag")) else "")
+        + (
+            f" m2 {m2:.4f} masked {100 * m.get('m2_masked_fraction', 0):.1f}%"
+            if (m2 := m.get("m2")) is not None
+            else ""
+        )
         + "".join(f" {k.removeprefix('rewards/').removesuffix('/mean')} {v:.3f}" for k, v in m.items() if _term(k, v))
     )
 

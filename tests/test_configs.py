@@ -100,6 +100,24 @@ def test_async_rollouts_need_a_staleness_window():
     assert chosen.algorithm.correction("async") == MaskCorrection(type="sequence-mask", is_cap=2.0, is_floor=0.0)
 
 
+def test_m2po_takes_its_threshold_and_turns_the_ppo_clip_off():
+    from lora_rl_core.plan import make_plan
+
+    cfg = load_config(None, ["rollout.mode=async", "algorithm.off_policy_correction=m2po", "model.device=cpu"])
+    assert cfg.algorithm.correction("async").model_dump() == {"type": "m2po", "m2_threshold": 0.04}
+    plan = make_plan(cfg)
+    assert plan.trainer is not None and (plan.trainer.loss.clip_eps_low, plan.trainer.loss.clip_eps_high) == (
+        None,
+        None,
+    )
+    assert "clip_eps_low and clip_eps_high are not used" in plan.choices["algorithm.off_policy_correction"].reason
+    with pytest.raises(ConfigError, match=r"m2_threshold .*: Input should be greater than 0") as err:
+        load_config(
+            None, ["algorithm.off_policy_correction.type=m2po", "algorithm.off_policy_correction.m2_threshold=0"]
+        )
+    assert "\n" not in str(err.value)
+
+
 def test_the_old_tis_cap_names_its_replacement():
     moved = r"algorithm.tis_cap moved into algorithm.off_policy_correction: set algorithm.off_policy_correction="
     with pytest.raises(ConfigError, match=moved + r"\{type: token-truncate, is_cap: 2.0\}"):

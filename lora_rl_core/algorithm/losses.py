@@ -24,6 +24,9 @@ Choices made here:
   per call: ``AlgorithmConfig`` is their one source, and the trainer passes
   its validated values.
 
+M2PO's mask (``m2po_keep_mask``) is a statistic of the whole batch: the trainer gathers the log ratios of
+every micro-batch and rank before the update and passes the mask in as importance weights.
+
 Left out: value-function loss, entropy bonus, dual-clip PPO (Ye et al.
 2020), sequence-level ratios (GSPO), the gradient-bias question of the
 k3 estimator used as a loss term (Tang & Munos 2025), and Dr. GRPO's
@@ -281,6 +284,74 @@ def off_policy_weights(
     return weights_BT, stats
 
 
+def m2po_keep_mask(log_ratio_N: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
+    """Which tokens M2PO trains on: the second-moment trust region of Zheng et al. 2025 ("Prosperity before
+    Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv 2510.01161), as AReaL masks it
+    (`areal/trainer/ppo/actor.py`, `_apply_m2po_masking`, `actor.m2_threshold`).
+
+    With ``m2_t = log_ratio_t ** 2`` over the whole batch, the tokens are ranked by ``m2_t`` (largest first, ties
+    in index order) and the fewest largest are masked such that the mean of the rest is below ``threshold``;
+    where no such set exists, only the token with the smallest ``m2_t`` is kept. Pure and deterministic: ranks
+    that gather the same batch compute the same mask.
+
+    Args:
+        log_ratio_N: ``[N]`` float32 log ratios of every real token of the batch (the trainer's log-prob minus
+            the sampling engine's), in any fixed order.
+        threshold: tau, the largest mean squared log ratio kept (``m2_threshold``; the config checks it is > 0).
+
+    Returns:
+        ``(keep_N, m2)``: ``[N]`` bool, True where the token is trained on; and M2, the mean of ``m2_t`` over all
+        ``N`` tokens before masking (a 0-dim float32 tensor, 0 when ``N`` is 0).
+    """
+    with torch.no_grad():
+        m2_N = log_ratio_N.float() ** 2
+        n = m2_N.numel()
+        if n == 0:
+            return torch.ones_like(m2_N, dtype=torch.bool), m2_N.new_zeros(())
+        sorted_N, order_N = torch.sort(m2_N, descending=True, stable=True)
+        # mean of the tokens from rank i on, for every i: masking the i largest leaves that mean
+        suffix_mean_N = sorted_N.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, device=m2_N.device)
+        below = torch.nonzero(suffix_mean_N < threshold)
+        masked = int(below[0, 0]) if below.numel() else n - 1
+        keep_sorted_N = torch.arange(n, device=m2_N.device) >= masked
+        keep_N = torch.empty_like(keep_sorted_N)
+        keep_N[order_N] = keep_sorted_N
+        return keep_N, m2_N.mean()
+
+
+def m2po_weights(
+    old_logprobs_BT: Tensor, inference_logprobs_BT: Tensor, keep_BT: Tensor, mask_BT: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """M2PO's importance weights on the policy-gradient term: ``r_t = exp(old_t - inference_t)`` (trainer over
+    sampler) on the tokens ``m2po_keep_mask`` keeps, 0 elsewhere (Zheng et al. 2025, eq. for the M2PO objective:
+    the masked, unclipped importance-weighted surrogate). The log ratio is clamped to [-20, 20] before ``exp``.
+
+    Args:
+        old_logprobs_BT / inference_logprobs_BT / mask_BT: as ``off_policy_weights``.
+        keep_BT: ``[B, T]`` 1.0 where the batch's M2PO mask keeps the token, 0.0 elsewhere and on padding.
+
+    Returns:
+        ``(weights_BT, metrics)``: detached float32 weights; ``is_weight_mean`` / ``is_weight_max`` over real tokens
+        and ``is_masked_fraction`` (real tokens the mask set to 0), as ``off_policy_weights`` names them.
+    """
+    _check_same_shape(mask_BT, old_logprobs_BT=old_logprobs_BT, inference_logprobs_BT=inference_logprobs_BT)
+    _check_same_shape(mask_BT, keep_BT=keep_BT)
+    with torch.no_grad():
+        real_BT = mask_BT > 0
+        keep_BT = real_BT & (keep_BT > 0)
+        log_r_BT = (old_logprobs_BT.float() - inference_logprobs_BT.float()).clamp(
+            -_KL_LOG_RATIO_CLAMP, _KL_LOG_RATIO_CLAMP
+        )
+        weights_BT = torch.where(keep_BT, torch.exp(log_r_BT), 0.0)
+        n = real_BT.sum().clamp(min=1)
+        stats = {
+            "is_weight_mean": weights_BT.sum() / n,
+            "is_weight_max": weights_BT.amax() if weights_BT.numel() else weights_BT.new_zeros(()),
+            "is_masked_fraction": (real_BT & ~keep_BT).sum() / n,
+        }
+    return weights_BT, stats
+
+
 def _check_ppo_shapes(mask_BT: Tensor, advantages_B: Tensor, **tensors_BT: Tensor | None) -> None:
     """Raise ``ValueError`` on mismatched shapes."""
     _check_same_shape(mask_BT, **{k: v for k, v in tensors_BT.items() if v is not None})
@@ -297,8 +368,8 @@ def ppo_clip_loss(
     advantages_B: Tensor,
     mask_BT: Tensor,
     *,
-    clip_eps_low: float,
-    clip_eps_high: float,
+    clip_eps_low: float | None,
+    clip_eps_high: float | None,
     aggregation: str,
     kl_coef: float,
     importance_weights_BT: Tensor | None = None,
@@ -327,7 +398,8 @@ def ppo_clip_loss(
         old_logprobs_BT: ``[B, T]`` log-probs under the policy that sampled the rollouts.
         advantages_B: ``[B]`` one advantage per completion, broadcast over its tokens.
         mask_BT: ``[B, T]`` 1.0 on real completion tokens, 0.0 on padding.
-        clip_eps_low: ratio floor is ``1 - clip_eps_low`` (``algorithm.clip_eps_low``).
+        clip_eps_low: ratio floor is ``1 - clip_eps_low`` (``algorithm.clip_eps_low``); None with
+            ``clip_eps_high`` None: no clip (``pg = -ratio * A``, as M2PO trains, Zheng et al. 2025).
         clip_eps_high: ratio ceiling is ``1 + clip_eps_high`` (``algorithm.clip_eps_high``).
         aggregation: a mode of ``aggregate`` (see ``LOSS_AGGREGATIONS``; ``algorithm.loss_aggregation``).
         importance_weights_BT: optional ``[B, T]`` weights on the policy-gradient term,
@@ -356,16 +428,20 @@ def ppo_clip_loss(
     log_ratio_BT = torch.where(mask_BT > 0, logprobs_BT.float() - old_logprobs_BT.detach().float(), 0.0)
     ratio_BT = torch.exp(log_ratio_BT)
     advantages_B1 = advantages_B.detach().float().unsqueeze(-1)  # [B, 1], broadcasts over T
-    clipped_ratio_BT = ratio_BT.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    pg_BT = -torch.minimum(ratio_BT * advantages_B1, clipped_ratio_BT * advantages_B1)
+    if clip_eps_low is None or clip_eps_high is None:  # unclipped (M2PO): its mask bounds the ratios instead
+        pg_BT = -ratio_BT * advantages_B1
+        clipped_BT = torch.zeros_like(mask_BT, dtype=torch.bool)
+    else:
+        clipped_ratio_BT = ratio_BT.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+        pg_BT = -torch.minimum(ratio_BT * advantages_B1, clipped_ratio_BT * advantages_B1)
+        clipped_BT = ((ratio_BT < 1.0 - clip_eps_low) & (advantages_B1 < 0)) | (
+            (ratio_BT > 1.0 + clip_eps_high) & (advantages_B1 > 0)
+        )
     if importance_weights_BT is not None:
         pg_BT = pg_BT * importance_weights_BT.detach().float()
     kl_BT = None if ref_logprobs_BT is None else kl_k3(logprobs_BT, ref_logprobs_BT.detach())
     loss_BT = pg_BT + kl_coef * kl_BT if kl_BT is not None and kl_coef > 0 else pg_BT
     loss = aggregate(loss_BT, mask_BT, aggregation)
-    clipped_BT = ((ratio_BT < 1.0 - clip_eps_low) & (advantages_B1 < 0)) | (
-        (ratio_BT > 1.0 + clip_eps_high) & (advantages_B1 > 0)
-    )
     pg_loss = aggregate(pg_BT.detach(), mask_BT, aggregation)
     return loss, _ppo_metrics(mask_BT, ratio_BT, clipped_BT, kl_BT, pg_loss)
 

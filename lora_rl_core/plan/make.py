@@ -277,9 +277,11 @@ def _trainer(
     choices["trainer.gradient_checkpointing"] = Choice(memory.gradient_checkpointing, memory.checkpointing_reason)
     choices["trainer.micro_batch_size"] = Choice(memory.micro_batch_size, memory.micro_batch_reason)
     correction = a.correction(mode)
+    clipped = correction.type != "m2po"  # M2PO's mask bounds the ratios: no PPO clip under it
     choices["algorithm.off_policy_correction"] = Choice(
         correction.model_dump(),
-        SET if not isinstance(a.off_policy_correction, AutoCorrection) else f"auto: rollout.mode {mode}",
+        (SET if not isinstance(a.off_policy_correction, AutoCorrection) else f"auto: rollout.mode {mode}")
+        + ("" if clipped else "; no PPO clip: algorithm.clip_eps_low and clip_eps_high are not used"),
     )
     if ranks:
         choices["trainer.shard_weights"] = Choice(memory.shard_weights, memory.shard_weights_reason)
@@ -287,8 +289,8 @@ def _trainer(
         model=cfg.model.model_copy(update={"device": rank_device, "dtype": base.name}),  # no `auto` left in it
         lora=cfg.lora,
         loss=PolicyLoss(
-            clip_eps_low=a.clip_eps_low,
-            clip_eps_high=a.clip_eps_high,
+            clip_eps_low=a.clip_eps_low if clipped else None,
+            clip_eps_high=a.clip_eps_high if clipped else None,
             kl_coef=a.kl_coef,
             aggregation=a.loss_aggregation,
             num_minibatches=a.num_minibatches,

@@ -20,15 +20,16 @@ class PolicyLoss:
     correction resolved for the run's rollout mode.
 
     Attributes:
-        clip_eps_low / clip_eps_high: the PPO clip range below and above 1 (DAPO's clip-higher above).
+        clip_eps_low / clip_eps_high: the PPO clip range below and above 1 (DAPO's clip-higher above); None: no
+            clip (M2PO, whose mask bounds the importance ratios instead).
         kl_coef: the k3 KL penalty's weight (0 = off: no reference forward).
         aggregation: how per-token losses become a scalar (`algorithm.loss_aggregation`).
         num_minibatches: optimizer steps per training step.
         off_policy_correction: `algorithm.off_policy_correction` resolved (never `auto`).
     """
 
-    clip_eps_low: float
-    clip_eps_high: float
+    clip_eps_low: float | None
+    clip_eps_high: float | None
     kl_coef: float
     aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
     num_minibatches: int

@@ -55,6 +55,8 @@ from peft import PeftModel
 from lora_rl_core import distributed
 from lora_rl_core.algorithm import (
     entropy_from_logits,
+    m2po_keep_mask,
+    m2po_weights,
     off_policy_weights,
     ppo_clip_loss,
     selective_log_softmax,
@@ -143,11 +145,15 @@ class PolicyTrainer:
         lengths = batch.row_lengths()
         schedules = [self._micro_batches(lengths, rows) for rows in chunks]
         sums: dict[str, float] = {}
+        m2po = self.loss.off_policy_correction.type == "m2po"
         try:
-            old_logprobs = self._old_logprobs(batch, schedules) if self.loss.num_minibatches > 1 else None
+            # one pass before the update where the minibatches need the policy before it, or M2PO the whole batch
+            old_logprobs = self._old_logprobs(batch, schedules) if self.loss.num_minibatches > 1 or m2po else None
+            keep, m2 = self._m2po_keep(batch, old_logprobs) if m2po and old_logprobs is not None else (None, {})
             for rows, micros in zip(chunks, schedules, strict=True):
-                for k, v in self._minibatch_update(batch, rows, micros, old_logprobs).items():
+                for k, v in self._minibatch_update(batch, rows, micros, old_logprobs, keep).items():
                     sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
+            sums.update(m2)
         except torch.OutOfMemoryError as exc:  # raised below, once the frames holding the activations are gone
             out_of_memory: str | None = (str(exc).splitlines() or [type(exc).__name__])[0]
             log.warning("the trainer's update ran out of GPU memory:\n%s", traceback.format_exc())
@@ -218,7 +224,12 @@ class PolicyTrainer:
         )
 
     def _minibatch_update(
-        self, batch: TrainBatch, rows: list[int], micros: list[list[int]], old: dict[int, torch.Tensor] | None
+        self,
+        batch: TrainBatch,
+        rows: list[int],
+        micros: list[list[int]],
+        old: dict[int, torch.Tensor] | None,
+        keep: dict[int, torch.Tensor] | None,
     ) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -236,7 +247,8 @@ class PolicyTrainer:
             tokens = sum(len(batch.completion_ids[i]) for i in micro)  # (keeps FSDP collectives matched)
             weight = tokens / total_tokens if self.loss.aggregation == "token-mean" else len(micro) / len(rows)
             micro_old = [old[i] for i in micro] if old is not None and micro else None
-            m = self._micro_backward(micro_packed, micro_old, weight)
+            micro_keep = [keep[i] for i in micro] if keep is not None else None  # a dummy pass keeps nothing
+            m = self._micro_backward(micro_packed, micro_old, micro_keep, weight)
             _accumulate(
                 sums, m if micro else {k: torch.zeros_like(v) for k, v in m.items()}, weight, tokens / total_tokens
             )
@@ -248,17 +260,20 @@ class PolicyTrainer:
         return {**metrics, "grad_norm": grad_norm}
 
     def _micro_backward(
-        self, packed: PackedBatch, old: list[torch.Tensor] | None, weight: float
+        self, packed: PackedBatch, old: list[torch.Tensor] | None, keep: list[torch.Tensor] | None, weight: float
     ) -> dict[str, torch.Tensor]:
-        """Forward, loss and backward of one packed micro-batch (gradients scaled by `weight`); its metrics as
-        0-dim tensors on the device (read once per minibatch)."""
+        """Forward, loss and backward of one packed micro-batch (gradients scaled by `weight`; `keep`: M2PO's mask
+        of its rows, `_m2po_keep`); its metrics as 0-dim tensors on the device (read once per minibatch)."""
         logits = self._logits(packed)  # [b, F, V]
         logprobs_BT = selective_log_softmax(logits, packed.targets_BT)
         old_BT = logprobs_BT.detach() if old is None else frame(old, packed.mask_BT)
         ref_BT = self._ref_logprobs(packed) if self.loss.kl_coef > 0 else None
         weights_BT, is_metrics = None, dict[str, torch.Tensor]()
         correction = self.loss.off_policy_correction
-        if correction.type != "none":
+        if keep is not None:  # M2PO: the whole batch's mask, the kept tokens weighted trainer over sampler
+            keep_BT = frame([k.float() for k in keep], packed.mask_BT)
+            weights_BT, is_metrics = m2po_weights(old_BT, packed.inference_logprobs_BT, keep_BT, packed.mask_BT)
+        elif correction.type != "none":
             weights_BT, is_metrics = off_policy_weights(
                 old_BT,
                 packed.inference_logprobs_BT,
@@ -284,6 +299,24 @@ class PolicyTrainer:
             m.update(is_metrics)
             m["loss"] = loss.detach()
         return m
+
+    def _m2po_keep(
+        self, batch: TrainBatch, old: dict[int, torch.Tensor]
+    ) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
+        """M2PO's mask over the whole step's batch (`algorithm.losses.m2po_keep_mask`): the log ratios of this
+        rank's rows (`old`: the policy before the update, over the engine's log-probs) gathered from every rank,
+        the mask made on each rank alike, and this rank's part returned per row (`[tokens]` bool). Also the step's
+        `m2` (the mean squared log ratio before masking) and `m2_masked_fraction`, global."""
+        rows = sorted(old)
+        log_r = [old[i] - torch.tensor(batch.inference_logprobs[i], dtype=torch.float32) for i in rows]
+        mine = torch.cat(log_r) if log_r else torch.zeros(0)
+        everyone, start = distributed.all_gather_cat(mine)
+        threshold = self.loss.off_policy_correction.m2_threshold  # type: ignore[union-attr]  # the m2po kind
+        keep_N, m2 = m2po_keep_mask(everyone, threshold)
+        own = keep_N[start : start + mine.numel()].cpu()
+        sizes = [len(r) for r in log_r]
+        masked = float((~keep_N).sum()) / max(1, keep_N.numel())
+        return dict(zip(rows, own.split(sizes), strict=True)), {"m2": float(m2), "m2_masked_fraction": masked}
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
         """Tempered float32 logits `[b, F, V]` of the frame's positions (no logits for the prompt before it)."""

@@ -24,4 +24,5 @@ def test_loss_aggregations_match_the_config():
 def test_off_policy_corrections_match_the_config():
     kinds, _, _ = get_args(OffPolicyCorrectionConfig)  # the union of the kinds, its discriminator, its input rule
     tags = {tag for kind in get_args(kinds) for tag in get_args(kind.model_fields["type"].annotation)}
-    assert tags - {"auto", "none"} == set(OFF_POLICY_MODES)  # auto: picked; none: off
+    # auto: picked; none: off; m2po: a mask over the whole batch, made by the trainer (`m2po_keep_mask`)
+    assert tags - {"auto", "none", "m2po"} == set(OFF_POLICY_MODES)

@@ -326,3 +326,45 @@ def test_off_policy_weights_refuse_unknown_modes_and_missing_bounds():
         _off_policy("icepop")
     with pytest.raises(ValueError, match="geometric-mask needs geo_low and geo_high"):
         _off_policy("geometric-mask", geo_low=0.9)
+
+
+# --- M2PO -------------------------------------------------------------------------------------
+
+
+def test_m2po_masks_the_largest_squared_log_ratios_until_the_rest_is_below_the_threshold():
+    """Hand-computed (Zheng et al. 2025; AReaL's `_apply_m2po_masking`): squares 0, .01, .25, .09, 0, .0025."""
+    from lora_rl_core.algorithm import m2po_keep_mask
+
+    log_r = torch.tensor([0.0, 0.1, -0.5, 0.3, 0.0, 0.05])
+    keep, m2 = m2po_keep_mask(log_r, 0.04)
+    assert m2.item() == pytest.approx(0.3525 / 6)
+    # masking -0.5 leaves (0.01 + 0.09 + 0.0025) / 5 = 0.0205 < 0.04
+    assert keep.tolist() == [True, True, False, True, True, True]
+    keep, _ = m2po_keep_mask(log_r, 0.01)  # 0.0205 is not below 0.01: 0.3 goes too, leaving 0.003125
+    assert keep.tolist() == [True, True, False, False, True, True]
+    keep, _ = m2po_keep_mask(torch.tensor([0.5, -0.4, 0.3]), 1e-6)  # no set is below: only the smallest stays
+    assert keep.tolist() == [False, False, True]
+    keep, m2 = m2po_keep_mask(torch.tensor([0.1, -0.1]), 0.04)  # already below: nothing masked
+    assert keep.tolist() == [True, True] and m2.item() == pytest.approx(0.01)
+    keep, m2 = m2po_keep_mask(torch.zeros(0), 0.04)
+    assert keep.numel() == 0 and m2.item() == 0.0
+
+
+def test_m2po_weights_are_the_ratio_on_kept_tokens_and_the_loss_is_unclipped():
+    from lora_rl_core.algorithm import m2po_weights
+
+    old_BT = torch.zeros(1, 3)
+    inference_BT = -torch.log(torch.tensor([[2.0, 0.5, 4.0]]))  # ratios 2, 0.5, 4
+    mask_BT = torch.ones(1, 3)
+    weights_BT, m = m2po_weights(old_BT, inference_BT, torch.tensor([[1.0, 1.0, 0.0]]), mask_BT)
+    torch.testing.assert_close(weights_BT, torch.tensor([[2.0, 0.5, 0.0]]))
+    assert m["is_masked_fraction"].item() == pytest.approx(1 / 3) and m["is_weight_max"].item() == 2.0
+    # no clip: a ratio of 1.5 with a positive advantage keeps its gradient (PPO's clip at 1.28 would drop it)
+    logprobs_BT = torch.full((1, 3), math.log(1.5), requires_grad=True)
+    loss, metrics = ppo_clip_loss(
+        logprobs_BT, torch.zeros(1, 3), torch.tensor([1.0]), mask_BT,
+        clip_eps_low=None, clip_eps_high=None, aggregation="token-mean", kl_coef=0.0,
+    )  # fmt: skip
+    assert loss.item() == pytest.approx(-1.5) and metrics["clip_fraction"].item() == 0.0
+    loss.backward()
+    torch.testing.assert_close(logprobs_BT.grad, torch.full((1, 3), -1.5 / 3))

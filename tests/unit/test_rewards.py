@@ -192,8 +192,15 @@ def test_the_math_reward_reads_conversational_completions_and_skips_rows_without
         reward(prompts=[""], completions=["#### 4"])
 
 
-def test_an_answer_past_the_deadline_is_not_verified_and_the_worker_is_replaced():
-    with MathVerifier(timeout_s=0.01) as slow:  # the first check also imports sympy: far past 10 ms
+def test_an_answer_past_the_deadline_is_not_verified_and_the_worker_is_replaced(monkeypatch):
+    from lora_rl_core.rewards import verify
+    from tests.support import slow_verify
+
+    # every check takes 0.5 s in the worker (it imports the function by name), past a 0.1 s deadline on any
+    # machine: the import of math-verify no longer counts (the worker's initializer does it), so a fast
+    # machine answered a plain check within 10 ms and the test failed now and then
+    monkeypatch.setattr(verify, "check_answer", slow_verify.check_answer_slowly)
+    with MathVerifier(timeout_s=0.1) as slow:
         gold, stated = "\\sqrt{2}", "\\boxed{\\sqrt{2}}"  # symbolic: math-verify, in the worker
         assert slow.check([gold], [stated], "strict") == [False] and slow.timeouts == 1
         slow.timeout_s = 60.0

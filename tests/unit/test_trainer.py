@@ -359,3 +359,31 @@ def test_an_update_out_of_memory_says_what_to_lower_and_drops_its_gradients(make
     assert all(p.grad is None for p in trainer.params) and not trainer.model.training
     monkeypatch.setattr(PolicyTrainer, "_micro_backward", original)
     assert math.isfinite(trainer.train_step(batch)["loss"])  # the next attempt trains
+
+
+def test_m2po_masks_over_the_whole_batch_across_micro_batches(make_trainer):
+    """Issue 45, item 5: M2 is a statistic of the step's whole batch. Two rows trained as two micro-batches:
+    row 0's log ratios (trainer over engine) are [0.3, 0], row 1's six zeros. Over the batch M2 = 0.09 / 8 =
+    0.011 < 0.04: nothing is masked, where row 0 alone (0.045) would have lost its 0.3 token. With the second
+    row's tokens at 0.2, M2 = (0.09 + 6 * 0.04) / 8 = 0.041: the largest, 0.3, is masked, leaving 0.034."""
+    trainer = make_trainer(micro_batch_size=1, off_policy_correction={"type": "m2po", "m2_threshold": 0.04})
+    assert trainer.loss.clip_eps_low is None and trainer.loss.clip_eps_high is None  # no PPO clip under M2PO
+    batch = TrainBatch([[5, 6, 7], [8, 9]], [[11, 12], [13, 14, 15, 16, 17, 18]], [1.0, -1.0], [[0.0] * 2, [0.0] * 6])
+    schedules = [trainer._micro_batches(batch.row_lengths(), [0, 1])]
+    assert len(schedules[0]) == 2  # one row per micro-batch
+    old = trainer._old_logprobs(batch, schedules)
+
+    def with_log_ratios(r0: list[float], r1: list[float]) -> TrainBatch:
+        inference = [(old[0] - torch.tensor(r0)).tolist(), (old[1] - torch.tensor(r1)).tolist()]
+        return TrainBatch(batch.prompt_ids, batch.completion_ids, batch.advantages, inference)
+
+    keep, stats = trainer._m2po_keep(with_log_ratios([0.3, 0.0], [0.0] * 6), old)
+    assert [k.tolist() for k in (keep[0], keep[1])] == [[True, True], [True] * 6]
+    assert stats["m2"] == pytest.approx(0.09 / 8, rel=1e-5) and stats["m2_masked_fraction"] == 0.0
+    keep, stats = trainer._m2po_keep(with_log_ratios([0.3, 0.0], [0.2] * 6), old)
+    assert [k.tolist() for k in (keep[0], keep[1])] == [[False, True], [True] * 6]
+    assert stats["m2"] == pytest.approx((0.09 + 6 * 0.04) / 8, rel=1e-5)
+    assert stats["m2_masked_fraction"] == pytest.approx(1 / 8)
+    metrics = trainer.train_step(with_log_ratios([0.3, 0.0], [0.2] * 6))
+    assert metrics["m2_masked_fraction"] == pytest.approx(1 / 8) and metrics["clip_fraction"] == 0.0
+    assert metrics["is_masked_fraction"] == pytest.approx(1 / 8) and math.isfinite(metrics["loss"])
