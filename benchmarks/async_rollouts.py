@@ -52,7 +52,8 @@ from async_parity_report import parity
 
 MODES = ("sync", "async")
 CURVES = ("reward_mean", "entropy", "grad_norm", "train_sequences", "is_weight_mean", "is_weight_max",
-          "is_masked_fraction", "m2", "m2_masked_fraction", "logprob_mismatch", "clip_fraction", "step_seconds")  # fmt: skip
+          "is_masked_fraction", "m2", "m2_masked_fraction", "logprob_mismatch", "clip_fraction",
+          "step_seconds")  # fmt: skip
 """Step metrics kept per run as curves (`None` where a step has no value, e.g. no IS weights in sync)."""
 
 

@@ -275,13 +275,18 @@ def off_policy_weights(
             keep_BT = real_BT & (ratio_BT >= low) & (ratio_BT <= high)
             weights_BT = torch.ones_like(ratio_BT) if mode == "geometric-mask" else ratio_BT
         weights_BT = torch.where(keep_BT, weights_BT, 0.0)
-        n = real_BT.sum().clamp(min=1)
-        stats = {
-            "is_weight_mean": weights_BT.sum() / n,
-            "is_weight_max": weights_BT.amax() if weights_BT.numel() else weights_BT.new_zeros(()),
-            "is_masked_fraction": (real_BT & ~keep_BT).sum() / n,
-        }
-    return weights_BT, stats
+    return weights_BT, _weight_stats(weights_BT, real_BT, keep_BT)
+
+
+def _weight_stats(weights_BT: Tensor, real_BT: Tensor, keep_BT: Tensor) -> dict[str, Tensor]:
+    """``is_weight_mean`` / ``is_weight_max`` over real tokens and ``is_masked_fraction`` (real tokens set to 0),
+    0-dim tensors on the weights' device."""
+    n = real_BT.sum().clamp(min=1)
+    return {
+        "is_weight_mean": weights_BT.sum() / n,
+        "is_weight_max": weights_BT.amax() if weights_BT.numel() else weights_BT.new_zeros(()),
+        "is_masked_fraction": (real_BT & ~keep_BT).sum() / n,
+    }
 
 
 def m2po_keep_mask(log_ratio_N: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
@@ -343,13 +348,7 @@ def m2po_weights(
             -_KL_LOG_RATIO_CLAMP, _KL_LOG_RATIO_CLAMP
         )
         weights_BT = torch.where(keep_BT, torch.exp(log_r_BT), 0.0)
-        n = real_BT.sum().clamp(min=1)
-        stats = {
-            "is_weight_mean": weights_BT.sum() / n,
-            "is_weight_max": weights_BT.amax() if weights_BT.numel() else weights_BT.new_zeros(()),
-            "is_masked_fraction": (real_BT & ~keep_BT).sum() / n,
-        }
-    return weights_BT, stats
+    return weights_BT, _weight_stats(weights_BT, real_BT, keep_BT)
 
 
 def _check_ppo_shapes(mask_BT: Tensor, advantages_B: Tensor, **tensors_BT: Tensor | None) -> None:
