@@ -399,7 +399,7 @@ def open_subscriber(
         raise ConfigError(f"engine kind must be one of {list(REMOTE_ENGINE_KINDS)}, got {engine_kind!r}")
     kind = cast(RemoteEngineKind, engine_kind)
     section = ServerEngineConfig if kind == "server" else SGLangEngineConfig
-    engine_cfg = section.model_construct(urls=list(engine_urls))  # no urls: connect says so
+    engine_cfg = section.model_construct(urls=tuple(engine_urls))  # no urls: connect says so
     built = build_engine(EngineInputs(engine_cfg, api_key=api_key))
     try:
         store = AdapterStore(store_uri)

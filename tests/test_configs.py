@@ -33,7 +33,7 @@ def test_shipped_config_loads(path):
 def test_overrides_parse_values_as_yaml():
     cfg = load_config(None, ["lora.rank=32", "lora.target_modules=[q_proj,v_proj]", "rollout.temperature=0.7"])
     assert cfg.lora.rank == 32
-    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.lora.target_modules == ("q_proj", "v_proj")  # a YAML list, held as a tuple (frozen)
     assert cfg.rollout.temperature == 0.7
 
 

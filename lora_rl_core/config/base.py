@@ -32,7 +32,9 @@ SGLANG_DEFAULT_PORT = 30000
 
 
 class Section(BaseModel):
-    """Base for config sections: unknown keys are errors, and a validated section is never changed."""
+    """Base for config sections: unknown keys are errors, and a validated section is never changed (frozen; its
+    lists are tuples; its two mappings, `engine.launch.env` and `store.storage_options`, stay dicts: they
+    travel pickled to Ray actors, where a read-only mapping cannot)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
     """Unknown keys are errors, a field cannot be assigned once validated (a changed copy is `model_copy`), and

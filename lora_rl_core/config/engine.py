@@ -73,7 +73,7 @@ class SGLangLaunchConfig(Section):
     shapes its kernels still take 2x the `triton` kernels' time: benchmarks/results/sglang_lora_tune/)."""
     grammar_backend: str = "none"
     """`--grammar-backend`; `none`: rollouts use no constrained decoding."""
-    extra_args: list[str] = []
+    extra_args: tuple[str, ...] = ()
     """Further `sglang.launch_server` arguments, appended as given."""
     startup_timeout_s: float = Field(900.0, gt=0)
     """How long to wait for `/health` after the start, seconds (a cold start with CUDA graphs takes ~3 min)."""
@@ -148,7 +148,7 @@ class EmbeddedEngineConfig(EngineLimits, RayReplicas):
 class RemoteEngine(EngineLimits):
     """What the HTTP kinds share: the servers' URLs and their Bearer key."""
 
-    urls: list[str] = []
+    urls: tuple[str, ...] = ()
     """Engine URLs; requests are spread across them."""
     api_key_env: str = "LORA_RL_API_KEY"
     """Environment variable holding the engines' Bearer key (never stored in the config snapshot)."""

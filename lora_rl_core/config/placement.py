@@ -36,7 +36,7 @@ class ManualPlacement(Section):
 class PlacedGPUs(Section):
     """What the placing kinds share: the GPUs the run uses and SGLang's tensor parallelism over them."""
 
-    gpus: list[int] | Literal["all"] = "all"
+    gpus: tuple[int, ...] | Literal["all"] = "all"
     """The GPUs (indices among this process's visible CUDA devices) the run uses; `all`: every visible one."""
     engine_tp: int | Literal["auto"] = "auto"
     """GPUs per SGLang server (tensor parallel, `--tp-size`): the engine GPUs form servers of this many each.
@@ -46,7 +46,7 @@ class PlacedGPUs(Section):
     @model_validator(mode="after")
     def _valid_gpus(self) -> PlacedGPUs:
         gpus, tp = self.gpus, self.engine_tp
-        if isinstance(gpus, list) and (not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0):
+        if isinstance(gpus, tuple) and (not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0):
             raise ValueError(f"placement.gpus must be distinct GPU indices >= 0 or `all`, got {gpus}")
         if isinstance(tp, int) and tp not in (1, 2, 4, 8):
             raise ValueError(f"placement.engine_tp must be 1, 2, 4, 8 or auto, got {tp}")

@@ -40,9 +40,9 @@ class LoRAConfig(Section):
     """LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA)."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the LoRA input during training."""
-    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    target_modules: Literal["all-linear"] | tuple[str, ...] = "all-linear"
     """`all-linear` or module-name suffixes such as `[q_proj, v_proj]`; checked against the model."""
-    exclude_modules: list[str] = []
+    exclude_modules: tuple[str, ...] = ()
     """Module-name suffixes never adapted (applied after target_modules)."""
     init: Literal["default", "gaussian", "pissa", "olora", "orthogonal", "eva", "loftq", "corda"] = "default"
     """PEFT `init_lora_weights`: `default` = Kaiming A, zero B (the adapter starts as a no-op)."""
@@ -51,8 +51,8 @@ class LoRAConfig(Section):
 
     @field_validator("target_modules")
     @classmethod
-    def _non_empty(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and not value:
+    def _non_empty(cls, value: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        if isinstance(value, tuple) and not value:
             raise ValueError("must name at least one module, or be 'all-linear'")
         return value
 
@@ -92,14 +92,14 @@ class RolloutConfig(Section):
     allows it, else `sync` (`lora_rl_core.plan.placement.rollout_mode`). On one GPU, where rollout and training
     share it, `async` measured 1.5B 4.06 -> 3.76 s and 7B 7.89 -> 8.09 s a step on an H100
     (`benchmarks/results/gpu_scale/README.md`, "One GPU, A/B"), so `auto` stays `sync` there."""
-    stop: list[str] = []
+    stop: tuple[str, ...] = ()
     """Stop sequences: a completion ends at the token that completes the first of these strings, which stays in
     it (tokens and logprobs: the policy learns to write it), with `finish_reason` `stop` (end-of-sequence is
     `eos`, the token limit `length`). Generation halts there: no tokens are spent past it. E.g. `["\\n\\n"]`,
     or a base model's `["Question:"]` before it writes the next problem. A bare string is one stop. Rollouts
     and the evaluation use them, on every engine (SGLang `sampling_params.stop`, vLLM and TRL `stop`). Default:
     none."""
-    stop_token_ids: list[int] = []
+    stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a completion as a stop sequence does (`finish_reason` `stop`, the token kept), e.g. a
     chat model's end-of-turn token where it is not an EOS id; the model's EOS ids always end one (`eos`). Each
     must be an id of the tokenizer's vocabulary, checked before step 1 (SGLang `sampling_params.stop_token_ids`).
@@ -180,7 +180,7 @@ class DataConfig(Section):
     data_dir: str = "data"
     """Folder of the vendored datasets (`<data_dir>/<source>/{train,test}.jsonl`); relative paths are taken
     from the working directory."""
-    operations: list[Literal["+", "-", "*"]] = ["+"]
+    operations: tuple[Literal["+", "-", "*"], ...] = ("+",)
     """Arithmetic generator: operations."""
     digits: int = Field(2, ge=1, le=9)
     """Arithmetic generator: digits per operand."""
@@ -215,7 +215,7 @@ class RewardFunctionConfig(Section):
 class RewardConfig(Section):
     """Reward functions summed into the scalar reward."""
 
-    functions: list[RewardFunctionConfig] = [RewardFunctionConfig()]
+    functions: tuple[RewardFunctionConfig, ...] = (RewardFunctionConfig(),)
     """The terms; the reward of a completion is the sum of `weight * value` over the terms that gave it a value
     (None: the term does not apply; a completion no term scored is not trained on). Each term's mean is logged
     as `rewards/<name>/mean`. Default: `math` with weight 1.0 alone."""

@@ -26,8 +26,8 @@ STOPPED = SamplingParams(max_new_tokens=8, stop=("\n\n", "####"), stop_token_ids
 
 def test_rollout_stop_settings() -> None:
     cfg = config_from_dict({"rollout": {"stop": "\n\n", "stop_token_ids": [7]}})
-    assert (cfg.rollout.stop, cfg.rollout.stop_token_ids) == (["\n\n"], [7])  # a bare string is one stop
-    assert (config_from_dict({}).rollout.stop, config_from_dict({}).rollout.stop_token_ids) == ([], [])
+    assert (cfg.rollout.stop, cfg.rollout.stop_token_ids) == (("\n\n",), (7,))  # a bare string is one stop
+    assert (config_from_dict({}).rollout.stop, config_from_dict({}).rollout.stop_token_ids) == ((), ())
 
 
 @pytest.mark.parametrize(

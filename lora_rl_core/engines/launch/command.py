@@ -154,12 +154,12 @@ def sglang_launch_command_from_config(
     name = OFFLINE_MODELS[name].hub_id if name in OFFLINE_MODELS else name
     targets = lora.target_modules
     if lora.exclude_modules:
-        if not isinstance(targets, list):
+        if isinstance(targets, str):
             raise ConfigError(
                 "lora.exclude_modules cannot be expressed with SGLang's `--lora-target-modules all`: "
                 "list lora.target_modules explicitly"
             )
-        targets = [t for t in targets if t not in set(lora.exclude_modules)]
+        targets = tuple(t for t in targets if t not in set(lora.exclude_modules))
     model_flags = ["--dtype", model.dtype]
     if model.revision:
         model_flags += ["--revision", model.revision]

@@ -28,7 +28,7 @@ def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = Non
     if not isinstance(cfg, RemoteEngine):
         raise ConfigError(f"engine.type {cfg.type} has no engine URLs to connect to")
     sglang = cfg if isinstance(cfg, SGLangEngineConfig) else SGLANG_DEFAULTS  # our server: no tensor options
-    urls = urls if urls is not None else cfg.urls
+    urls = list(urls if urls is not None else cfg.urls)
     if not urls:
         raise EngineError("give at least one engine URL, e.g. http://127.0.0.1:30000")
     clients: list[ServingEngine] = [
