@@ -55,12 +55,12 @@ from peft import PeftModel
 from lora_rl_core import distributed
 from lora_rl_core.algorithm import (
     entropy_from_logits,
-    m2po_keep_mask,
     m2po_weights,
     off_policy_weights,
     ppo_clip_loss,
     selective_log_softmax,
 )
+from lora_rl_core.config import M2POCorrection
 from lora_rl_core.errors import LoraRLError, TrainerOutOfMemoryError
 from lora_rl_core.lora import cpu_copies, peft_config_dict, set_input_dtype_casting
 from lora_rl_core.records import TrainBatch
@@ -75,10 +75,9 @@ from lora_rl_core.trainer.batching import (
     split_even,
 )
 from lora_rl_core.trainer.plan import TrainerPlan
+from lora_rl_core.trainer.reduce import MAX_KEYS, accumulate, all_reduce_metrics, m2po_batch_keep
 
 log = logging.getLogger(__name__)
-_LOSS_KEYS = frozenset({"loss", "pg_loss"})
-_MAX_KEYS = frozenset({"ratio_max", "is_weight_max"})  # combined over micro-batches and ranks by max
 STATE_FORMAT = "lora-rl/policy-trainer-state/v1"
 
 
@@ -145,14 +144,18 @@ class PolicyTrainer:
         lengths = batch.row_lengths()
         schedules = [self._micro_batches(lengths, rows) for rows in chunks]
         sums: dict[str, float] = {}
-        m2po = self.loss.off_policy_correction.type == "m2po"
+        correction = self.loss.off_policy_correction
+        m2po = isinstance(correction, M2POCorrection)
         try:
             # one pass before the update where the minibatches need the policy before it, or M2PO the whole batch
             old_logprobs = self._old_logprobs(batch, schedules) if self.loss.num_minibatches > 1 or m2po else None
-            keep, m2 = self._m2po_keep(batch, old_logprobs) if m2po and old_logprobs is not None else (None, {})
+            keep: dict[int, torch.Tensor] | None = None
+            m2: dict[str, float] = {}
+            if isinstance(correction, M2POCorrection) and old_logprobs is not None:
+                keep, m2 = m2po_batch_keep(batch, old_logprobs, correction.m2_threshold)
             for rows, micros in zip(chunks, schedules, strict=True):
                 for k, v in self._minibatch_update(batch, rows, micros, old_logprobs, keep).items():
-                    sums[k] = max(sums.get(k, v), v) if k in _MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
+                    sums[k] = max(sums.get(k, v), v) if k in MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
             sums.update(m2)
         except torch.OutOfMemoryError as exc:  # raised below, once the frames holding the activations are gone
             out_of_memory: str | None = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -249,10 +252,10 @@ class PolicyTrainer:
             micro_old = [old[i] for i in micro] if old is not None and micro else None
             micro_keep = [keep[i] for i in micro] if keep is not None else None  # a dummy pass keeps nothing
             m = self._micro_backward(micro_packed, micro_old, micro_keep, weight)
-            _accumulate(
+            accumulate(
                 sums, m if micro else {k: torch.zeros_like(v) for k, v in m.items()}, weight, tokens / total_tokens
             )
-        metrics = _all_reduce_metrics(sums)
+        metrics = all_reduce_metrics(sums)
         distributed.sum_gradients(self.params)  # the ranks' shares of the minibatch (no-op in one process)
         grad_norm = distributed.clip_grad_norm_(self.params, self.plan.optimizer.max_grad_norm)
         self.optimizer.step()
@@ -299,24 +302,6 @@ class PolicyTrainer:
             m.update(is_metrics)
             m["loss"] = loss.detach()
         return m
-
-    def _m2po_keep(
-        self, batch: TrainBatch, old: dict[int, torch.Tensor]
-    ) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
-        """M2PO's mask over the whole step's batch (`algorithm.losses.m2po_keep_mask`): the log ratios of this
-        rank's rows (`old`: the policy before the update, over the engine's log-probs) gathered from every rank,
-        the mask made on each rank alike, and this rank's part returned per row (`[tokens]` bool). Also the step's
-        `m2` (the mean squared log ratio before masking) and `m2_masked_fraction`, global."""
-        rows = sorted(old)
-        log_r = [old[i] - torch.tensor(batch.inference_logprobs[i], dtype=torch.float32) for i in rows]
-        mine = torch.cat(log_r) if log_r else torch.zeros(0)
-        everyone, start = distributed.all_gather_cat(mine)
-        threshold = self.loss.off_policy_correction.m2_threshold  # type: ignore[union-attr]  # the m2po kind
-        keep_N, m2 = m2po_keep_mask(everyone, threshold)
-        own = keep_N[start : start + mine.numel()].cpu()
-        sizes = [len(r) for r in log_r]
-        masked = float((~keep_N).sum()) / max(1, keep_N.numel())
-        return dict(zip(rows, own.split(sizes), strict=True)), {"m2": float(m2), "m2_masked_fraction": masked}
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
         """Tempered float32 logits `[b, F, V]` of the frame's positions (no logits for the prompt before it)."""
@@ -479,29 +464,6 @@ def _on_rank0(value: Any, what: str) -> Any:
     if value is None:
         raise LoraRLError(f"PolicyTrainer.{what}: only rank 0 of a sharded trainer gets it; call gather_{what}")
     return value
-
-
-def _accumulate(
-    metrics: dict[str, torch.Tensor], m: dict[str, torch.Tensor], weight: float, token_share: float
-) -> None:
-    """Add one micro-batch's metrics (0-dim tensors, on the device: no sync): losses combine like the backward
-    pass; per-token metrics are token-weighted; maxima take the max."""
-    for k, v in m.items():
-        if k in _MAX_KEYS:
-            metrics[k] = torch.maximum(metrics[k], v) if k in metrics else v
-        else:
-            share = v * (weight if k in _LOSS_KEYS else token_share)
-            metrics[k] = metrics[k] + share if k in metrics else share
-
-
-def _all_reduce_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Global metrics from each rank's share, read from the device at once: shares were weighted by global
-    counts, so they sum; maxima max."""
-    values = torch.stack([v.detach().float().reshape(()) for v in sums.values()]).tolist() if sums else []
-    metrics = dict(zip(sums, values, strict=True))
-    maxed = {k: v for k, v in metrics.items() if k in _MAX_KEYS}
-    summed = {k: v for k, v in metrics.items() if k not in _MAX_KEYS}
-    return {**distributed.all_reduce_sum(summed), **distributed.all_reduce_max(maxed)}
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

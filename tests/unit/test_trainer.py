@@ -17,6 +17,7 @@ from lora_rl_core.errors import ConfigError
 from lora_rl_core.lora import adapter_state, apply_lora
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.trainer import PolicyTrainer, pack
+from lora_rl_core.trainer.reduce import m2po_batch_keep
 from lora_rl_testing.plans import trainer_plan
 
 VOCAB = 64  # random token ids stay below this; the tiny tokenizer has 78 tokens
@@ -377,10 +378,10 @@ def test_m2po_masks_over_the_whole_batch_across_micro_batches(make_trainer):
         inference = [(old[0] - torch.tensor(r0)).tolist(), (old[1] - torch.tensor(r1)).tolist()]
         return TrainBatch(batch.prompt_ids, batch.completion_ids, batch.advantages, inference)
 
-    keep, stats = trainer._m2po_keep(with_log_ratios([0.3, 0.0], [0.0] * 6), old)
+    keep, stats = m2po_batch_keep(with_log_ratios([0.3, 0.0], [0.0] * 6), old, 0.04)
     assert [k.tolist() for k in (keep[0], keep[1])] == [[True, True], [True] * 6]
     assert stats["m2"] == pytest.approx(0.09 / 8, rel=1e-5) and stats["m2_masked_fraction"] == 0.0
-    keep, stats = trainer._m2po_keep(with_log_ratios([0.3, 0.0], [0.2] * 6), old)
+    keep, stats = m2po_batch_keep(with_log_ratios([0.3, 0.0], [0.2] * 6), old, 0.04)
     assert [k.tolist() for k in (keep[0], keep[1])] == [[False, True], [True] * 6]
     assert stats["m2"] == pytest.approx((0.09 + 6 * 0.04) / 8, rel=1e-5)
     assert stats["m2_masked_fraction"] == pytest.approx(1 / 8)
