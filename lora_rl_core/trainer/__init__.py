@@ -5,8 +5,8 @@ FSDP2 ranks.
 `build_trainer`, the one place a trainer is built; `base`: the `Trainer` protocol; `policy`: `PolicyTrainer`
 (in-process, or one rank of a sharded trainer); `batching`: rows into tensors (`pack`) and rows to ranks
 (`rank_micro_batches`); `workers`: the ranks as spawned processes (`TrainerWorkers`); `ray_actors`: the ranks
-as Ray actors (`RayTrainer`); `reduce`: what a step combines over micro-batches and ranks (metrics, M2PO's batch mask). The
-sharding itself is `lora_rl_core.distributed`.
+as Ray actors (`RayTrainer`); `reduce`: what a step combines over micro-batches and ranks (metrics, M2PO's
+batch mask). The sharding itself is `lora_rl_core.distributed`.
 """
 
 from lora_rl_core.trainer.base import Trainer
