@@ -53,7 +53,8 @@ from async_parity_report import parity
 MODES = ("sync", "async")
 CURVES = ("reward_mean", "entropy", "grad_norm", "train_sequences", "is_weight_mean", "is_weight_max",
           "is_masked_fraction", "m2", "m2_masked_fraction", "logprob_mismatch", "clip_fraction",
-          "step_seconds")  # fmt: skip
+          "step_seconds", "truncated_fraction", "completion_length", "value_loss", "explained_variance",
+          "value_mean", "critic_seconds", "train_seconds")  # fmt: skip
 """Step metrics kept per run as curves (`None` where a step has no value, e.g. no IS weights in sync)."""
 
 
@@ -118,6 +119,12 @@ def run_variant(
         "is_weight_mean": statistics.mean(weights) if weights else None,
         "base_accuracy": summary["base_accuracy"],
         "final_accuracy": summary["final_accuracy"],
+        # every grader metric (strict, flexible), and what the last step's completions were
+        "base_eval": {k: v for k, v in (summary.get("base_eval") or {}).items() if k.startswith("accuracy")},
+        "final_eval": {k: v for k, v in (summary.get("final_eval") or {}).items() if k.startswith("accuracy")},
+        "final_truncated_fraction": summary.get("final_truncated_fraction"),
+        "last_step_samples": [s for s in summary.get("step_samples", []) if s["step"] == len(history)],
+        "critic": summary.get("critic"),
         "reward_mean_last5": statistics.mean(h["reward_mean"] for h in history[-5:]),
         "curves": {k: [_round(h.get(k)) for h in history] for k in CURVES},
         "runtime": summary["runtime"],

@@ -258,6 +258,17 @@ def copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
+def peft_adapter_state(model: nn.Module, adapter_name: str) -> dict[str, torch.Tensor]:
+    """`get_peft_model_state_dict` of one adapter, without another adapter's `modules_to_save`: PEFT 0.21 also
+    returns the original weights of a module another adapter fully trains (the critic's value head) under the
+    policy's keys, which a server loading the policy's adapter would refuse."""
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    config = getattr(model, "peft_config", {}).get(adapter_name)
+    if config is not None and config.modules_to_save:
+        return state
+    return {key: value for key, value in state.items() if ".lora_" in key}
+
+
 def gather_lora_state(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor] | None:
     """The adapter's full weights, gathered one parameter at a time; every rank must call it.
 
@@ -270,7 +281,7 @@ def gather_lora_state(model: nn.Module, adapter_name: str = "default") -> dict[s
     """
     rank, _ = rank_and_world_size()
     gathered: dict[str, torch.Tensor] = {}
-    for key, value in get_peft_model_state_dict(model, adapter_name=adapter_name).items():
+    for key, value in peft_adapter_state(model, adapter_name).items():
         full = full_tensor(value.detach())
         if rank == 0:
             gathered[key] = full

@@ -12,12 +12,13 @@ import json
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from lora_rl_core.adapters.validation import adaptable_module_names
 from lora_rl_core.config import LoRAConfig
+from lora_rl_core.distributed import peft_adapter_state
 from lora_rl_core.errors import ConfigError
 
 
@@ -30,8 +31,9 @@ def linear_suffixes(model: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name in names if name not in head_names})
 
 
-def resolve_target_modules(model: nn.Module, cfg: LoRAConfig) -> list[str]:
-    """The module-name suffixes to adapt, after `all-linear` expansion and `exclude_modules`.
+def resolve_target_modules(model: nn.Module, cfg: LoRAConfig, *, section: str = "lora") -> list[str]:
+    """The module-name suffixes to adapt, after `all-linear` expansion and `exclude_modules` (`section`: where
+    `cfg` is in the config, for the errors: `lora` or `critic.lora`).
 
     Raises:
         ConfigError: a target or exclude suffix matches no linear module (names those that exist),
@@ -39,23 +41,27 @@ def resolve_target_modules(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     """
     available = linear_suffixes(model)
     wanted = available if cfg.target_modules == "all-linear" else list(cfg.target_modules)
-    for field, names in (("lora.target_modules", wanted), ("lora.exclude_modules", cfg.exclude_modules)):
+    for field, names in ((f"{section}.target_modules", wanted), (f"{section}.exclude_modules", cfg.exclude_modules)):
         missing = [n for n in names if n not in available]
         if missing:
             raise ConfigError(f"{field}: {missing} match no linear module of this model; it has {available}")
     chosen = [n for n in wanted if n not in set(cfg.exclude_modules)]
     if not chosen:
-        raise ConfigError("lora.exclude_modules removes every target module: nothing left to adapt")
+        raise ConfigError(f"{section}.exclude_modules removes every target module: nothing left to adapt")
     return chosen
 
 
-def peft_lora_config(model: nn.Module, cfg: LoRAConfig) -> LoraConfig:
-    """A PEFT `LoraConfig` for `model` from our `LoRAConfig` (targets resolved and checked)."""
+def peft_lora_config(
+    model: nn.Module, cfg: LoRAConfig, *, section: str = "lora", modules_to_save: list[str] | None = None
+) -> LoraConfig:
+    """A PEFT `LoraConfig` for `model` from our `LoRAConfig` (targets resolved and checked; `section` names it in
+    errors), with PEFT's fully trained `modules_to_save` (the critic's value head)."""
     return LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # PEFT annotates int; the scale alpha / r takes any number
         lora_dropout=cfg.dropout,
-        target_modules=resolve_target_modules(model, cfg),
+        target_modules=resolve_target_modules(model, cfg, section=section),
+        modules_to_save=modules_to_save,
         init_lora_weights=True if cfg.init == "default" else cfg.init,
         use_rslora=cfg.use_rslora,
         bias="none",
@@ -92,7 +98,7 @@ def adapter_state(model: PeftModel, adapter_name: str = "default") -> tuple[dict
         (tensors, adapter_config): keys like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
         as `PeftModel.save_pretrained` writes them; `adapter_config` is what goes to `adapter_config.json`.
     """
-    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    state = peft_adapter_state(model, adapter_name)
     return cpu_copies(state), peft_config_dict(model.peft_config[adapter_name])
 
 

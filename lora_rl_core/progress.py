@@ -37,7 +37,9 @@ def format_step(m: dict[str, Any]) -> str:
     len 21.0 cut 3% end 97% 2.5 compl/s 18.2s`, then each reward term's mean (`len`: mean completion length,
     tokens; `cut`: completions that hit `rollout.max_new_tokens`, verl's `response_length/clip_ratio`; `end`:
     completions that ended with end-of-sequence or a stop sequence; under M2PO `m2`, the batch's mean squared
-    log ratio before its mask, and the share of tokens the mask left out)."""
+    log ratio before its mask, and the share of tokens the mask left out; under PPO (`advantage: gae`) the
+    critic's `vloss` (value loss), `ev` (explained variance of its values for the returns), `vclip` (value clip
+    fraction) and `v` (mean value), and `(critic only)` in its pre-training steps)."""
     return (
         f"step {m['step']}/{m.get('steps', '?')} reward {m.get('reward_mean', 0):.3f}±{m.get('reward_std', 0):.3f} "
         f"acc {100 * m.get('accuracy', 0):.0f}% signal {100 * m.get('groups_with_signal', 0):.0f}% "
@@ -49,6 +51,12 @@ def format_step(m: dict[str, Any]) -> str:
         + (
             f" m2 {m2:.4f} masked {100 * m.get('m2_masked_fraction', 0):.1f}%"
             if (m2 := m.get("m2")) is not None
+            else ""
+        )
+        + (
+            f" vloss {vloss:.4f} ev {m.get('explained_variance', 0):.2f} vclip {m.get('value_clip_fraction', 0):.3f}"
+            f" v {m.get('value_mean', 0):.3f}" + ("" if m.get("policy_trained", 1.0) else " (critic only)")
+            if (vloss := m.get("value_loss")) is not None
             else ""
         )
         + "".join(f" {k.removeprefix('rewards/').removesuffix('/mean')} {v:.3f}" for k, v in m.items() if _term(k, v))

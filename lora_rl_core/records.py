@@ -112,6 +112,8 @@ class TrainBatch:
             mask`); their rewards still counted in their groups' advantages.
         version_lag: histogram of the scored rows' version lag (`step - 1 - adapter_version`), rejected rows
             included: `{lag: rows}`.
+        rewards: each row's reward (the task's score), for the critic's per-token advantages (`advantage: gae`);
+            empty in a batch made without them.
     """
 
     prompt_ids: list[list[int]]
@@ -123,6 +125,7 @@ class TrainBatch:
     reward_skipped: int = 0
     truncated_masked: int = 0
     version_lag: dict[int, int] = field(default_factory=dict)
+    rewards: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -138,6 +141,7 @@ class TrainBatch:
             [self.completion_ids[i] for i in rows],
             [self.advantages[i] for i in rows],
             [self.inference_logprobs[i] for i in rows],
+            rewards=[self.rewards[i] for i in rows] if self.rewards else [],
         )
 
     @classmethod
@@ -176,6 +180,7 @@ class TrainBatch:
             reward_skipped=sum(1 for r in fresh if r.skipped),
             truncated_masked=len(signal) - len(used),
             version_lag=dict(sorted(lags.items())),
+            rewards=[r.reward for r in used],
         )
 
 

@@ -30,6 +30,10 @@ _TABLE_COLUMNS = (
     "version_lag",
     "is_weight_mean",
     "is_masked_fraction",
+    "value_loss",
+    "explained_variance",
+    "value_clip_fraction",
+    "value_mean",
 )
 
 
@@ -119,7 +123,18 @@ def summary_markdown(run_id: str, cfg: RunConfig, summary: dict[str, Any]) -> st
         f"- steps: {summary.get('steps')}; wall time {summary.get('wall_seconds', 0):.0f} s; "
         f"{summary.get('seconds_per_step', 0):.1f} s/step; "
         f"{summary.get('completions_per_second', 0):.2f} completions/s\n"
-        f"- adapters: `{summary.get('store_uri')}/{run_id}/adapters/`\n"
+        f"- adapters: `{summary.get('store_uri')}/{run_id}/adapters/`\n" + _critic_line(summary.get("critic"))
+    )
+
+
+def _critic_line(critic: dict[str, Any] | None) -> str:
+    """What PPO's critic cost (`run_summary`'s `critic`), or nothing without one."""
+    if not critic:
+        return ""
+    return (
+        f"- critic (PPO): {100 * critic['train_share']:.0f} % of the train phase "
+        f"({critic['seconds_per_step']:.2f} s/step), {critic['state_bytes'] / 2**20:.1f} MiB of float32 state "
+        f"(adapter, head, gradients, AdamW); final explained variance {critic['explained_variance']:.2f}\n"
     )
 
 
@@ -237,9 +252,20 @@ def run_summary(
         (fractions, None when not measured), base_truncated_fraction / final_truncated_fraction (the share of
         greedy held-out completions cut at the token limit; None when not measured or in an evaluation older
         than it), base_eval, final_eval, store_uri, runtime (device, dtype and why, CPU threads:
-        `lora_rl_core.run.runtime_info`).
+        `lora_rl_core.run.runtime_info`), critic (PPO only, else None: `train_share` of the train phase's
+        seconds its passes took, `seconds_per_step`, `state_bytes`, the last step's `explained_variance`).
     """
     steps = len(history)
+    critic_steps = [h for h in history if "critic_seconds" in h]
+    critic = None
+    if critic_steps:
+        seconds = sum(h["critic_seconds"] for h in critic_steps)
+        critic = {
+            "train_share": seconds / max(1e-9, sum(h["train_seconds"] for h in critic_steps)),
+            "seconds_per_step": seconds / len(critic_steps),
+            "state_bytes": critic_steps[-1]["critic_state_bytes"],
+            "explained_variance": critic_steps[-1].get("explained_variance", 0.0),
+        }
     rollout_seconds = sum(h["rollout_seconds"] for h in history)
     return {
         "run_id": run_id,
@@ -256,6 +282,7 @@ def run_summary(
         "final_eval": final_eval,
         "store_uri": store_uri,
         "runtime": runtime,
+        "critic": critic,
     }
 
 

@@ -6,6 +6,7 @@ tensors in and gets tensors (and metric floats) back.
 
 from lora_rl_core.algorithm.advantages import (
     ADVANTAGE_ESTIMATORS,
+    critic_advantages,
     drgrpo_advantages,
     group_has_signal,
     grpo_advantages,
@@ -30,6 +31,7 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "OFF_POLICY_MODES",
     "aggregate",
+    "critic_advantages",
     "drgrpo_advantages",
     "entropy_from_logits",
     "group_has_signal",

@@ -20,8 +20,10 @@ Choices made here:
 * A new estimator is a new function plus an entry in
   ``ADVANTAGE_ESTIMATORS``, never a branch.
 
-Left out: learned value baselines (PPO with GAE), per-token rewards, and
-batch-level (rather than group-level) std normalisation as in REINFORCE++.
+``gae`` (PPO with a learned critic) makes per-token advantages in the train
+phase (``lora_rl_core.algorithm.gae``, ``lora_rl_core.trainer.critic``); its
+entry here gives the score phase zeros. Left out: batch-level (rather than
+group-level) std normalisation as in REINFORCE++.
 """
 
 from __future__ import annotations
@@ -152,9 +154,16 @@ def masked_group_advantages(rewards_NG: Tensor, skipped_NG: Tensor, estimator: A
     return advantages_NG
 
 
+def critic_advantages(rewards_NG: Tensor) -> Tensor:
+    """Zeros ``[N, G]``: under ``advantage: gae`` no advantage comes from the group; the trainer computes
+    per-token advantages from the critic's values (``lora_rl_core.trainer.critic``)."""
+    return torch.zeros_like(_check_grouped(rewards_NG))
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": grpo_advantages,
     "drgrpo": drgrpo_advantages,
     "rloo": rloo_advantages,
+    "gae": critic_advantages,
 }
 """Estimator name (the config's ``advantage`` choice) -> function ``[N, G] -> [N, G]``."""

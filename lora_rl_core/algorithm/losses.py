@@ -354,10 +354,10 @@ def m2po_weights(
 def _check_ppo_shapes(mask_BT: Tensor, advantages_B: Tensor, **tensors_BT: Tensor | None) -> None:
     """Raise ``ValueError`` on mismatched shapes."""
     _check_same_shape(mask_BT, **{k: v for k, v in tensors_BT.items() if v is not None})
-    if advantages_B.shape != mask_BT.shape[:1]:
+    if advantages_B.shape not in (mask_BT.shape[:1], mask_BT.shape):
         raise ValueError(
             f"advantages_B has shape {tuple(advantages_B.shape)}, expected {tuple(mask_BT.shape[:1])} "
-            "(one advantage per completion, [B])"
+            f"(one advantage per completion, [B]) or {tuple(mask_BT.shape)} (one per token, [B, T]: GAE)"
         )
 
 
@@ -395,7 +395,8 @@ def ppo_clip_loss(
     Args:
         logprobs_BT: ``[B, T]`` current-policy log-probs of the completion tokens; the only input with gradient.
         old_logprobs_BT: ``[B, T]`` log-probs under the policy that sampled the rollouts.
-        advantages_B: ``[B]`` one advantage per completion, broadcast over its tokens.
+        advantages_B: ``[B]`` one advantage per completion, broadcast over its tokens, or ``[B, T]`` one per
+            token (PPO's GAE, ``lora_rl_core.algorithm.gae``).
         mask_BT: ``[B, T]`` 1.0 on real completion tokens, 0.0 on padding.
         clip_eps_low: ratio floor is ``1 - clip_eps_low`` (``algorithm.clip_eps_low``); None with
             ``clip_eps_high`` None: no clip (``pg = -ratio * A``, as M2PO trains, Zheng et al. 2025).
@@ -426,7 +427,8 @@ def ppo_clip_loss(
     mask_BT = mask_BT.float()
     log_ratio_BT = torch.where(mask_BT > 0, logprobs_BT.float() - old_logprobs_BT.detach().float(), 0.0)
     ratio_BT = torch.exp(log_ratio_BT)
-    advantages_B1 = advantages_B.detach().float().unsqueeze(-1)  # [B, 1], broadcasts over T
+    advantages_B1 = advantages_B.detach().float()  # [B, 1] broadcasts over T; [B, T] is per token
+    advantages_B1 = advantages_B1.unsqueeze(-1) if advantages_B1.dim() == 1 else advantages_B1
     if clip_eps_low is None or clip_eps_high is None:  # unclipped (M2PO): its mask bounds the ratios instead
         pg_BT = -ratio_BT * advantages_B1
         clipped_BT = torch.zeros_like(mask_BT, dtype=torch.bool)

@@ -77,6 +77,8 @@ from lora_rl_core.config.placement import (
     SplitPlacement,
 )
 from lora_rl_core.config.sections import (
+    CRITIC_LR_FACTOR,
+    CriticConfig,
     DataConfig,
     EvalConfig,
     LoRAConfig,
@@ -106,6 +108,8 @@ __all__ = [
     "PlacementConfig",
     "SplitPlacement",
     "AutoCorrection",
+    "CRITIC_LR_FACTOR",
+    "CriticConfig",
     "EmbeddedEngineConfig",
     "EngineLimits",
     "GeometricMaskCorrection",

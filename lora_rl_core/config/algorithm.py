@@ -171,8 +171,17 @@ _MOVED = {
 class AlgorithmConfig(Section):
     """GRPO-family policy optimisation settings."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
-    """Advantage estimator: group-normalised (GRPO), mean-centred (Dr. GRPO), leave-one-out (RLOO)."""
+    advantage: Literal["grpo", "drgrpo", "rloo", "gae"] = "grpo"
+    """Advantage estimator: group-normalised (GRPO), mean-centred (Dr. GRPO), leave-one-out (RLOO), or `gae`:
+    PPO's per-token generalised advantage estimation (Schulman et al. 2016) from a learned critic (the `critic`
+    section), whitened over the batch. Under `gae`, `kl_coef` puts the per-token KL into the reward (verl's
+    `use_kl_in_reward`) instead of the loss, and `skip_uniform_groups` does not apply (the critic's baseline
+    gives a group of equal rewards a signal)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE's discount gamma per token (`advantage: gae` only; verl, OpenRLHF and SkyRL default to 1.0)."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE's lambda (`advantage: gae` only): 1.0 = Monte-Carlo returns minus the critic's values, 0.0 = one-step
+    TD errors (verl, OpenRLHF and SkyRL default to 1.0)."""
     loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How per-token losses are reduced to a scalar."""
     clip_eps_low: float = Field(0.2, gt=0, lt=1)

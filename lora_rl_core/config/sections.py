@@ -285,6 +285,43 @@ class RunSection(Section):
     """Token cap for evaluation; default rollout.max_new_tokens."""
 
 
+CRITIC_LR_FACTOR = 10.0
+"""`critic.lr` unset is this many times `trainer.lr` (miles' docs advise a critic learning rate about 10x the
+actor's: the value head starts from nothing while the policy only moves a little per step)."""
+
+
+class CriticConfig(Section):
+    """The critic of PPO with GAE (`algorithm.advantage: gae`): its adapter, optimizer and value loss. Set only
+    with `algorithm.advantage: gae`. One copy of the base model serves both adapters (SkyRL, OpenRLHF and verl
+    load a second copy for the critic). The critic is never published: `adapters pull` and the engines get the
+    policy alone."""
+
+    lora: LoRAConfig | None = None
+    """The critic's LoRA adapter (every field of `lora`: rank, alpha, dropout, target modules, exclude modules,
+    init); None = the same shape as the policy's `lora` section."""
+    lr: float | None = Field(None, gt=0)
+    """AdamW's learning rate for the critic's adapter and head; None = 10x `trainer.lr` (`CRITIC_LR_FACTOR`).
+    The critic warms up like the policy (`trainer.warmup_steps`) and shares its AdamW betas and weight decay."""
+    pretrain_steps: int = Field(0, ge=0)
+    """Steps at the start in which only the critic trains (verl's `trainer.critic_warmup`): the policy's
+    adapter stays as it is (each step still publishes it), so its first update sees a critic that has learned
+    something. Not `trainer.warmup_steps`, which warms up the learning rate. Fewer than `trainer.steps`."""
+    value_clip: float | None = Field(0.5, gt=0)
+    """PPO's value clip: a new value further than this from the value before the update counts the larger of
+    the clipped and unclipped squared errors (verl `critic.cliprange_value`, OpenRLHF `value_clip`: 0.5).
+    None = no clip."""
+    loss_coef: float = Field(1.0, gt=0)
+    """The value loss's weight in the critic's backward (TRL's `vf_coef`). The critic has an optimizer of its
+    own, so this scales its gradient before `max_grad_norm` clips it, and the reported `value_loss`."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """The global gradient-norm clip of the critic's adapter and head (verl `critic.grad_clip`: 1.0)."""
+    head_init_std: float = Field(0.0, ge=0)
+    """The value head's initial weights: 0.0 (the default) = zeros, so the critic predicts 0 until it has
+    trained and the first advantages are the returns themselves, with no random baseline added; > 0 = normal
+    with this standard deviation (verl's critic, a token-classification head: the model's
+    `initializer_range`, 0.02). The bias starts at 0."""
+
+
 class RunConfig(Section):
     """The whole configuration of one training run."""
 
@@ -294,6 +331,8 @@ class RunConfig(Section):
     """The adapter's shape: rank, alpha, target modules, initialisation."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
     """The policy-gradient objective: advantage estimator, clipping, KL, staleness."""
+    critic: CriticConfig = CriticConfig()
+    """PPO's critic (`algorithm.advantage: gae`): its LoRA adapter, learning rate, value clip, pre-training."""
     rollout: RolloutConfig = RolloutConfig()
     """Sampling for training: prompts per step, group size, length and sampling parameters."""
     engine: EngineConfig = EmbeddedEngineConfig()
@@ -326,6 +365,25 @@ class RunConfig(Section):
                 "rollout.mode=async with algorithm.off_policy_correction=none trains on stale completions "
                 "without importance weights",
                 stacklevel=2,
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _critic_needs_gae(self) -> RunConfig:
+        default = CriticConfig()
+        set_fields = [
+            name for name in CriticConfig.model_fields if getattr(self.critic, name) != getattr(default, name)
+        ]
+        if self.algorithm.advantage != "gae":
+            if set_fields:
+                raise ValueError(
+                    f"critic.{set_fields[0]} is set but algorithm.advantage is {self.algorithm.advantage}: the "
+                    "critic is PPO's (algorithm.advantage=gae); set algorithm.advantage=gae or remove critic.*"
+                )
+        elif self.critic.pretrain_steps >= self.trainer.steps:
+            raise ValueError(
+                f"critic.pretrain_steps ({self.critic.pretrain_steps}) must be below trainer.steps "
+                f"({self.trainer.steps}): the policy would never train"
             )
         return self
 

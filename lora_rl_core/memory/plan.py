@@ -203,8 +203,10 @@ def _plan_memory(
     launch = cfg.engine.launch if isinstance(cfg.engine, SGLangEngineConfig) else SGLangLaunchConfig()
     seq = gpu.prompt_tokens + r.max_new_tokens
     # LoRA weights, gradients and AdamW state in float32 on every GPU (replicated over ranks, which also hold the
-    # flat buffer of their gradients' all-reduce: distributed.sum_gradients)
-    lora_bytes = shape.lora_params * (20 if gpu.world > 1 else 16)
+    # flat buffer of their gradients' all-reduce: distributed.sum_gradients); PPO's critic adapter and head alike.
+    # The critic's passes run after the policy's, over the same micro-batches: their activations are the
+    # policy's at most (one position of logits), so the peak does not grow.
+    lora_bytes = (shape.lora_params + shape.critic_params) * (20 if gpu.world > 1 else 16)
     resident = shape.weight_bytes() // (gpu.world if shard else 1) + lora_bytes + CUDA_CONTEXT_BYTES
     budget = gpu.gpu_free - SAFETY_BYTES
     # a GPU's share of SGLang (only where it shares the trainer's GPU) and of the batch's KV cache

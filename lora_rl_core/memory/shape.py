@@ -44,6 +44,8 @@ class ModelShape:
             `vocab_size`.
         kv_dim: key/value width per token and layer (`num_key_value_heads x head_dim`).
         attention_heads: `num_attention_heads` (SGLang's tensor parallelism must divide it); 0 = unknown.
+        critic_params: PPO's critic (`algorithm.advantage: gae`): its LoRA adapter's parameters and its value
+            head's (`hidden + 1`), trained in float32 beside the policy's; 0 without a critic.
     """
 
     params: int
@@ -54,14 +56,16 @@ class ModelShape:
     vocab: int
     kv_dim: int
     attention_heads: int = 0
+    critic_params: int = 0
 
     @classmethod
-    def of(cls, model: ModelConfig, lora: LoRAConfig) -> ModelShape:
-        """Read the model's config (no weights) and count its parameters on the meta device.
+    def of(cls, model: ModelConfig, lora: LoRAConfig, critic_lora: LoRAConfig | None = None) -> ModelShape:
+        """Read the model's config (no weights) and count its parameters on the meta device (`critic_lora`: the
+        critic's adapter under `algorithm.advantage: gae`, else None).
 
         Raises:
             ModelError: the model folder cannot be had.
-            ConfigError: `lora.target_modules` names no linear module of the model.
+            ConfigError: `lora.target_modules` (or `critic.lora.target_modules`) names no linear module.
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -71,18 +75,22 @@ class ModelShape:
         config = AutoConfig.from_pretrained(model_folder(model), trust_remote_code=model.trust_remote_code)
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
-        targets = set(resolve_target_modules(meta, lora))
-        lora_params = sum(
-            lora.rank * (mod.in_features + mod.out_features)
-            for name, mod in meta.named_modules()
-            if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
-        )
+
+        def adapter_params(cfg: LoRAConfig, section: str) -> int:
+            targets = set(resolve_target_modules(meta, cfg, section=section))
+            return sum(
+                cfg.rank * (mod.in_features + mod.out_features)
+                for name, mod in meta.named_modules()
+                if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+            )
+
         text = getattr(config, "text_config", None) or config
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         return cls(
             params=sum(p.numel() for p in meta.parameters()),
-            lora_params=lora_params,
+            lora_params=adapter_params(lora, "lora"),
+            critic_params=adapter_params(critic_lora, "critic.lora") + text.hidden_size + 1 if critic_lora else 0,
             hidden=text.hidden_size,
             intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
             layers=text.num_hidden_layers,

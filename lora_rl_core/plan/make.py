@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 
 from lora_rl_core.config import (
+    CRITIC_LR_FACTOR,
     SET_IN_CONFIG,
     AutoCorrection,
     PlacedGPUs,
@@ -62,7 +63,7 @@ from lora_rl_core.plan.placement import (
 from lora_rl_core.plan.record import Choice, EnginePlan, RunPlan
 from lora_rl_core.runtime import DtypeChoice, choose_dtype, choose_lora_compute_dtype, cpu_threads
 from lora_rl_core.trainer.kernels import choose_compile, choose_kernels
-from lora_rl_core.trainer.plan import OptimizerSettings, PolicyLoss, TrainerPlan
+from lora_rl_core.trainer.plan import CriticSettings, OptimizerSettings, PolicyLoss, TrainerPlan
 
 SET = SET_IN_CONFIG
 T = TypeVar("T")
@@ -191,7 +192,8 @@ def _memory(
     style = PromptStyle.of(cfg.data, cfg.rollout)
     prompt_tokens = max((len(style.render(tokenizer, p)) for p in problems[:256]), default=0)
     free, total = torch.cuda.mem_get_info(device)
-    shape = ModelShape.of(cfg.model, cfg.lora)
+    critic_lora = (cfg.critic.lora or cfg.lora) if cfg.algorithm.advantage == "gae" else None
+    shape = ModelShape.of(cfg.model, cfg.lora, critic_lora)  # the trainer's: the critic's state counts
 
     def fits(p: Placement) -> MemoryPlan:
         if p.engine_gpus and not colocated:  # SGLang on GPUs of its own (split): its copy must fit them
@@ -277,6 +279,7 @@ def _trainer(
     choices["trainer.gradient_checkpointing"] = Choice(memory.gradient_checkpointing, memory.checkpointing_reason)
     choices["trainer.micro_batch_size"] = Choice(memory.micro_batch_size, memory.micro_batch_reason)
     correction = a.correction(mode)
+    critic = _critic(cfg, choices)
     clipped = correction.type != "m2po"  # M2PO's mask bounds the ratios: no PPO clip under it
     choices["algorithm.off_policy_correction"] = Choice(
         correction.model_dump(),
@@ -291,7 +294,7 @@ def _trainer(
         loss=PolicyLoss(
             clip_eps_low=a.clip_eps_low if clipped else None,
             clip_eps_high=a.clip_eps_high if clipped else None,
-            kl_coef=a.kl_coef,
+            kl_coef=0.0 if critic is not None else a.kl_coef,  # under GAE the KL is in the reward
             aggregation=a.loss_aggregation,
             num_minibatches=a.num_minibatches,
             off_policy_correction=correction,
@@ -312,6 +315,33 @@ def _trainer(
         ray_gpus_per_rank=backend.gpus_per_rank
         if isinstance(backend, RayBackend) and backend.device == "cuda"
         else 0.0,
+        critic=critic,
+    )
+
+
+def _critic(cfg: RunConfig, choices: dict[str, Choice]) -> CriticSettings | None:
+    """PPO's critic under `algorithm.advantage: gae` (None otherwise), its `None` settings resolved."""
+    a, c = cfg.algorithm, cfg.critic
+    if a.advantage != "gae":
+        return None
+    lr = c.lr if c.lr is not None else CRITIC_LR_FACTOR * cfg.trainer.lr
+    choices["critic.lr"] = Choice(lr, SET if c.lr is not None else f"{CRITIC_LR_FACTOR:g} x trainer.lr")
+    choices["critic.lora"] = Choice(
+        (c.lora or cfg.lora).model_dump(), SET if c.lora is not None else "the policy's lora section"
+    )
+    if a.kl_coef > 0:
+        choices["algorithm.kl_coef"] = Choice(a.kl_coef, "in the reward, per token (advantage gae), not the loss")
+    return CriticSettings(
+        lora=c.lora or cfg.lora,
+        lr=lr,
+        pretrain_steps=c.pretrain_steps,
+        value_clip=c.value_clip,
+        loss_coef=c.loss_coef,
+        max_grad_norm=c.max_grad_norm,
+        head_init_std=c.head_init_std,
+        gamma=a.gamma,
+        lam=a.lam,
+        kl_coef=a.kl_coef,
     )
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
 from lora_rl_core.trainer.base import Trainer
+from lora_rl_core.trainer.critic import with_adapters
 from lora_rl_core.trainer.kernels import apply_kernels, compile_layers
 from lora_rl_core.trainer.plan import TrainerPlan
 from lora_rl_core.trainer.policy import PolicyTrainer
@@ -32,7 +32,7 @@ def build_trainer(plan: TrainerPlan, *, pad_id: int) -> Trainer:
         return TrainerWorkers(plan)
     model, _ = load_model(plan.model, device=plan.device, dtype=plan.dtype)
     apply_kernels(model, plan.liger_kernels)
-    peft_model = apply_lora(model, plan.lora)
+    peft_model = with_adapters(model, plan)  # the policy's LoRA, and PPO's critic under GAE
     if plan.torch_compile:
         layers = compile_layers(peft_model)
         log.info("trainer: %d decoder layers compiled (trainer.torch_compile); step 1 pays the compilation", layers)

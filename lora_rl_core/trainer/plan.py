@@ -62,6 +62,32 @@ class OptimizerSettings:
 
 
 @dataclass(frozen=True)
+class CriticSettings:
+    """PPO's critic (`algorithm.advantage: gae`; the `critic` section and GAE's settings, resolved once).
+
+    Attributes:
+        lora: the critic adapter's shape (`critic.lora`, else the policy's `lora`).
+        lr: its AdamW learning rate (`critic.lr`, else `CRITIC_LR_FACTOR` x `trainer.lr`).
+        pretrain_steps: critic-only steps at the start (`critic.pretrain_steps`).
+        value_clip: PPO's value clip (None: unclipped). loss_coef: the value loss's weight.
+        max_grad_norm: the critic's gradient-norm clip. head_init_std: the value head's init (0: zeros).
+        gamma / lam: GAE's discount and lambda (`algorithm.gamma`, `algorithm.lam`).
+        kl_coef: the per-token KL's weight in the reward (`algorithm.kl_coef`; under GAE not in the loss).
+    """
+
+    lora: LoRAConfig
+    lr: float
+    pretrain_steps: int
+    value_clip: float | None
+    loss_coef: float
+    max_grad_norm: float
+    head_init_std: float
+    gamma: float
+    lam: float
+    kl_coef: float
+
+
+@dataclass(frozen=True)
 class TrainerPlan:
     """What builds the trainer, every `auto` resolved (`lora_rl_core.trainer.build.build_trainer`). Frozen; sent
     to FSDP2 ranks in other processes and on Ray as it is (pickled), never validated again.
@@ -85,6 +111,7 @@ class TrainerPlan:
             the LoRA gradients are summed; `trainer.shard_weights` resolved by the memory plan).
         empty_cache_after_step: give the cached CUDA blocks back after each train step (on every rank): a
             launched SGLang on the same GPUs takes its KV cache back then (the memory plan's `memory_saver`).
+        critic: PPO's critic (`CriticSettings`) under `algorithm.advantage: gae`; None otherwise.
     """
 
     model: ModelConfig
@@ -104,6 +131,7 @@ class TrainerPlan:
     empty_cache_after_step: bool = False
     shard_weights: bool = True
     torch_compile: bool = False
+    critic: CriticSettings | None = None
 
     @property
     def device(self) -> str:

@@ -32,18 +32,22 @@ stay matched. Metrics are all-reduced: every rank returns the global values.
 Sending the whole batch (token-id lists) to every rank costs little and keeps
 minibatch boundaries identical to a single process.
 
-Checkpoints (`state_dict` / `load_state_dict`) hold full (unsharded) tensors
-keyed by parameter FQN, so a state saved at one world size loads at any other.
+Checkpoints (`state_dict` / `load_state_dict`, `trainer.state`) hold full
+(unsharded) tensors keyed by parameter FQN, so a state saved at one world size
+loads at any other.
 
-Left out here: value model / GAE.
+PPO (`algorithm.advantage: gae`): a critic adapter and value head on the same
+base (`trainer.critic`). Before the update, one pass computes its values (and
+the reference's log-probs when the KL goes in the reward); GAE makes per-token
+advantages, whitened over the batch; each micro-batch then takes the policy's
+backward and the critic's, and each its own optimizer step. For
+`critic.pretrain_steps` steps only the critic trains.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
-import json
 import logging
 import time
 import traceback
@@ -74,11 +78,12 @@ from lora_rl_core.trainer.batching import (
     rank_micro_batches,
     split_even,
 )
+from lora_rl_core.trainer.critic import POLICY, Critic, RowTargets, is_critic_param, set_adapter
 from lora_rl_core.trainer.plan import TrainerPlan
 from lora_rl_core.trainer.reduce import MAX_KEYS, accumulate, all_reduce_metrics, m2po_batch_keep
+from lora_rl_core.trainer.state import gather_state, load_state
 
 log = logging.getLogger(__name__)
-STATE_FORMAT = "lora-rl/policy-trainer-state/v1"
 
 
 class PolicyTrainer:
@@ -100,7 +105,7 @@ class PolicyTrainer:
         self.plan = plan
         self.loss = plan.loss
         self.temperature = plan.temperature
-        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not is_critic_param(n)]
         self.param_names = [name for name, _ in trainable]
         self.params = [p for _, p in trainable]
         self.rank, self.world_size = distributed.rank_and_world_size()
@@ -114,6 +119,9 @@ class PolicyTrainer:
         if plan.gradient_checkpointing and plan.world_size == 0:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
+        self.critic = Critic(model, plan.critic, opt, self._autocast) if plan.critic is not None else None
+        if self.critic is not None:
+            set_adapter(model, POLICY)  # the policy's adapter active between the critic's passes
 
     @property
     def device(self) -> torch.device:
@@ -146,15 +154,28 @@ class PolicyTrainer:
         sums: dict[str, float] = {}
         correction = self.loss.off_policy_correction
         m2po = isinstance(correction, M2POCorrection)
+        critic = self.critic
+        kl_in_reward = critic is not None and critic.settings.kl_coef > 0
+        policy_trains = critic is None or not critic.pretraining
         try:
-            # one pass before the update where the minibatches need the policy before it, or M2PO the whole batch
-            old_logprobs = self._old_logprobs(batch, schedules) if self.loss.num_minibatches > 1 or m2po else None
+            # one pass before the update where the minibatches need the policy before it, M2PO the whole batch,
+            # or the critic's reward its KL
+            needs_old = self.loss.num_minibatches > 1 or m2po or kl_in_reward
+            old_logprobs = self._old_logprobs(batch, schedules) if needs_old else None
             keep: dict[int, torch.Tensor] | None = None
             m2: dict[str, float] = {}
             if isinstance(correction, M2POCorrection) and old_logprobs is not None:
                 keep, m2 = m2po_batch_keep(batch, old_logprobs, correction.m2_threshold)
+            targets: dict[int, RowTargets] | None = None
+            if critic is not None:
+                critic.seconds = 0.0
+                with critic.timed():
+                    packed = [(m, self._pack(batch, m)) for ms in schedules for m in ms]
+                    targets, value_metrics = critic.targets(batch, packed, old_logprobs, self._ref_logprobs)
+                m2.update(value_metrics)
             for rows, micros in zip(chunks, schedules, strict=True):
-                for k, v in self._minibatch_update(batch, rows, micros, old_logprobs, keep).items():
+                update = self._minibatch_update(batch, rows, micros, old_logprobs, keep, targets, policy_trains)
+                for k, v in update.items():
                     sums[k] = max(sums.get(k, v), v) if k in MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
             sums.update(m2)
         except torch.OutOfMemoryError as exc:  # raised below, once the frames holding the activations are gone
@@ -170,7 +191,15 @@ class PolicyTrainer:
             torch.cuda.empty_cache()  # SGLang takes its KV cache back on this GPU next (the memory saver)
         if out_of_memory is not None:
             raise self._out_of_memory(len(batch), max(lengths), out_of_memory)
-        self.scheduler.step()
+        if policy_trains:
+            self.scheduler.step()
+        if critic is not None:
+            critic.end_step()
+            sums.update(
+                critic_seconds=critic.seconds,
+                critic_state_bytes=float(critic.state_bytes()),
+                policy_trained=float(policy_trains),
+            )
         tokens = sum(len(c) for c in batch.completion_ids)
         return {
             **sums,
@@ -233,6 +262,8 @@ class PolicyTrainer:
         micros: list[list[int]],
         old: dict[int, torch.Tensor] | None,
         keep: dict[int, torch.Tensor] | None,
+        targets: dict[int, RowTargets] | None = None,
+        policy_trains: bool = True,
     ) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -241,32 +272,50 @@ class PolicyTrainer:
         # the GPU's queue to drain, so packing between backward passes would stall it at each one. Likewise the
         # metrics stay on the device until the minibatch ends. What still waits once per forward is transformers'
         # padding-mask check (tests/gpu/test_trainer_syncs.py).
-        packed = [
-            pack(batch.select(micro) if micro else dummy_batch(self.pad_id), self.pad_id, self.device)
-            for micro in micros
-        ]
+        packed = [self._pack(batch, micro) for micro in micros]
         sums: dict[str, torch.Tensor] = {}
         for micro, micro_packed in zip(micros, packed, strict=True):  # an empty micro is a zero-weight dummy pass
             tokens = sum(len(batch.completion_ids[i]) for i in micro)  # (keeps FSDP collectives matched)
             weight = tokens / total_tokens if self.loss.aggregation == "token-mean" else len(micro) / len(rows)
-            micro_old = [old[i] for i in micro] if old is not None and micro else None
-            micro_keep = [keep[i] for i in micro] if keep is not None else None  # a dummy pass keeps nothing
-            m = self._micro_backward(micro_packed, micro_old, micro_keep, weight)
+            m: dict[str, torch.Tensor] = {}
+            if policy_trains:
+                micro_old = [old[i] for i in micro] if old is not None and micro else None
+                micro_keep = [keep[i] for i in micro] if keep is not None else None  # a dummy pass keeps nothing
+                advantages = [targets[i].advantages for i in micro] if targets is not None else None
+                m = self._micro_backward(micro_packed, micro_old, micro_keep, advantages, weight)
+            if self.critic is not None and targets is not None:
+                with self.critic.timed():
+                    rows_targets = [targets[i] for i in micro]
+                    m.update(self.critic.backward(micro_packed, rows_targets, weight, self.loss.aggregation))
             accumulate(
                 sums, m if micro else {k: torch.zeros_like(v) for k, v in m.items()}, weight, tokens / total_tokens
             )
         metrics = all_reduce_metrics(sums)
-        distributed.sum_gradients(self.params)  # the ranks' shares of the minibatch (no-op in one process)
-        grad_norm = distributed.clip_grad_norm_(self.params, self.plan.optimizer.max_grad_norm)
-        self.optimizer.step()
+        if policy_trains:
+            distributed.sum_gradients(self.params)  # the ranks' shares of the minibatch (no-op in one process)
+            metrics["grad_norm"] = distributed.clip_grad_norm_(self.params, self.plan.optimizer.max_grad_norm)
+            self.optimizer.step()
+        if self.critic is not None:
+            with self.critic.timed():
+                metrics.update(self.critic.step())
         self.model.eval()
-        return {**metrics, "grad_norm": grad_norm}
+        return metrics
+
+    def _pack(self, batch: TrainBatch, micro: list[int]) -> PackedBatch:
+        """The micro-batch `micro` of `batch` packed on the device (an empty one: a dummy row)."""
+        return pack(batch.select(micro) if micro else dummy_batch(self.pad_id), self.pad_id, self.device)
 
     def _micro_backward(
-        self, packed: PackedBatch, old: list[torch.Tensor] | None, keep: list[torch.Tensor] | None, weight: float
+        self,
+        packed: PackedBatch,
+        old: list[torch.Tensor] | None,
+        keep: list[torch.Tensor] | None,
+        advantages: list[torch.Tensor] | None,
+        weight: float,
     ) -> dict[str, torch.Tensor]:
         """Forward, loss and backward of one packed micro-batch (gradients scaled by `weight`; `keep`: M2PO's mask
-        of its rows, `_m2po_keep`); its metrics as 0-dim tensors on the device (read once per minibatch)."""
+        of its rows, `m2po_batch_keep`; `advantages`: its rows' per-token GAE advantages, None = the batch's one
+        per row); its metrics as 0-dim tensors on the device (read once per minibatch)."""
         logits = self._logits(packed)  # [b, F, V]
         logprobs_BT = selective_log_softmax(logits, packed.targets_BT)
         old_BT = logprobs_BT.detach() if old is None else frame(old, packed.mask_BT)
@@ -287,7 +336,7 @@ class PolicyTrainer:
         loss, m = ppo_clip_loss(
             logprobs_BT,
             old_BT,
-            packed.advantages_B,
+            packed.advantages_B if advantages is None else frame(advantages, packed.mask_BT),
             packed.mask_BT,
             importance_weights_BT=weights_BT,
             ref_logprobs_BT=ref_BT,
@@ -328,7 +377,7 @@ class PolicyTrainer:
         """This rank's per-row completion logprobs under the current policy (before any update of this step)."""
         result: dict[int, torch.Tensor] = {}
         for micro in (m for micros in schedules for m in micros):
-            packed = pack(batch.select(micro) if micro else dummy_batch(self.pad_id), self.pad_id, self.device)
+            packed = self._pack(batch, micro)
             lp = selective_log_softmax(self._logits(packed), packed.targets_BT)
             for j, row in enumerate(micro):
                 result[row] = lp[j][packed.mask_BT[j].bool()].cpu()
@@ -375,111 +424,23 @@ class PolicyTrainer:
         return tensors, peft_config_dict(self.model.peft_config[adapter_name])
 
     def gather_state_dict(self) -> dict[str, Any] | None:
-        """Everything needed to resume: LoRA weights, AdamW state, scheduler, torch RNG of every rank.
-
-        Sharded: every rank must call it; rank 0 gets the result, other ranks None.
-
-        Returns:
-            `{"tensors": {name: tensor}, "meta": JSON-safe dict}`, full (unsharded) whatever the world size, so it
-            saves as safetensors + JSON. The weights and moments are where they are, not copies: the caller copies
-            them before the next step (`state_dict`: to the CPU; a rank: into shared memory). Tensor names:
-            `params/<fqn>`, `optimizer/<fqn>/<key>` (AdamW `step`, `exp_avg`, `exp_avg_sq`), `rng/rank<r>/cpu`
-            (and `/cuda`). Meta: format, param_names, param_groups (hyper-parameters, current lr), scheduler
-            state, world_size.
-        """
-        tensors = self._gather_tensors()
-        rng_by_rank = distributed.gather_objects(_rng_state())
-        if rng_by_rank is None:
-            return None
-        for r, rng in enumerate(rng_by_rank):
-            tensors.update({f"rng/rank{r}/{k}": v for k, v in rng.items()})
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        meta = {
-            "format": STATE_FORMAT,
-            "param_names": self.param_names,
-            "param_groups": _json_safe(groups),
-            "scheduler": _json_safe(self.scheduler.state_dict()),
-            "world_size": self.world_size,
-        }
-        return {"tensors": tensors, "meta": meta}
-
-    def _gather_tensors(self) -> dict[str, torch.Tensor]:
-        """Full parameters and optimizer state where they are, one tensor at a time (kept on rank 0 only)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, p in zip(self.param_names, self.params, strict=True):
-            state = sorted(self.optimizer.state.get(p, {}).items())
-            items = [(f"params/{name}", p.detach())] + [
-                (f"optimizer/{name}/{k}", v) for k, v in state if torch.is_tensor(v)
-            ]
-            for key, value in items:
-                full = distributed.full_tensor(value)
-                if self.rank == 0:
-                    out[key] = full.detach()
-        return out
+        """Everything needed to resume (`trainer.state.gather_state`: the LoRA weights, AdamW state, scheduler and
+        torch RNG of every rank, and the critic's). Sharded: every rank must call it; rank 0 gets the result,
+        other ranks None."""
+        return gather_state(self, self.critic, self.world_size)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict()` saved at any world size. Sharded: every rank passes the whole state.
-
-        RNG: each rank restores its own saved stream when the checkpoint has one for its rank.
+        """Restore a `state_dict()` saved at any world size (`trainer.state.load_state`). Sharded: every rank
+        passes the whole state.
 
         Raises:
-            ValueError: not a trainer state, or its parameters differ (another LoRA rank or target set).
+            ValueError: not a trainer state, or its parameters differ (another LoRA rank or target set, or
+                another critic).
         """
-        tensors, meta = state["tensors"], state["meta"]
-        self._check_meta(meta)
-        for name, p in zip(self.param_names, self.params, strict=True):
-            distributed.copy_full_(p, tensors[f"params/{name}"])
-        self.optimizer.load_state_dict(self._optimizer_state(tensors, meta["param_groups"]))
-        self.scheduler.load_state_dict(copy.deepcopy(meta["scheduler"]))
-        prefix = f"rng/rank{self.rank}/"
-        _set_rng_state({k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)})
-
-    def _check_meta(self, meta: dict[str, Any]) -> None:
-        if meta.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a trainer state: format {meta.get('format')!r}, expected {STATE_FORMAT!r}")
-        if meta["param_names"] != self.param_names:
-            ours, theirs = set(self.param_names), set(meta["param_names"])
-            raise ValueError(
-                f"trainer state does not fit this model: {len(theirs - ours)} unknown parameters "
-                f"(e.g. {sorted(theirs - ours)[:2]}), {len(ours - theirs)} missing (e.g. {sorted(ours - theirs)[:2]})"
-            )
-
-    def _optimizer_state(self, tensors: dict[str, torch.Tensor], groups: list[dict[str, Any]]) -> dict[str, Any]:
-        """`torch.optim` state-dict form of the saved AdamW state, each tensor laid out like its parameter."""
-        if len(groups) != 1:
-            raise ValueError(f"trainer state has {len(groups)} optimizer param groups, expected 1")
-        index = {name: i for i, name in enumerate(self.param_names)}
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in tensors.items():
-            if key.startswith("optimizer/"):
-                name, field = key.removeprefix("optimizer/").rsplit("/", 1)
-                i = index[name]
-                state.setdefault(i, {})[field] = (
-                    value.clone() if value.dim() == 0 else distributed.shard_like(self.params[i], value)
-                )
-        return {"state": state, "param_groups": [{**groups[0], "params": list(range(len(self.params)))}]}
+        load_state(self, self.critic, state, self.rank)
 
 
 def _on_rank0(value: Any, what: str) -> Any:
     if value is None:
         raise LoraRLError(f"PolicyTrainer.{what}: only rank 0 of a sharded trainer gets it; call gather_{what}")
     return value
-
-
-def _rng_state() -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    if "cpu" in state:
-        torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _json_safe(value: Any) -> Any:
-    """Round-trip through JSON (tuples become lists) so checkpoint metadata needs no pickle."""
-    return json.loads(json.dumps(value, default=str))

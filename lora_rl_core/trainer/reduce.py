@@ -9,7 +9,7 @@ from lora_rl_core import distributed
 from lora_rl_core.algorithm import m2po_keep_mask
 from lora_rl_core.records import TrainBatch
 
-LOSS_KEYS = frozenset({"loss", "pg_loss"})
+LOSS_KEYS = frozenset({"loss", "pg_loss", "value_loss"})
 """Metrics that combine over micro-batches as the backward pass does (by the micro-batch's loss weight)."""
 MAX_KEYS = frozenset({"ratio_max", "is_weight_max"})
 """Metrics combined over micro-batches and ranks by max."""

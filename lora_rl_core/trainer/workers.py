@@ -59,10 +59,10 @@ from transformers.utils import logging as hf_logging
 from lora_rl_core import distributed
 from lora_rl_core.adapters.io import safetensors_bytes
 from lora_rl_core.errors import LoraRLError
-from lora_rl_core.lora import apply_lora
 from lora_rl_core.models import load_model
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import cpu_threads
+from lora_rl_core.trainer.critic import with_adapters
 from lora_rl_core.trainer.kernels import apply_kernels
 from lora_rl_core.trainer.plan import TrainerPlan
 from lora_rl_core.trainer.policy import PolicyTrainer
@@ -144,7 +144,7 @@ def build_sharded_trainer(plan: TrainerPlan, *, device: torch.device) -> PolicyT
     model, tokenizer = load_model(plan.model, device="cpu" if device.type == "cuda" else device, dtype=plan.dtype)
     apply_kernels(model, plan.liger_kernels)
     torch.manual_seed(plan.seed)  # the same LoRA init on every rank and in a single process
-    peft_model = apply_lora(model, plan.lora)
+    peft_model = with_adapters(model, plan)  # the policy's LoRA, and PPO's critic under GAE
     distributed.shard_model(
         peft_model,
         mixed_precision=plan.mixed_precision,

@@ -7,6 +7,7 @@ import torch
 
 from lora_rl_core.algorithm import (
     ADVANTAGE_ESTIMATORS,
+    critic_advantages,
     drgrpo_advantages,
     group_has_signal,
     grpo_advantages,
@@ -60,7 +61,16 @@ def test_group_has_signal():
 
 
 def test_registry_names():
-    assert ADVANTAGE_ESTIMATORS == {"grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages}
+    assert ADVANTAGE_ESTIMATORS == {
+        "grpo": grpo_advantages,
+        "drgrpo": drgrpo_advantages,
+        "rloo": rloo_advantages,
+        "gae": critic_advantages,
+    }
+
+
+def test_gae_takes_no_advantage_from_the_group():
+    assert critic_advantages(REWARDS_NG).eq(0).all()  # the critic's GAE makes them in the train phase
 
 
 @pytest.mark.parametrize("fn", [grpo_advantages, drgrpo_advantages, rloo_advantages, group_has_signal])

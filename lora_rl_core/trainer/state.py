@@ -1,0 +1,167 @@
+"""A trainer's checkpoint state (`PolicyTrainer.gather_state_dict` / `load_state_dict`): the policy's LoRA weights,
+AdamW state, scheduler and every rank's torch RNG, and PPO's critic (its adapter, value head, AdamW state,
+scheduler and pre-training progress) beside them.
+
+The tensors are full (unsharded) and keyed by parameter name, so a state saved at one world size loads at any
+other; the metadata is JSON (no pickle: the store is untrusted input)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from lora_rl_core import distributed
+
+STATE_FORMAT = "lora-rl/policy-trainer-state/v1"
+
+
+class Optimized(Protocol):
+    """Parameters with their optimizer and scheduler: the policy's (`PolicyTrainer`) or the critic's (`Critic`)."""
+
+    @property
+    def param_names(self) -> list[str]: ...
+    @property
+    def params(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler: ...
+
+
+class HasUpdates(Optimized, Protocol):
+    """The critic: also the steps it has trained (what `critic.pretrain_steps` counts)."""
+
+    updates: int
+
+
+def gather_state(policy: Optimized, critic: HasUpdates | None, world_size: int) -> dict[str, Any] | None:
+    """Everything needed to resume. Sharded: every rank must call it; rank 0 gets the result, other ranks None.
+
+    Returns:
+        `{"tensors": {name: tensor}, "meta": JSON-safe dict}`, full (unsharded) whatever the world size, so it
+        saves as safetensors + JSON. The weights and moments are where they are, not copies: the caller copies
+        them before the next step (`state_dict`: to the CPU; a rank: into shared memory). Tensor names:
+        `params/<fqn>`, `optimizer/<fqn>/<key>` (AdamW `step`, `exp_avg`, `exp_avg_sq`), `rng/rank<r>/cpu`
+        (and `/cuda`); with a critic also `critic/params/<fqn>` and `critic/optimizer/<fqn>/<key>` (its
+        adapter and value head). Meta: format, param_names, param_groups (hyper-parameters, current lr),
+        scheduler state, world_size; with a critic `critic` (the same for it, and `updates`).
+    """
+    tensors = _gather_tensors("", policy)
+    if critic is not None:
+        tensors.update(_gather_tensors("critic/", critic))
+    rng_by_rank = distributed.gather_objects(_rng_state())
+    if rng_by_rank is None:
+        return None
+    for r, rng in enumerate(rng_by_rank):
+        tensors.update({f"rng/rank{r}/{k}": v for k, v in rng.items()})
+    meta: dict[str, Any] = {"format": STATE_FORMAT, **_meta(policy), "world_size": world_size}
+    if critic is not None:
+        meta["critic"] = {**_meta(critic), "updates": critic.updates}
+    return {"tensors": tensors, "meta": meta}
+
+
+def load_state(policy: Optimized, critic: HasUpdates | None, state: dict[str, Any], rank: int) -> None:
+    """Restore a `gather_state` result saved at any world size. Sharded: every rank passes the whole state.
+
+    RNG: each rank restores its own saved stream when the checkpoint has one for its rank.
+
+    Raises:
+        ValueError: not a trainer state, or its parameters differ (another LoRA rank or target set), or it has
+            no critic or another one.
+    """
+    tensors, meta = state["tensors"], state["meta"]
+    if meta.get("format") != STATE_FORMAT:
+        raise ValueError(f"not a trainer state: format {meta.get('format')!r}, expected {STATE_FORMAT!r}")
+    _check_names(meta["param_names"], policy.param_names)
+    _load(policy, tensors, meta, "")
+    if critic is not None:
+        saved = meta.get("critic")
+        if saved is None:
+            raise ValueError(
+                "the checkpoint has no critic state: it was written by a run without algorithm.advantage=gae; "
+                "resume it with its own algorithm, or start a new run (another run.id)"
+            )
+        _check_names(saved["param_names"], critic.param_names, "critic (critic.lora differs from the run's)")
+        _load(critic, tensors, saved, "critic/")
+        critic.updates = int(saved["updates"])
+    prefix = f"rng/rank{rank}/"
+    _set_rng_state({k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)})
+
+
+def _meta(parts: Optimized) -> dict[str, Any]:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups]
+    return {
+        "param_names": parts.param_names,
+        "param_groups": _json_safe(groups),
+        "scheduler": _json_safe(parts.scheduler.state_dict()),
+    }
+
+
+def _check_names(saved: list[str], ours: list[str], what: str = "model") -> None:
+    if saved != ours:
+        mine, theirs = set(ours), set(saved)
+        raise ValueError(
+            f"trainer state does not fit this {what}: {len(theirs - mine)} unknown parameters "
+            f"(e.g. {sorted(theirs - mine)[:2]}), {len(mine - theirs)} missing (e.g. {sorted(mine - theirs)[:2]})"
+        )
+
+
+def _gather_tensors(prefix: str, parts: Optimized) -> dict[str, torch.Tensor]:
+    """Full parameters and optimizer state where they are, one tensor at a time (kept on rank 0 only)."""
+    rank, _ = distributed.rank_and_world_size()
+    out: dict[str, torch.Tensor] = {}
+    for name, p in zip(parts.param_names, parts.params, strict=True):
+        state = sorted(parts.optimizer.state.get(p, {}).items())
+        items = [(f"{prefix}params/{name}", p.detach())] + [
+            (f"{prefix}optimizer/{name}/{k}", v) for k, v in state if torch.is_tensor(v)
+        ]
+        for key, value in items:
+            full = distributed.full_tensor(value)
+            if rank == 0:
+                out[key] = full.detach()
+    return out
+
+
+def _load(parts: Optimized, tensors: dict[str, torch.Tensor], meta: dict[str, Any], prefix: str) -> None:
+    """Copy the saved weights, AdamW state (each tensor laid out like its parameter) and scheduler into `parts`."""
+    for name, p in zip(parts.param_names, parts.params, strict=True):
+        distributed.copy_full_(p, tensors[f"{prefix}params/{name}"])
+    groups = meta["param_groups"]
+    if len(groups) != 1:
+        raise ValueError(f"trainer state has {len(groups)} optimizer param groups, expected 1")
+    index = {name: i for i, name in enumerate(parts.param_names)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith(f"{prefix}optimizer/"):
+            name, field = key.removeprefix(f"{prefix}optimizer/").rsplit("/", 1)
+            i = index[name]
+            state.setdefault(i, {})[field] = (
+                value.clone() if value.dim() == 0 else distributed.shard_like(parts.params[i], value)
+            )
+    parts.optimizer.load_state_dict(
+        {"state": state, "param_groups": [{**groups[0], "params": list(range(len(parts.params)))}]}
+    )
+    parts.scheduler.load_state_dict(copy.deepcopy(meta["scheduler"]))
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    if "cpu" in state:
+        torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _json_safe(value: Any) -> Any:
+    """Round-trip through JSON (tuples become lists) so checkpoint metadata needs no pickle."""
+    return json.loads(json.dumps(value, default=str))

@@ -1,0 +1,185 @@
+"""PPO's critic (`algorithm.advantage: gae`): a second LoRA adapter and a value head on the policy's own base,
+trained beside the policy, checkpointed with it and never published."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lora_rl_core.config import RunConfig
+from lora_rl_core.errors import ConfigError
+from lora_rl_core.models import load_model
+from lora_rl_core.plan import make_plan
+from lora_rl_core.records import TrainBatch
+from lora_rl_core.trainer import PolicyTrainer
+from lora_rl_core.trainer.build import build_trainer
+from lora_rl_core.trainer.critic import CRITIC, VALUE_HEAD
+
+VOCAB = 64
+
+
+def ppo_config(model_dir, *, critic: dict | None = None, **algorithm) -> RunConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return RunConfig.model_validate(
+            {
+                "model": {"name_or_path": str(model_dir), "dtype": "float32", "device": "cpu"},
+                "lora": {"rank": 4, "alpha": 8},
+                "algorithm": {"advantage": "gae", "gamma": 1.0, "lam": 0.95, **algorithm},
+                "critic": {"lora": {"rank": 2, "alpha": 4}, "lr": 1e-2, **(critic or {})},
+                "trainer": {"lr": 1e-2, "micro_batch_size": 2, "steps": 4},
+                "run": {"seed": 3},
+            }
+        )
+
+
+def build(cfg: RunConfig) -> PolicyTrainer:
+    plan = make_plan(cfg).trainer
+    assert plan is not None and plan.backend == "in-process"
+    _, tokenizer = load_model(cfg.model)
+    torch.manual_seed(cfg.run.seed)  # as the run seeds it before building
+    trainer = build_trainer(plan, pad_id=tokenizer.pad_token_id)
+    assert isinstance(trainer, PolicyTrainer)
+    return trainer
+
+
+def make_batch(rows: int, seed: int) -> TrainBatch:
+    """Random prompts and completions, rewards 0/1, random inference logprobs (group advantages unused)."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [
+        (int(torch.randint(2, 7, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))) for _ in range(rows)
+    ]
+    prompts = [torch.randint(1, VOCAB, (p,), generator=g).tolist() for p, _ in sizes]
+    completions = [torch.randint(1, VOCAB, (c,), generator=g).tolist() for _, c in sizes]
+    inference = [(-3 * torch.rand(c, generator=g)).tolist() for _, c in sizes]
+    return TrainBatch(prompts, completions, [0.0] * rows, inference, rewards=[float(i % 2) for i in range(rows)])
+
+
+def head_weight(trainer: PolicyTrainer) -> torch.Tensor:
+    head = trainer.model.base_model.model.get_submodule(VALUE_HEAD).modules_to_save[CRITIC]
+    return head.weight.detach().clone()
+
+
+def policy_weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in zip(trainer.param_names, trainer.params, strict=True)}
+
+
+def test_critic_pretrains_alone_then_both_train(tiny_model_dir):
+    trainer = build(ppo_config(tiny_model_dir, critic={"pretrain_steps": 1}))
+    assert trainer.critic is not None
+    assert torch.count_nonzero(head_weight(trainer)) == 0  # zeros: the critic predicts 0 before it trains
+    critic_before = [p.detach().clone() for p in trainer.critic.params]
+    policy_before = policy_weights(trainer)
+
+    first = trainer.train_step(make_batch(6, 1))
+    assert first["policy_trained"] == 0.0 and "grad_norm" not in first
+    assert all(torch.equal(policy_before[n], w) for n, w in policy_weights(trainer).items())
+    assert torch.count_nonzero(head_weight(trainer)) > 0  # the head moved off zero
+    assert first["value_mean"] == pytest.approx(0.0, abs=1e-6)  # the values before this step's update
+    assert first["value_loss"] > 0 and first["critic_grad_norm"] > 0 and first["critic_seconds"] > 0
+    assert 0.0 <= first["value_clip_fraction"] <= 1.0
+
+    second = trainer.train_step(make_batch(6, 2))
+    assert second["policy_trained"] == 1.0 and second["grad_norm"] > 0
+    assert any(not torch.equal(policy_before[n], w) for n, w in policy_weights(trainer).items())
+    lora_b = [p for n, p in zip(trainer.critic.param_names, trainer.critic.params, strict=True) if "lora_B" in n]
+    assert any(torch.count_nonzero(p) > 0 for p in lora_b)  # the critic's LoRA learns once the head is nonzero
+    assert any(not torch.equal(a, b) for a, b in zip(critic_before, trainer.critic.params, strict=True))
+    assert second["value_mean"] != 0.0  # the critic predicts something now
+    assert -10.0 < second["explained_variance"] <= 1.0
+
+
+def test_one_copy_of_the_base_serves_both_adapters(tiny_model_dir):
+    cfg = ppo_config(tiny_model_dir)
+    trainer = build(cfg)
+    base, _ = load_model(cfg.model)
+    hidden = base.get_input_embeddings().weight.shape[1]
+    frozen = sum(p.numel() for n, p in trainer.model.named_parameters() if ".lora_" not in n and CRITIC not in n)
+    assert frozen == sum(p.numel() for p in base.parameters()) + hidden + 1  # + the head's frozen original
+
+
+def test_the_critic_is_never_published(tiny_model_dir):
+    trainer = build(ppo_config(tiny_model_dir))
+    trainer.train_step(make_batch(4, 1))
+    tensors, config = trainer.adapter_state()
+    assert tensors and not [k for k in tensors if VALUE_HEAD in k or CRITIC in k]
+    assert config["r"] == 4 and not config.get("modules_to_save")
+
+
+def test_checkpoint_round_trip_restores_the_critic(tiny_model_dir):
+    cfg = ppo_config(tiny_model_dir, critic={"pretrain_steps": 2})
+    trainer = build(cfg)
+    trainer.train_step(make_batch(6, 1))
+    state = trainer.state_dict()
+    assert state["meta"]["critic"]["updates"] == 1
+    assert [k for k in state["tensors"] if k.startswith("critic/params/") and VALUE_HEAD in k]
+
+    other = build(cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": 11})}))  # another init
+    other.load_state_dict(state)
+    assert other.critic is not None and other.critic.updates == 1 and other.critic.pretraining
+    assert torch.equal(head_weight(other), head_weight(trainer))
+    for a, b in zip(trainer.critic.params, other.critic.params, strict=True):
+        assert torch.equal(a, b)
+    # both continue alike: the restored AdamW moments and scheduler give the same update
+    batch = make_batch(6, 2)
+    torch.manual_seed(0)
+    want = trainer.train_step(batch)
+    torch.manual_seed(0)
+    got = other.train_step(batch)
+    assert got["value_loss"] == pytest.approx(want["value_loss"], rel=1e-5)
+    assert torch.allclose(head_weight(other), head_weight(trainer), atol=1e-6)
+
+
+def test_a_checkpoint_without_a_critic_is_refused(tiny_model_dir):
+    grpo = RunConfig.model_validate(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+            "lora": {"rank": 4, "alpha": 8},
+            "run": {"seed": 3},
+        }
+    )
+    state = build(grpo).state_dict()
+    with pytest.raises(ValueError, match="no critic state"):
+        build(ppo_config(tiny_model_dir)).load_state_dict(state)
+
+
+def test_critic_lora_matching_nothing_names_the_field(tiny_model_dir):
+    cfg = ppo_config(tiny_model_dir, critic={"lora": {"rank": 2, "target_modules": ["nonexistent_proj"]}})
+    with pytest.raises(ConfigError, match=r"critic\.lora\.target_modules"):
+        build(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"algorithm": {"advantage": "grpo"}, "critic": {"lr": 1e-3}}, "critic.lr is set but algorithm.advantage"),
+        ({"algorithm": {"advantage": "gae"}, "critic": {"pretrain_steps": 4}}, "critic.pretrain_steps"),
+        ({"algorithm": {"advantage": "gae", "gamma": 1.5}}, "gamma"),
+        ({"algorithm": {"advantage": "gae", "lam": -0.1}}, "lam"),
+        ({"algorithm": {"advantage": "gae"}, "critic": {"value_clip": 0}}, "value_clip"),
+    ],
+)
+def test_bad_critic_settings_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        RunConfig.model_validate({"trainer": {"steps": 4}, **overrides})
+
+
+def test_plan_resolves_the_critic_and_moves_the_kl_into_the_reward(tiny_model_dir):
+    cfg = ppo_config(tiny_model_dir, kl_coef=0.05, critic={"lr": None, "lora": None})
+    plan = make_plan(cfg)
+    assert plan.trainer is not None and plan.trainer.critic is not None
+    assert plan.trainer.critic.lr == pytest.approx(10 * cfg.trainer.lr)
+    assert plan.trainer.critic.lora == cfg.lora
+    assert plan.trainer.loss.kl_coef == 0.0 and plan.trainer.critic.kl_coef == 0.05
+    assert plan.choices["critic.lr"].reason.startswith("10 x trainer.lr")
+
+
+def test_kl_in_the_reward_is_reported(tiny_model_dir):
+    trainer = build(ppo_config(tiny_model_dir, kl_coef=0.1, critic={"pretrain_steps": 1}))
+    trainer.train_step(make_batch(4, 1))
+    metrics = trainer.train_step(make_batch(4, 2))  # the policy moved in step 2's update only: KL 0 before it
+    assert metrics["kl_in_reward"] == pytest.approx(0.0, abs=1e-6)
+    metrics = trainer.train_step(make_batch(4, 3))
+    assert metrics["kl_in_reward"] != 0.0 and metrics["kl"] == 0.0  # in the reward, not the loss
