@@ -1,6 +1,6 @@
 """PPO's critic on the policy's own frozen base (`algorithm.advantage: gae`): a second LoRA adapter, `critic`,
-and a value head `Linear(hidden, 1)` on the last hidden state, trained at full rank and saved with the critic's
-adapter (PEFT `modules_to_save`).
+and a value head `Linear(hidden, 1)` on the last hidden state (divided by sqrt(hidden), `Critic.values_BT`
+says why), trained at full rank and saved with the critic's adapter (PEFT `modules_to_save`).
 
 One copy of the base weights serves both adapters, in one process or sharded over FSDP2 ranks: SkyRL, OpenRLHF
 and verl load a second model for the critic (15 GB more at 7B). Each adapter takes its own forward and backward
@@ -204,8 +204,12 @@ class Critic:
                 output_hidden_states=True,
             )
         hidden = out.hidden_states[-1][:, packed.frame_start : -1]  # [b, F, H], after the final norm
+        # Adam moves each of the head's H weights by about its lr per step, so the values by about lr x sum|h|:
+        # 1.2 at 135M with the default lr (3e-3), 10 at 7B. The head reads h / sqrt(H), which leaves about
+        # lr x sqrt(H) x mean|h| (0.07 and 0.2): the critic learns without overshooting the rewards' scale.
+        scaled = hidden.float() * hidden.shape[-1] ** -0.5
         with self.active():
-            values: torch.Tensor = value_head(self.model)(hidden.float()).squeeze(-1)
+            values: torch.Tensor = value_head(self.model)(scaled).squeeze(-1)
         return values
 
     @torch.no_grad()
