@@ -39,6 +39,10 @@ from torch import Tensor
 from lora_rl_core.algorithm.losses import aggregate
 
 _EXPLAINED_VARIANCE_RTOL = 1e-12
+_EXPLAINED_VARIANCE_ATOL = 1e-8
+"""Returns whose variance is at most 1e-8 (a spread of 1e-4 reward units) do not vary: a batch of zero rewards
+gives returns of `A + V` that differ only by rounding (about 1e-18), and a ratio over that was -2.7e15 in a
+GPU run (benchmarks/results/ppo-vs-grpo)."""
 """Returns whose variance is at most this share of their mean square are constant: nothing to explain."""
 
 
@@ -277,7 +281,7 @@ def explained_variance(values_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor) -
     verl ``compute_data_metrics`` (``critic/vf_explained_var``), Stable-Baselines3 ``explained_variance``. 1: the
     values predict the returns; 0: no better than a constant; < 0: worse than the returns' mean. Both variances
     divide by the same count, so Bessel's correction cancels. Where the returns do not vary (their variance at
-    most 1e-12 of their mean square, all equal up to rounding, or no real token) there is nothing to explain
+    most 1e-12 of their mean square plus 1e-8, all equal up to rounding, or no real token) there is nothing to explain
     and the result is 0.0, not NaN (SB3) nor a ratio over ``Var[R] + 1e-5`` (verl). Computed in float64 under
     ``torch.no_grad``, with no device sync.
 
@@ -303,6 +307,6 @@ def explained_variance(values_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor) -
             return (torch.where(real_BT, x_BT - x_BT.sum() / n, 0.0) ** 2).sum() / n
 
         var_returns = variance(returns)
-        varies = var_returns > _EXPLAINED_VARIANCE_RTOL * (returns**2).sum() / n
+        varies = var_returns > _EXPLAINED_VARIANCE_RTOL * (returns**2).sum() / n + _EXPLAINED_VARIANCE_ATOL
         ratio = variance(residual) / torch.where(varies, var_returns, 1.0)
         return torch.where(varies, 1.0 - ratio, 0.0).float()
