@@ -183,3 +183,33 @@ def test_kl_in_the_reward_is_reported(tiny_model_dir):
     assert metrics["kl_in_reward"] == pytest.approx(0.0, abs=1e-6)
     metrics = trainer.train_step(make_batch(4, 3))
     assert metrics["kl_in_reward"] != 0.0 and metrics["kl"] == 0.0  # in the reward, not the loss
+
+
+@pytest.mark.slow
+@pytest.mark.spawn
+def test_two_fsdp_ranks_train_the_critic_like_one_process_and_resume_in_one(tiny_model_dir):
+    """Two CPU ranks (the base sharded, both adapters and the head whole on each) give the same policy and
+    critic as one process, and their checkpoint resumes in one process (2 ranks -> 1)."""
+    from lora_rl_core.config import LocalBackend
+    from lora_rl_core.trainer.workers import TrainerWorkers
+
+    cfg = ppo_config(tiny_model_dir, critic={"pretrain_steps": 1})
+    single = build(cfg)
+    trainer = cfg.trainer.model_copy(update={"backend": LocalBackend(world_size=2, device="cpu")})
+    plan = make_plan(cfg.model_copy(update={"trainer": trainer})).trainer
+    assert plan is not None
+    batches = [make_batch(6, 1), make_batch(5, 2)]
+    with TrainerWorkers(plan, timeout_s=120) as workers:
+        for batch in batches:
+            got, want = workers.train_step(batch), single.train_step(batch)
+            assert got["value_loss"] == pytest.approx(want["value_loss"], rel=1e-3, abs=1e-6)
+        state = workers.state_dict()
+    ours = single.state_dict()["tensors"]
+    critic_keys = [k for k in ours if k.startswith("critic/params/")]
+    assert critic_keys and any(VALUE_HEAD in k for k in critic_keys)
+    for key in critic_keys + [k for k in ours if k.startswith("params/")]:
+        assert torch.allclose(state["tensors"][key], ours[key], atol=1e-4), key
+    resumed = build(cfg)
+    resumed.load_state_dict(state)
+    assert resumed.critic is not None and resumed.critic.updates == 2 and not resumed.critic.pretraining
+    assert torch.allclose(head_weight(resumed), head_weight(single), atol=1e-4)
