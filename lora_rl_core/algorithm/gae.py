@@ -36,26 +36,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lora_rl_core.algorithm.losses import _check_same_shape as _check_shapes  # one shape rule for [B, T]
 from lora_rl_core.algorithm.losses import aggregate
 
 _EXPLAINED_VARIANCE_RTOL = 1e-12
+"""Returns whose variance is at most this share of their mean square are constant: nothing to explain."""
 _EXPLAINED_VARIANCE_ATOL = 1e-8
 """Returns whose variance is at most 1e-8 (a spread of 1e-4 reward units) do not vary: a batch of zero rewards
 gives returns of `A + V` that differ only by rounding (about 1e-18), and a ratio over that was -2.7e15 in a
 GPU run (benchmarks/results/ppo-vs-grpo)."""
-"""Returns whose variance is at most this share of their mean square are constant: nothing to explain."""
-
-
-def _check_shapes(mask_BT: Tensor, **tensors_BT: Tensor) -> None:
-    """Raise ``ValueError`` unless ``mask_BT`` is 2-D ``[B, T]`` and every tensor has its shape."""
-    if mask_BT.dim() != 2:
-        raise ValueError(f"mask_BT must be 2-D [B, T], got shape {tuple(mask_BT.shape)}")
-    for name, tensor in tensors_BT.items():
-        if tensor.shape != mask_BT.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)}, expected {tuple(mask_BT.shape)} "
-                "(the shape of mask_BT, [B, T])"
-            )
 
 
 def _real_float32(tensor_BT: Tensor, real_BT: Tensor) -> Tensor:
