@@ -302,6 +302,11 @@ class CriticConfig(Section):
     lr: float | None = Field(None, gt=0)
     """AdamW's learning rate for the critic's adapter and head; None = 10x `trainer.lr` (`CRITIC_LR_FACTOR`).
     The critic warms up like the policy (`trainer.warmup_steps`) and shares its AdamW betas and weight decay."""
+    epochs: int = Field(1, ge=1)
+    """Passes of the critic over each step's batch, each ending in an optimizer step (verl `critic.ppo_epochs`,
+    OpenRLHF `max_epochs`): the critic is a regression onto the step's returns, with no on-policy constraint
+    but the value clip, so it may take several steps where the policy takes one. Each pass costs one forward
+    and backward of the critic over the batch."""
     pretrain_steps: int = Field(0, ge=0)
     """Steps at the start in which only the critic trains (verl's `trainer.critic_warmup`): the policy's
     adapter stays as it is (each step still publishes it), so its first update sees a critic that has learned

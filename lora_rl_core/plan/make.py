@@ -334,6 +334,7 @@ def _critic(cfg: RunConfig, choices: dict[str, Choice]) -> CriticSettings | None
     return CriticSettings(
         lora=c.lora or cfg.lora,
         lr=lr,
+        epochs=c.epochs,
         pretrain_steps=c.pretrain_steps,
         value_clip=c.value_clip,
         loss_coef=c.loss_coef,

@@ -68,6 +68,7 @@ class CriticSettings:
     Attributes:
         lora: the critic adapter's shape (`critic.lora`, else the policy's `lora`).
         lr: its AdamW learning rate (`critic.lr`, else `CRITIC_LR_FACTOR` x `trainer.lr`).
+        epochs: the critic's passes (and optimizer steps) over each batch (`critic.epochs`).
         pretrain_steps: critic-only steps at the start (`critic.pretrain_steps`).
         value_clip: PPO's value clip (None: unclipped). loss_coef: the value loss's weight.
         max_grad_norm: the critic's gradient-norm clip. head_init_std: the value head's init (0: zeros).
@@ -77,6 +78,7 @@ class CriticSettings:
 
     lora: LoRAConfig
     lr: float
+    epochs: int
     pretrain_steps: int
     value_clip: float | None
     loss_coef: float

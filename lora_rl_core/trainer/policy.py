@@ -177,6 +177,9 @@ class PolicyTrainer:
                 update = self._minibatch_update(batch, rows, micros, old_logprobs, keep, targets, policy_trains)
                 for k, v in update.items():
                     sums[k] = max(sums.get(k, v), v) if k in MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
+            for _ in range(critic.settings.epochs - 1 if critic is not None else 0):  # the critic's later passes
+                for rows, micros in zip(chunks, schedules, strict=True):
+                    self._minibatch_update(batch, rows, micros, None, None, targets, policy_trains=False)
             sums.update(m2)
         except torch.OutOfMemoryError as exc:  # raised below, once the frames holding the activations are gone
             out_of_memory: str | None = (str(exc).splitlines() or [type(exc).__name__])[0]

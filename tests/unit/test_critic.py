@@ -213,3 +213,12 @@ def test_two_fsdp_ranks_train_the_critic_like_one_process_and_resume_in_one(tiny
     resumed.load_state_dict(state)
     assert resumed.critic is not None and resumed.critic.updates == 2 and not resumed.critic.pretraining
     assert torch.allclose(head_weight(resumed), head_weight(single), atol=1e-4)
+
+
+def test_critic_epochs_take_that_many_optimizer_steps_per_training_step(tiny_model_dir):
+    trainer = build(ppo_config(tiny_model_dir, critic={"epochs": 3}))
+    trainer.train_step(make_batch(6, 1))
+    assert trainer.critic is not None
+    steps = {float(trainer.critic.optimizer.state[p]["step"]) for p in trainer.critic.params}
+    assert steps == {3.0}  # three passes of the critic, one of the policy
+    assert {float(trainer.optimizer.state[p]["step"]) for p in trainer.params} == {1.0}
