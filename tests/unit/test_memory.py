@@ -70,6 +70,27 @@ def test_a_7b_model_with_the_default_config_fits_one_80gb_gpu(shapes):
     assert plan.engine_fixed + plan.kv_cache + plan.trainer_resident + plan.activations < budget
 
 
+def test_ppo_at_7b_counts_its_critic_and_still_fits_one_80gb_gpu(tmp_path, shapes):
+    """PPO's critic (`algorithm.advantage: gae`): its adapter and value head, with gradients and AdamW state, are
+    resident beside the policy's; the default PPO config at 7B (16 x 8 x 256) fits one 80 GB GPU."""
+    shutil.copy(CONFIGS / "qwen2.5-7b.json", tmp_path / "config.json")
+    ppo = ModelShape.of(ModelConfig(name_or_path=str(tmp_path)), LoRAConfig(), LoRAConfig())
+    assert ppo.critic_params == shapes["7b"].lora_params + 3584 + 1  # the same adapter shape, and the head
+    cfg = config_from_dict(
+        {
+            "rollout": {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 256, "mode": "sync"},
+            "engine": {"type": "sglang", "launch": {"enabled": True}},
+            "algorithm": {"advantage": "gae"},
+        }
+    )
+    grpo_plan, ppo_plan = _plan(_cfg(), shapes["7b"]), _plan(cfg, ppo)
+    assert ppo_plan.trainer_resident - grpo_plan.trainer_resident == ppo.critic_params * 16  # float32 x4
+    assert ppo_plan.micro_batch_size >= 4 and ppo_plan.kv_cache >= ppo_plan.kv_needed
+    assert ppo_plan.engine_fixed + ppo_plan.kv_cache + ppo_plan.trainer_resident + ppo_plan.activations < int(
+        79.1 * GIB
+    )
+
+
 def test_the_memory_saver_is_used_where_it_buys_a_larger_micro_batch(shapes):
     plan = _plan(_cfg(), shapes["7b"], gib=70.0)
     budget = int(70.0 * GIB)
