@@ -175,8 +175,8 @@ class AlgorithmConfig(Section):
     """Advantage estimator: group-normalised (GRPO), mean-centred (Dr. GRPO), leave-one-out (RLOO), or `gae`:
     PPO's per-token generalised advantage estimation (Schulman et al. 2016) from a learned critic (the `critic`
     section), whitened over the batch. Under `gae`, `kl_coef` puts the per-token KL into the reward (verl's
-    `use_kl_in_reward`) instead of the loss, and `skip_uniform_groups` does not apply (the critic's baseline
-    gives a group of equal rewards a signal)."""
+    `use_kl_in_reward`) instead of the loss. `skip_uniform_groups` applies to it too: a group of equal rewards
+    has only the critic's error as a signal, which pushes down everything the policy wrote for that prompt."""
     gamma: float = Field(1.0, ge=0, le=1)
     """GAE's discount gamma per token (`advantage: gae` only; verl, OpenRLHF and SkyRL default to 1.0)."""
     lam: float = Field(1.0, ge=0, le=1)
@@ -211,7 +211,10 @@ class AlgorithmConfig(Section):
     (one H100 each, same seed, 25-33 steps) it was the one arm whose accuracy rose while the cut share fell to
     1 %; `overlong-penalty` collapsed to 4-token answers, `keep` stopped without learning the answers."""
     skip_uniform_groups: bool = True
-    """Train only on groups whose rewards differ (others have zero advantage)."""
+    """Train only on groups whose rewards differ (others have zero group advantage; DAPO's dynamic sampling).
+    Under `advantage: gae` the policy and the critic both train on the groups kept: PPO with every group kept
+    (`false`, the textbook form) put two of four runs on the default task onto the format reward alone
+    (benchmarks/results/ppo-vs-grpo)."""
     num_minibatches: int = Field(1, ge=1)
     """Optimizer steps per training step; 1 keeps training on-policy."""
     max_staleness: int = Field(1, ge=0)

@@ -126,7 +126,7 @@ def train(run: RunComponents, step: int) -> TrainStats:
         rows,
         step=step,
         max_staleness=algo.max_staleness,
-        skip_uniform=algo.skip_uniform_groups and algo.advantage != "gae",  # a critic's baseline gives them signal
+        skip_uniform=algo.skip_uniform_groups,
         mask_truncated=algo.truncation.type == "mask",
     )
     if batch.truncated_masked and not len(batch):  # a policy that never ends in time would otherwise not learn
