@@ -212,9 +212,10 @@ class AlgorithmConfig(Section):
     1 %; `overlong-penalty` collapsed to 4-token answers, `keep` stopped without learning the answers."""
     skip_uniform_groups: bool = True
     """Train only on groups whose rewards differ (others have zero group advantage; DAPO's dynamic sampling).
-    Under `advantage: gae` the policy and the critic both train on the groups kept: PPO with every group kept
-    (`false`, the textbook form) put two of four runs on the default task onto the format reward alone
-    (benchmarks/results/ppo-vs-grpo)."""
+    Under `advantage: gae` the policy and the critic both train on the groups kept. With every group kept
+    (`false`, the textbook form) PPO put one run of four on the default task onto the format reward alone,
+    and two of four with `critic.epochs: 4` (benchmarks/results/ppo-vs-grpo); whether skipping them prevents
+    that is not measured yet."""
     num_minibatches: int = Field(1, ge=1)
     """Optimizer steps per training step; 1 keeps training on-policy."""
     max_staleness: int = Field(1, ge=0)
