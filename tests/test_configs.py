@@ -195,3 +195,28 @@ def test_type_keyed_sections_take_a_bare_kind_a_mapping_or_their_default():
     # a round trip through the snapshot (run.json) gives the same config back
     sglang = load_config(None, ["engine.type=sglang", "engine.launch.enabled=true", "engine.tensor_transport=file"])
     assert RunConfig.model_validate(sglang.model_dump()) == sglang
+
+
+def test_the_config_mappings_are_read_only_and_pickle_as_they_are():
+    """`engine.launch.env` and `store.storage_options` are `FrozenDict`s: a validated config is never changed,
+    and it still travels pickled to Ray actors and FSDP2 ranks, and dumps to JSON."""
+    import json
+    import pickle
+
+    from lora_rl_core.config.base import FrozenDict
+
+    cfg = load_config(
+        None,
+        ["engine.type=sglang", "engine.launch.enabled=true", "engine.launch.env={PYTHONPATH: /x}",
+         "store.storage_options={anon: true}"],
+    )  # fmt: skip
+    env, options = cfg.engine.launch.env, cfg.store.storage_options
+    assert isinstance(env, FrozenDict) and env == {"PYTHONPATH": "/x"} and options == {"anon": True}
+    for change in (lambda: env.__setitem__("A", "1"), lambda: options.update(key="k"), lambda: env.pop("PYTHONPATH")):
+        with pytest.raises(TypeError, match="read-only"):
+            change()
+    assert env == {"PYTHONPATH": "/x"}
+    back = pickle.loads(pickle.dumps(cfg))
+    assert isinstance(back.engine.launch.env, FrozenDict) and back == cfg
+    assert json.loads(cfg.model_dump_json())["store"]["storage_options"] == {"anon": True}
+    assert {**env, "B": "2"} == {"PYTHONPATH": "/x", "B": "2"}  # a changed copy is a plain dict

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
 EngineKind = Literal["embedded", "server", "sglang"]
 """`engine.type`: each value is one entry of the engine registry (`lora_rl_core.engines.registry.ENGINE_KINDS`)."""
@@ -31,10 +31,37 @@ SGLANG_DEFAULT_PORT = 30000
 """The port SGLang and `lora-rl serve` listen on unless told otherwise (SGLang's `--port` default)."""
 
 
+class FrozenDict(dict[str, Any]):
+    """A read-only `dict`: the config's mappings (`engine.launch.env`, `store.storage_options`), so that a
+    validated config is never changed. Unlike `types.MappingProxyType` it pickles (to Ray actors and FSDP2
+    ranks) and is a `dict` wherever one is read (`**options` into fsspec, `{**os.environ, **env}`).
+
+    Raises:
+        TypeError: on any change (`d[k] = v`, `update`, `pop`, ...): make a changed copy instead.
+    """
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a validated config's mapping is read-only: change a copy (dict(mapping), model_copy)")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __reduce__(self) -> tuple[type[FrozenDict], tuple[dict[str, Any]]]:
+        return type(self), (dict(self),)
+
+
+def frozen_mapping(value: dict[str, Any]) -> FrozenDict:
+    """The validator of a config mapping field: the validated dict, made read-only."""
+    return FrozenDict(value)
+
+
+ReadOnlyMapping = AfterValidator(frozen_mapping)
+"""`Annotated[dict[str, X], ReadOnlyMapping]`: a config mapping field, validated as a dict, kept as a `FrozenDict`."""
+
+
 class Section(BaseModel):
     """Base for config sections: unknown keys are errors, and a validated section is never changed (frozen; its
-    lists are tuples; its two mappings, `engine.launch.env` and `store.storage_options`, stay dicts: they
-    travel pickled to Ray actors, where a read-only mapping cannot)."""
+    lists are tuples; its mappings, `engine.launch.env` and `store.storage_options`, are `FrozenDict`s)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
     """Unknown keys are errors, a field cannot be assigned once validated (a changed copy is `model_copy`), and

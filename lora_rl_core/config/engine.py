@@ -16,7 +16,9 @@ from pydantic import Field, model_validator
 from lora_rl_core.config.base import (
     SGLANG_DEFAULT_PORT,
     EvictionPolicy,
+    FrozenDict,
     IpcLayout,
+    ReadOnlyMapping,
     Section,
     SGLangAbort,
     SGLangRetire,
@@ -36,7 +38,7 @@ class SGLangLaunchConfig(Section):
     """Interpreter that runs `-m sglang.launch_server`; None = the one running lora-rl (`make install-gpu` puts
     SGLang beside it). SGLang may live in another environment than ours: name its interpreter here."""
 
-    env: dict[str, str] = {}
+    env: Annotated[dict[str, str], ReadOnlyMapping] = FrozenDict()
     """Extra environment of the server process, e.g. `{PYTHONPATH: /opt/sglang-site}`."""
     host: str = "127.0.0.1"
     """Bind address of the server (loopback: only this machine's run talks to it)."""

@@ -4,12 +4,12 @@ eval, run) and `RunConfig`, which holds them all."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from lora_rl_core.config.algorithm import AlgorithmConfig
-from lora_rl_core.config.base import RolloutMode, Section
+from lora_rl_core.config.base import FrozenDict, ReadOnlyMapping, RolloutMode, Section
 from lora_rl_core.config.engine import EmbeddedEngineConfig, EngineConfig
 from lora_rl_core.config.placement import AutoPlacement, PlacementConfig
 from lora_rl_core.config.trainer import TrainerConfig
@@ -135,7 +135,7 @@ class StoreConfig(Section):
     """fsspec URI of the store's root: `file://./runs` (the default: `runs/` under the working directory),
     `s3://bucket/prefix`, `memory://...` (tests). A run keeps its adapter versions, config snapshot, tags and
     checkpoints under `<uri>/<run_id>/` (docs/DESIGN.md, "Object store layout")."""
-    storage_options: dict[str, Any] = {}
+    storage_options: Annotated[dict[str, Any], ReadOnlyMapping] = FrozenDict()
     """Passed to fsspec (e.g. S3 endpoint_url, key, secret)."""
 
     def build(self):  # noqa: ANN201 - import cycle avoided
