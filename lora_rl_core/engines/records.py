@@ -76,7 +76,9 @@ class EngineInputs:
 
     Attributes:
         engine: the `engine` section (kind, URLs, limits, launch, Ray replicas).
-        model: the `model` section; read by the engines that load the model (embedded) or launch a server.
+        model: the `model` section, with `device` and `dtype` as the run's plan resolved them; read by the engines
+            that load the model (embedded) or launch a server. `auto` is left only where another host decides
+            (Ray replicas: each resolves it on its host before step 1 and reports the answer).
         lora: the `lora` section; read by a launched SGLang (`--max-lora-rank`, `--lora-target-modules`).
         store: the adapter store (built once by the run's inputs), for `store://` adapter names and paths of an
             embedded engine.
@@ -84,8 +86,6 @@ class EngineInputs:
             Ray actors).
         log_dir: where launched servers write their logs (`sglang.log`, `sglang-<i>.log`).
         api_key: the engines' Bearer key; None = the environment variable `engine.api_key_env`.
-        device / dtype: the embedded engine's model device and dtype as the run's plan resolved them; None =
-            `model.device` / `model.dtype` resolved where the engine is built (a Ray actor on its host).
         launch: the SGLang server to launch here, its `auto` flags resolved by the run's plan; None = resolved
             by the launcher against SGLang's defaults (a server without a plan: a Ray replica's).
         launch_budget: what a Ray replica's launcher resolves its `auto` settings with on its host (rollout
@@ -100,8 +100,6 @@ class EngineInputs:
     tokenizer: PreTrainedTokenizerBase | None = None
     log_dir: Path | None = None
     api_key: str | None = None
-    device: str | None = None
-    dtype: str | None = None
     launch: ResolvedLaunch | None = None
     launch_budget: LaunchBudget | None = None
     tensor_transport: TensorTransport | None = None

@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.checkpoint import CheckpointStore
-from lora_rl_core.config import RunConfig
+from lora_rl_core.config import RunConfig, ray_replicas
 from lora_rl_core.data import PromptSampler, PromptStyle
 from lora_rl_core.engines import BuiltEngine, EngineInputs, RolloutEngine
 from lora_rl_core.engines.registry import build_engine
@@ -93,19 +93,20 @@ def start_run(cfg: RunConfig, run_id: str) -> RunComponents:
 def engine_inputs(
     plan: RunPlan, tokenizer: PreTrainedTokenizerBase | None, log_dir: Path | None, store: AdapterStore | None
 ) -> EngineInputs:
-    """What the engine registry builds the run's engine from: the `engine`, `model` and `lora` sections, the
-    adapter store, and the plan's engine section (device, dtype, a launched SGLang's resolved flags, the tensor
-    transport)."""
+    """What the engine registry builds the run's engine from: the `engine` and `lora` sections, the `model`
+    section with the plan's device and dtype (left to each Ray replica's host where the engine has them), the
+    adapter store, and the plan's engine section (a launched SGLang's resolved flags, the tensor transport)."""
     cfg, e = plan.config, plan.engine
+    model = (
+        cfg.model if ray_replicas(cfg.engine) else cfg.model.model_copy(update={"device": e.device, "dtype": e.dtype})
+    )
     return EngineInputs(
         cfg.engine,
-        cfg.model,
+        model,
         cfg.lora,
         store,
         tokenizer=tokenizer,
         log_dir=log_dir,
-        device=e.device,
-        dtype=e.dtype,
         launch=e.launch,
         launch_budget=e.launch_budget,
         tensor_transport=e.tensor_transport,

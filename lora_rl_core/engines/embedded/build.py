@@ -20,8 +20,6 @@ def build_embedded_engine(
     store: AdapterStore | None,
     *,
     tokenizer: Any = None,
-    device: str | None = None,
-    dtype: str | None = None,
 ) -> EmbeddedEngine:
     """An `EmbeddedEngine` on a fresh copy of `model_cfg`'s model with every limit of `engine_cfg`
     (`max_batch_size`, `max_loras_per_batch`, `max_loaded_loras`, `eviction_policy`, `max_lora_rank`,
@@ -30,7 +28,6 @@ def build_embedded_engine(
     Args:
         store: the adapter store, for `store://` adapter names and paths.
         tokenizer: the model's tokenizer if the caller has it already.
-        device / dtype: the model's, as the run's plan resolved them (None: resolved by `load_model`).
 
     Raises:
         ModelError: the model cannot be loaded.
@@ -39,7 +36,7 @@ def build_embedded_engine(
     from lora_rl_core.engines.embedded.engine import EmbeddedEngine
     from lora_rl_core.models import load_model
 
-    model, loaded_tokenizer = load_model(model_cfg, device=device, dtype=dtype)
+    model, loaded_tokenizer = load_model(model_cfg)  # its device and dtype as the section says (the plan's)
     return EmbeddedEngine(
         model,
         tokenizer if tokenizer is not None else loaded_tokenizer,
@@ -69,7 +66,5 @@ def embedded_engine(inputs: EngineInputs) -> BuiltEngine:
             inputs.model,
             inputs.store,
             tokenizer=inputs.tokenizer,
-            device=inputs.device,
-            dtype=inputs.dtype,
         )
     )

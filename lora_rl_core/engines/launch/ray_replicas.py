@@ -60,12 +60,15 @@ class EngineReplica:
 
         torch.set_num_threads(max(1, num_threads))
         self.answer: dict[str, Any] = {"node": ray.util.get_node_ip_address()}
-        if inputs.model is not None and inputs.device is None:
-            # only this host knows its devices: `model.device` and `model.dtype` resolved here, once
+        model = inputs.model
+        if model is not None:
+            # only this host knows its devices: `model.device` and `model.dtype` resolved here (`auto`), once, and
+            # reported either way
             from lora_rl_core.models import model_dtype, resolve_device
 
-            device, dtype = resolve_device(inputs.model.device), model_dtype(inputs.model)
-            inputs = dataclasses.replace(inputs, device=str(device), dtype=dtype.name)
+            device, dtype = resolve_device(model.device), model_dtype(model)
+            resolved = model.model_copy(update={"device": str(device), "dtype": dtype.name})
+            inputs = dataclasses.replace(inputs, model=resolved)
             self.answer.update(device=str(device), dtype=dtype.name, dtype_reason=dtype.reason)
         self.built = build(inputs)
 
@@ -274,7 +277,7 @@ def start_ray_replicas(
         raise ConfigError(f"engine.ray_replicas: engine.type {cfg.type} has no Ray replicas")
     on_gpu = inputs.model is not None and inputs.model.device.startswith("cuda")
     actor_inputs = dataclasses.replace(
-        inputs, engine=cfg.model_copy(update={"ray_replicas": 0}), tokenizer=None, device=None, dtype=None
+        inputs, engine=cfg.model_copy(update={"ray_replicas": 0}), tokenizer=None
     )  # a tokenizer object does not travel; each actor loads its own
     acquire_ray()
     gpus = cfg.ray_gpus_per_replica if on_gpu else 0.0
