@@ -324,7 +324,7 @@ def _critic(cfg: RunConfig, choices: dict[str, Choice]) -> CriticSettings | None
     a, c = cfg.algorithm, cfg.critic
     if a.advantage != "gae":
         return None
-    lr = c.lr if c.lr is not None else CRITIC_LR_FACTOR * cfg.trainer.lr
+    lr = c.lr if c.lr is not None else round(CRITIC_LR_FACTOR * cfg.trainer.lr, 12)  # 0.003, not 0.0029999...
     choices["critic.lr"] = Choice(lr, SET if c.lr is not None else f"{CRITIC_LR_FACTOR:g} x trainer.lr")
     choices["critic.lora"] = Choice(
         (c.lora or cfg.lora).model_dump(), SET if c.lora is not None else "the policy's lora section"
