@@ -214,8 +214,8 @@ class AlgorithmConfig(Section):
     """Train only on groups whose rewards differ (others have zero group advantage; DAPO's dynamic sampling).
     Under `advantage: gae` the policy and the critic both train on the groups kept. With every group kept
     (`false`, the textbook form) PPO put one run of four on the default task onto the format reward alone,
-    and two of four with `critic.epochs: 4`; with them skipped, one CPU run reached 68 % strict against GRPO's
-    60 % (benchmarks/results/ppo-vs-grpo)."""
+    and two of four with `critic.epochs: 4`; with them skipped, of two CPU seeds one reached 68 % strict
+    (GRPO 60 %) and one rambled to the token limit (benchmarks/results/ppo-vs-grpo)."""
     num_minibatches: int = Field(1, ge=1)
     """Optimizer steps per training step; 1 keeps training on-policy."""
     max_staleness: int = Field(1, ge=0)
