@@ -195,21 +195,20 @@ class Critic:
     def values_BT(self, packed: PackedBatch) -> torch.Tensor:
         """`[b, F]` float32 values of the frame's positions (the state before each completion token), from the
         last hidden state through the head; with gradient unless called under `torch.no_grad`."""
-        with self.active(), self.autocast():
-            out = self.model(
-                input_ids=packed.input_ids,
-                attention_mask=packed.attention_mask,
-                use_cache=False,
-                logits_to_keep=1,  # the head reads the hidden states; one position of logits is all that is made
-                output_hidden_states=True,
-            )
-        hidden = out.hidden_states[-1][:, packed.frame_start : -1]  # [b, F, H], after the final norm
-        # Adam moves each of the head's H weights by about its lr per step, so the values by about lr x sum|h|:
-        # 1.2 at 135M with the default lr (3e-3), 10 at 7B. The head reads h / sqrt(H), which leaves about
-        # lr x sqrt(H) x mean|h| (0.07 and 0.2): the critic learns without overshooting the rewards' scale.
-        scaled = hidden.float() * hidden.shape[-1] ** -0.5
         with self.active():
-            values: torch.Tensor = value_head(self.model)(scaled).squeeze(-1)
+            with self.autocast():
+                out = self.model(
+                    input_ids=packed.input_ids,
+                    attention_mask=packed.attention_mask,
+                    use_cache=False,
+                    logits_to_keep=1,  # the head reads the hidden states: one position of logits is all it makes
+                    output_hidden_states=True,
+                )
+            hidden = out.hidden_states[-1][:, packed.frame_start : -1]  # [b, F, H], after the final norm
+            # Adam moves each of the head's H weights by about its lr per step, so the values by about lr x sum|h|:
+            # 1.2 at 135M with the default lr (3e-3), 10 at 7B. The head reads h / sqrt(H), which leaves about
+            # lr x sqrt(H) x mean|h| (0.07 and 0.2): the critic learns without overshooting the rewards' scale.
+            values: torch.Tensor = value_head(self.model)(hidden.float() * hidden.shape[-1] ** -0.5).squeeze(-1)
         return values
 
     @torch.no_grad()
@@ -247,14 +246,13 @@ class Critic:
                     packed.mask_BT
                 )
                 kl_sum += float(kl_BT.sum())
+            # in the packed frame: a row's completion starts where its prompt ends; the masked GAE skips the rest
             scores_B = torch.tensor([batch.rewards[i] for i in micro], dtype=torch.float32)
-            values, mask = _rows_first(values_BT, packed.mask_BT), _rows_first(None, packed.mask_BT)
-            kl = _rows_first(kl_BT, packed.mask_BT) if kl_BT is not None else None
-            token_r = token_rewards(scores_B, mask, kl_BT=kl, kl_coef=s.kl_coef if kl is not None else 0.0)
-            advantages, returns = gae_advantages(token_r, values, mask, gamma=s.gamma, lam=s.lam)
+            token_r = token_rewards(scores_B, packed.mask_BT, kl_BT=kl_BT, kl_coef=s.kl_coef)
+            advantages, returns = gae_advantages(token_r, values_BT, packed.mask_BT, gamma=s.gamma, lam=s.lam)
             for j, row in enumerate(micro):
-                n = int(mask[j].sum())
-                rows[row] = (values[j, :n].cpu(), returns[j, :n].cpu(), advantages[j, :n].cpu())
+                real = packed.mask_BT[j].bool()
+                rows[row] = (values_BT[j, real].cpu(), returns[j, real].cpu(), advantages[j, real].cpu())
         order = sorted(rows)
         flat = [torch.cat([rows[i][k] for i in order]) if order else torch.zeros(0) for k in range(3)]
         gathered = [distributed.all_gather_cat(x) for x in flat]
@@ -304,14 +302,3 @@ class Critic:
         self.scheduler.step()
         self.updates += 1
 
-
-def _rows_first(x: torch.Tensor | None, mask_BT: torch.Tensor) -> torch.Tensor:
-    """`[b, F]` frame values moved left so that each row's completion starts at column 0 (`[b, T]`, T its
-    longest completion), zeros after it; `x` None gives the mask itself so moved."""
-    lengths = mask_BT.sum(dim=1).long()
-    width = int(lengths.max()) if lengths.numel() else 0
-    out = torch.zeros(mask_BT.shape[0], width, dtype=torch.float32)
-    source = mask_BT if x is None else x
-    for j in range(mask_BT.shape[0]):
-        out[j, : int(lengths[j])] = source[j][mask_BT[j].bool()].float().cpu()
-    return out

@@ -295,3 +295,18 @@ def test_explained_variance_of_returns_equal_up_to_rounding_is_zero():
     values = torch.tensor([[0.3, 0.7, 0.1]])
     returns = torch.tensor([[1e-9, -1e-9, 2e-9]])
     assert float(explained_variance(values, returns, torch.ones(1, 3))) == 0.0
+
+
+def test_a_completion_that_starts_later_in_its_row_gets_the_same_advantages():
+    """The trainer's packed frame puts each completion after its prompt (leading zeros in the mask): the
+    masked recursion and the last-token reward give what the completion alone gives."""
+    values = torch.tensor([[0.5, 0.6, 0.7]])
+    alone_a, alone_r = gae_advantages(
+        token_rewards(torch.tensor([1.0]), torch.ones(1, 3)), values, torch.ones(1, 3), gamma=0.9, lam=0.8
+    )
+    mask = torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0, 0.0]])
+    shifted = torch.tensor([[9.0, 9.0, 0.5, 0.6, 0.7, 9.0]])
+    a, r = gae_advantages(token_rewards(torch.tensor([1.0]), mask), shifted, mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(a[:, 2:5], alone_a)
+    torch.testing.assert_close(r[:, 2:5], alone_r)
+    assert not a[:, [0, 1, 5]].any() and not r[:, [0, 1, 5]].any()
