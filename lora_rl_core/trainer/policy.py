@@ -167,19 +167,24 @@ class PolicyTrainer:
             if isinstance(correction, M2POCorrection) and old_logprobs is not None:
                 keep, m2 = m2po_batch_keep(batch, old_logprobs, correction.m2_threshold)
             targets: dict[int, RowTargets] | None = None
+            packed: list[list[PackedBatch] | None] = [None] * len(schedules)  # packed once where reused
             if critic is not None:
                 critic.seconds = 0.0
                 with critic.timed():
-                    packed = [(m, self._pack(batch, m)) for ms in schedules for m in ms]
-                    targets, value_metrics = critic.targets(batch, packed, old_logprobs, self._ref_logprobs)
+                    ready = [[self._pack(batch, m) for m in ms] for ms in schedules]
+                    pairs = [
+                        (m, p) for ms, ps in zip(schedules, ready, strict=True) for m, p in zip(ms, ps, strict=True)
+                    ]
+                    targets, value_metrics = critic.targets(batch, pairs, old_logprobs, self._ref_logprobs)
+                packed = list(ready)
                 m2.update(value_metrics)
-            for rows, micros in zip(chunks, schedules, strict=True):
-                update = self._minibatch_update(batch, rows, micros, old_logprobs, keep, targets, policy_trains)
+            for rows, micros, ps in zip(chunks, schedules, packed, strict=True):
+                update = self._minibatch_update(batch, rows, micros, ps, old_logprobs, keep, targets, policy_trains)
                 for k, v in update.items():
                     sums[k] = max(sums.get(k, v), v) if k in MAX_KEYS else sums.get(k, 0.0) + v / len(chunks)
             for _ in range(critic.settings.epochs - 1 if critic is not None else 0):  # the critic's later passes
-                for rows, micros in zip(chunks, schedules, strict=True):
-                    self._minibatch_update(batch, rows, micros, None, None, targets, policy_trains=False)
+                for rows, micros, ps in zip(chunks, schedules, packed, strict=True):
+                    self._minibatch_update(batch, rows, micros, ps, None, None, targets, policy_trains=False)
             sums.update(m2)
         except torch.OutOfMemoryError as exc:  # raised below, once the frames holding the activations are gone
             out_of_memory: str | None = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -263,11 +268,15 @@ class PolicyTrainer:
         batch: TrainBatch,
         rows: list[int],
         micros: list[list[int]],
+        packed: list[PackedBatch] | None,
         old: dict[int, torch.Tensor] | None,
         keep: dict[int, torch.Tensor] | None,
         targets: dict[int, RowTargets] | None = None,
         policy_trains: bool = True,
     ) -> dict[str, float]:
+        """One optimizer step of the policy (unless `policy_trains` is False) and of the critic (with `targets`)
+        over the minibatch `rows`, this rank's `micros` of it (`packed`: them on the device already, None =
+        packed here); the minibatch's metrics, global over ranks."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(len(batch.completion_ids[i]) for i in rows)
@@ -275,7 +284,7 @@ class PolicyTrainer:
         # the GPU's queue to drain, so packing between backward passes would stall it at each one. Likewise the
         # metrics stay on the device until the minibatch ends. What still waits once per forward is transformers'
         # padding-mask check (tests/gpu/test_trainer_syncs.py).
-        packed = [self._pack(batch, micro) for micro in micros]
+        packed = packed if packed is not None else [self._pack(batch, micro) for micro in micros]
         sums: dict[str, torch.Tensor] = {}
         for micro, micro_packed in zip(micros, packed, strict=True):  # an empty micro is a zero-weight dummy pass
             tokens = sum(len(batch.completion_ids[i]) for i in micro)  # (keeps FSDP collectives matched)
