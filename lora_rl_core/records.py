@@ -108,12 +108,15 @@ class TrainBatch:
         stale_rejected: scored rows left out because their policy version was too old (`from_scored`).
         uniform_skipped: scored rows left out because their group had no reward signal (`from_scored`).
         reward_skipped: scored rows left out because no reward function scored them (`ScoredRollout.skipped`).
-        truncated_masked: scored rows left out because they were cut at the token limit (`algorithm.truncation:
-            mask`); their rewards still counted in their groups' advantages.
+        truncated_masked: scored rows cut at the token limit (`algorithm.truncation: mask`), which add no policy
+            loss; their rewards still counted in their groups' advantages. Left out of the batch, or, for the
+            critic (`advantage: gae`), kept as `value_only` rows.
         version_lag: histogram of the scored rows' version lag (`step - 1 - adapter_version`), rejected rows
             included: `{lag: rows}`.
         rewards: each row's reward (the task's score), for the critic's per-token advantages (`advantage: gae`);
             empty in a batch made without them.
+        value_only: per row, True where only the critic trains on it (a completion cut at the token limit under
+            `truncation: mask` with `advantage: gae`); empty = the policy trains on every row.
     """
 
     prompt_ids: list[list[int]]
@@ -126,6 +129,7 @@ class TrainBatch:
     truncated_masked: int = 0
     version_lag: dict[int, int] = field(default_factory=dict)
     rewards: list[float] = field(default_factory=list)
+    value_only: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -133,6 +137,14 @@ class TrainBatch:
     def row_lengths(self) -> list[int]:
         """Each row's length in tokens (prompt + completion): what a forward over the row computes."""
         return [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids, strict=True)]
+
+    def trains_policy(self, row: int) -> bool:
+        """Whether the policy's loss covers row `row` (every row but a `value_only` one)."""
+        return not (self.value_only and self.value_only[row])
+
+    def policy_rows(self) -> int:
+        """How many rows the policy's loss covers."""
+        return len(self) - sum(self.value_only)
 
     def select(self, rows: list[int]) -> TrainBatch:
         """The sub-batch of the given row indices."""
@@ -142,6 +154,7 @@ class TrainBatch:
             [self.advantages[i] for i in rows],
             [self.inference_logprobs[i] for i in rows],
             rewards=[self.rewards[i] for i in rows] if self.rewards else [],
+            value_only=[self.value_only[i] for i in rows] if self.value_only else [],
         )
 
     @classmethod
@@ -153,6 +166,7 @@ class TrainBatch:
         max_staleness: int,
         skip_uniform: bool,
         mask_truncated: bool = False,
+        critic_sees_truncated: bool = False,
     ) -> TrainBatch:
         """The rows of step `step` that the update may use.
 
@@ -163,12 +177,16 @@ class TrainBatch:
         (DAPO's dynamic sampling, Yu et al. 2025, filters them the same way). With `mask_truncated`
         (`algorithm.truncation: mask`), rows cut at the token limit add no loss and are left out too: a
         token-mean loss then averages over the other rows' tokens alone (TRL `mask_truncated_completions`); their
-        advantages, and those of their groups, were computed with them.
+        advantages, and those of their groups, were computed with them. With `critic_sees_truncated` as well
+        (`advantage: gae`), they stay in the batch as `value_only` rows: the critic's values and the whitened
+        advantages are made with them, as a group's are, so that a baseline learned only from completions that
+        ended would not hide that ending is worth more than being cut (docs/DESIGN.md, "PPO").
         """
         lagged = [(r, step - 1 - r.adapter_version) for r in rows if r.adapter_version is not None]
         fresh = [r for r, lag in lagged if lag <= max_staleness]
         signal = [r for r in fresh if not r.skipped and (r.has_signal or not skip_uniform)]
-        used = [r for r in signal if not (mask_truncated and r.finish_reason == "length")]
+        cut = [mask_truncated and r.finish_reason == "length" for r in signal]
+        used = [r for r, c in zip(signal, cut, strict=True) if critic_sees_truncated or not c]
         lags = Counter(lag for _, lag in lagged)
         return cls(
             [r.prompt_ids for r in used],
@@ -178,9 +196,10 @@ class TrainBatch:
             stale_rejected=len(rows) - len(fresh),
             uniform_skipped=sum(1 for r in fresh if not r.skipped) - len(signal),
             reward_skipped=sum(1 for r in fresh if r.skipped),
-            truncated_masked=len(signal) - len(used),
+            truncated_masked=sum(cut),
             version_lag=dict(sorted(lags.items())),
             rewards=[r.reward for r in used],
+            value_only=cut if critic_sees_truncated and any(cut) else [],
         )
 
 

@@ -10,7 +10,9 @@
 #   WAIT_S=540 bash benchmarks/gpu/async_parity.sh wait      # returns when all ended or after WAIT_S
 #   bash benchmarks/gpu/async_parity.sh collect
 # VARIANTS (space-separated, `--variants` syntax of async_rollouts.py) default to sync, async (auto correction),
-# async with no correction, and async with TRL's sequence mask.
+# async with no correction, and async with TRL's sequence mask. Two sets side by side on a host of two GPUs:
+# `CUDA_VISIBLE_DEVICES=k PARITY_DIR=/tmp/park PORT_BASE=3k000 ... start` once per GPU (then wait and collect
+# each DIR); EVAL_SIZE=null keeps a dataset's own test split (data.eval_size).
 set -uo pipefail
 DIR=${PARITY_DIR:-/tmp/parity}
 OUT=${OUT:-/tmp/out}
@@ -30,12 +32,12 @@ start)
   i=0
   # shellcheck disable=SC2086  # VARIANTS splits on spaces on purpose
   for seeds in ${SEEDS:?SEEDS=\"0,1 2,3\": one process per group}; do
-    PREFECT_HOME=/tmp/prefect-home-$i setsid python3 benchmarks/async_rollouts.py --config "$CONFIG" \
+    PREFECT_HOME=$DIR/prefect-home-$i setsid python3 benchmarks/async_rollouts.py --config "$CONFIG" \
       --seeds "$seeds" --steps "${STEPS:-30}" --launch-sglang --device cuda --check-versions "${CHECK:-3}" \
       --out "$DIR/parity_p$i.json" --variants $VARIANTS \
       --set model.name_or_path=/tmp/models/smollm2-gguf engine.type=sglang "engine.launch.env={PYTHONPATH: /tmp/sglsite}" \
-      engine.sglang_retire=keep engine.launch.cuda_graph_max_bs=null data.eval_size=512 \
-      engine.launch.port=$((30000 + 100 * i)) engine.launch.mem_fraction_static="${MEM:-0.12}" ${EXTRA:-} \
+      engine.sglang_retire=keep engine.launch.cuda_graph_max_bs=null "data.eval_size=${EVAL_SIZE:-512}" \
+      engine.launch.port=$((${PORT_BASE:-30000} + 100 * i)) engine.launch.mem_fraction_static="${MEM:-0.12}" ${EXTRA:-} \
       >"$DIR/p$i.log" 2>&1 </dev/null &
     echo $! >"$DIR/p$i.pid"
     echo "[async_parity] process $i: seeds $seeds, pid $!"

@@ -128,8 +128,9 @@ def train(run: RunComponents, step: int) -> TrainStats:
         max_staleness=algo.max_staleness,
         skip_uniform=algo.skip_uniform_groups,
         mask_truncated=algo.truncation.type == "mask",
+        critic_sees_truncated=algo.advantage == "gae",
     )
-    if batch.truncated_masked and not len(batch):  # a policy that never ends in time would otherwise not learn
+    if batch.truncated_masked and not batch.policy_rows():  # a policy that never ends in time would otherwise not learn
         log.warning(
             "step %d trains on nothing: all %d completions with a learning signal were cut at "
             "rollout.max_new_tokens=%d and algorithm.truncation=mask leaves them out of the loss; raise "
@@ -144,7 +145,7 @@ def train(run: RunComponents, step: int) -> TrainStats:
     checkpointed = step % run.cfg.trainer.checkpoint_every == 0
     stats = TrainStats(
         trainer=metrics,
-        trained_rows=len(batch),
+        trained_rows=batch.policy_rows(),
         stale_rejected=batch.stale_rejected,
         uniform_skipped=batch.uniform_skipped,
         reward_skipped=batch.reward_skipped,

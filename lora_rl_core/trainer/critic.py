@@ -225,7 +225,8 @@ class Critic:
         The task's reward goes at each completion's last token; with `kl_coef` > 0 each token's reward also
         loses `kl_coef * (log pi_old - log pi_ref)` (verl `apply_kl_penalty`, k1 estimator). A cut completion
         is not bootstrapped (`gae_advantages`: no value after the last token). The advantages are whitened over
-        the whole batch, every rank's rows (verl `compute_advantage` for GAE, OpenRLHF, SkyRL).
+        the whole batch, every rank's rows (verl `compute_advantage` for GAE, OpenRLHF, SkyRL), the rows only
+        the critic trains on (`TrainBatch.value_only`) included.
 
         Returns:
             `{row: RowTargets}` of this rank's rows, and the step's global `value_mean` (before the update),
@@ -301,4 +302,3 @@ class Critic:
         """After every minibatch of a step: the critic's warm-up counts one step more."""
         self.scheduler.step()
         self.updates += 1
-

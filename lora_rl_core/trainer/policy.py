@@ -138,7 +138,9 @@ class PolicyTrainer:
             off-policy correction is_weight_mean/is_weight_max/is_masked_fraction (`off_policy_weights`), lr,
             padding_fraction (of the positions this rank's forwards computed, `batching.padding_fraction`:
             rank 0's share on a sharded trainer, not global),
-            train_sequences, train_tokens, train_seconds. An empty batch skips the update.
+            train_sequences (the rows the policy's loss covers), value_only_sequences (the critic's alone, where
+            the batch has any), train_tokens, train_seconds. An empty batch skips the update; the policy's
+            optimizer does not step on a batch without a row for it.
         """
         start = time.perf_counter()
         if len(batch) == 0:
@@ -156,7 +158,8 @@ class PolicyTrainer:
         m2po = isinstance(correction, M2POCorrection)
         critic = self.critic
         kl_in_reward = critic is not None and critic.settings.kl_coef > 0
-        policy_trains = critic is None or not critic.pretraining
+        # the policy sits out the critic's warm-up, and a batch whose rows are all the critic's (`value_only`)
+        policy_trains = (critic is None or not critic.pretraining) and batch.policy_rows() > 0
         try:
             # one pass before the update where the minibatches need the policy before it, M2PO the whole batch,
             # or the critic's reward its KL
@@ -212,7 +215,8 @@ class PolicyTrainer:
         return {
             **sums,
             "padding_fraction": padding_fraction(lengths, [m for micros in schedules for m in micros]),
-            "train_sequences": float(len(batch)),
+            "train_sequences": float(batch.policy_rows()),
+            **({"value_only_sequences": float(len(batch) - batch.policy_rows())} if batch.value_only else {}),
             "train_tokens": float(tokens),
             "train_seconds": time.perf_counter() - start,
             "lr": float(self.scheduler.get_last_lr()[0]),
@@ -280,28 +284,35 @@ class PolicyTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(len(batch.completion_ids[i]) for i in rows)
+        # the policy's loss leaves the critic's `value_only` rows out: its weights count the other rows alone
+        policy_rows = [i for i in rows if batch.trains_policy(i)]
+        policy_tokens = max(1, sum(len(batch.completion_ids[i]) for i in policy_rows))
+        policy_trains = policy_trains and bool(policy_rows)  # the same on every rank: each has the whole batch
         # Every micro-batch goes to the device before the first forward: a copy from pageable memory waits for
         # the GPU's queue to drain, so packing between backward passes would stall it at each one. Likewise the
         # metrics stay on the device until the minibatch ends. What still waits once per forward is transformers'
         # padding-mask check (tests/gpu/test_trainer_syncs.py).
         packed = packed if packed is not None else [self._pack(batch, micro) for micro in micros]
         sums: dict[str, torch.Tensor] = {}
+        token_mean = self.loss.aggregation == "token-mean"
         for micro, micro_packed in zip(micros, packed, strict=True):  # an empty micro is a zero-weight dummy pass
             tokens = sum(len(batch.completion_ids[i]) for i in micro)  # (keeps FSDP collectives matched)
-            weight = tokens / total_tokens if self.loss.aggregation == "token-mean" else len(micro) / len(rows)
-            m: dict[str, torch.Tensor] = {}
+            weight = tokens / total_tokens if token_mean else len(micro) / len(rows)
             if policy_trains:
+                ours = [i for i in micro if batch.trains_policy(i)]
+                ours_tokens = sum(len(batch.completion_ids[i]) for i in ours)
+                policy_weight = ours_tokens / policy_tokens if token_mean else len(ours) / len(policy_rows)
                 micro_old = [old[i] for i in micro] if old is not None and micro else None
                 micro_keep = [keep[i] for i in micro] if keep is not None else None  # a dummy pass keeps nothing
                 advantages = [targets[i].advantages for i in micro] if targets is not None else None
-                m = self._micro_backward(micro_packed, micro_old, micro_keep, advantages, weight)
+                rows_mask = [batch.trains_policy(i) for i in micro] if batch.value_only and micro else None
+                m = self._micro_backward(micro_packed, micro_old, micro_keep, advantages, policy_weight, rows_mask)
+                accumulate(sums, m if ours else _zeros(m), policy_weight, ours_tokens / policy_tokens)
             if self.critic is not None and targets is not None:
                 with self.critic.timed():
                     rows_targets = [targets[i] for i in micro]
-                    m.update(self.critic.backward(micro_packed, rows_targets, weight, self.loss.aggregation))
-            accumulate(
-                sums, m if micro else {k: torch.zeros_like(v) for k, v in m.items()}, weight, tokens / total_tokens
-            )
+                    m = self.critic.backward(micro_packed, rows_targets, weight, self.loss.aggregation)
+                accumulate(sums, m if micro else _zeros(m), weight, tokens / total_tokens)
         metrics = all_reduce_metrics(sums)
         if policy_trains:
             distributed.sum_gradients(self.params)  # the ranks' shares of the minibatch (no-op in one process)
@@ -324,24 +335,29 @@ class PolicyTrainer:
         keep: list[torch.Tensor] | None,
         advantages: list[torch.Tensor] | None,
         weight: float,
+        rows_mask: list[bool] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Forward, loss and backward of one packed micro-batch (gradients scaled by `weight`; `keep`: M2PO's mask
         of its rows, `m2po_batch_keep`; `advantages`: its rows' per-token GAE advantages, None = the batch's one
-        per row); its metrics as 0-dim tensors on the device (read once per minibatch)."""
+        per row; `rows_mask`: False on a row the loss leaves out, a critic's `value_only` row); its metrics as
+        0-dim tensors on the device (read once per minibatch)."""
         logits = self._logits(packed)  # [b, F, V]
         logprobs_BT = selective_log_softmax(logits, packed.targets_BT)
         old_BT = logprobs_BT.detach() if old is None else frame(old, packed.mask_BT)
+        mask_BT = packed.mask_BT
+        if rows_mask is not None:
+            mask_BT = mask_BT * torch.tensor(rows_mask, dtype=mask_BT.dtype, device=mask_BT.device)[:, None]
         ref_BT = self._ref_logprobs(packed) if self.loss.kl_coef > 0 else None
         weights_BT, is_metrics = None, dict[str, torch.Tensor]()
         correction = self.loss.off_policy_correction
         if keep is not None:  # M2PO: the whole batch's mask, the kept tokens weighted trainer over sampler
             keep_BT = frame([k.float() for k in keep], packed.mask_BT)
-            weights_BT, is_metrics = m2po_weights(old_BT, packed.inference_logprobs_BT, keep_BT, packed.mask_BT)
+            weights_BT, is_metrics = m2po_weights(old_BT, packed.inference_logprobs_BT, keep_BT, mask_BT)
         elif correction.type != "none":
             weights_BT, is_metrics = off_policy_weights(
                 old_BT,
                 packed.inference_logprobs_BT,
-                packed.mask_BT,
+                mask_BT,
                 mode=correction.type,
                 **correction.weight_args(),  # the kind's own bounds (cap, floor, geo_low / geo_high)
             )
@@ -349,16 +365,16 @@ class PolicyTrainer:
             logprobs_BT,
             old_BT,
             packed.advantages_B if advantages is None else frame(advantages, packed.mask_BT),
-            packed.mask_BT,
+            mask_BT,
             importance_weights_BT=weights_BT,
             ref_logprobs_BT=ref_BT,
             **self.loss.loss_args(),
         )
         (loss * weight).backward()
         with torch.no_grad():
-            n = packed.mask_BT.sum().clamp(min=1)
-            m["entropy"] = (entropy_from_logits(logits.detach()) * packed.mask_BT).sum() / n
-            diff = (logprobs_BT.detach() - packed.inference_logprobs_BT).abs() * packed.mask_BT
+            n = mask_BT.sum().clamp(min=1)
+            m["entropy"] = (entropy_from_logits(logits.detach()) * mask_BT).sum() / n
+            diff = (logprobs_BT.detach() - packed.inference_logprobs_BT).abs() * mask_BT
             m["logprob_mismatch"] = diff.sum() / n
             m.update(is_metrics)
             m["loss"] = loss.detach()
@@ -450,6 +466,11 @@ class PolicyTrainer:
                 another critic).
         """
         load_state(self, self.critic, state, self.rank)
+
+
+def _zeros(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A dummy pass's metrics: each zero (its forward and backward only keep FSDP's collectives matched)."""
+    return {k: torch.zeros_like(v) for k, v in metrics.items()}
 
 
 def _on_rank0(value: Any, what: str) -> Any:

@@ -198,11 +198,14 @@ def test_two_fsdp_ranks_train_the_critic_like_one_process_and_resume_in_one(tiny
     trainer = cfg.trainer.model_copy(update={"backend": LocalBackend(world_size=2, device="cpu")})
     plan = make_plan(cfg.model_copy(update={"trainer": trainer})).trainer
     assert plan is not None
-    batches = [make_batch(6, 1), make_batch(5, 2)]
+    # the third: rows only the critic trains on (`value_only`)
+    third = TrainBatch(**{**vars(make_batch(5, 3)), "value_only": [True, True, False, True, False]})
+    batches = [make_batch(6, 1), make_batch(5, 2), third]
     with TrainerWorkers(plan, timeout_s=120) as workers:
         for batch in batches:
             got, want = workers.train_step(batch), single.train_step(batch)
             assert got["value_loss"] == pytest.approx(want["value_loss"], rel=1e-3, abs=1e-6)
+            assert got.get("pg_loss", 0.0) == pytest.approx(want.get("pg_loss", 0.0), rel=1e-3, abs=1e-6)
         state = workers.state_dict()
     ours = single.state_dict()["tensors"]
     critic_keys = [k for k in ours if k.startswith("critic/params/")]
@@ -211,7 +214,7 @@ def test_two_fsdp_ranks_train_the_critic_like_one_process_and_resume_in_one(tiny
         assert torch.allclose(state["tensors"][key], ours[key], atol=1e-4), key
     resumed = build(cfg)
     resumed.load_state_dict(state)
-    assert resumed.critic is not None and resumed.critic.updates == 2 and not resumed.critic.pretraining
+    assert resumed.critic is not None and resumed.critic.updates == 3 and not resumed.critic.pretraining
     assert torch.allclose(head_weight(resumed), head_weight(single), atol=1e-4)
 
 
@@ -222,3 +225,40 @@ def test_critic_epochs_take_that_many_optimizer_steps_per_training_step(tiny_mod
     steps = {float(trainer.critic.optimizer.state[p]["step"]) for p in trainer.critic.params}
     assert steps == {3.0}  # three passes of the critic, one of the policy
     assert {float(trainer.optimizer.state[p]["step"]) for p in trainer.params} == {1.0}
+
+
+def _policy_update(model_dir, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    trainer = build(ppo_config(model_dir, lam=1.0))
+    before = policy_weights(trainer)
+    trainer.train_step(batch)
+    return {n: w - before[n] for n, w in policy_weights(trainer).items()}
+
+
+def test_a_value_only_row_shapes_the_advantages_but_adds_no_policy_loss(tiny_model_dir):
+    """A completion cut at the limit under `truncation: mask` (`value_only`): the critic trains on it and the
+    whitening counts it, the policy's loss does not. Before its first update the critic predicts 0 whatever the
+    tokens, so the policy's update cannot depend on the value-only row's tokens, only on its length and reward;
+    the same row in the policy's loss changes the update."""
+    batch = make_batch(4, 5)
+    other = list(batch.completion_ids)
+    other[0] = [(t % (VOCAB - 1)) + 1 for t in (x + 7 for x in other[0])]  # other tokens, same length
+    swapped = TrainBatch(batch.prompt_ids, other, batch.advantages, batch.inference_logprobs, rewards=batch.rewards)
+    value_only = [True, False, False, False]
+    a = _policy_update(tiny_model_dir, TrainBatch(**{**vars(batch), "value_only": value_only}))
+    b = _policy_update(tiny_model_dir, TrainBatch(**{**vars(swapped), "value_only": value_only}))
+    assert all(torch.allclose(a[n], b[n], atol=1e-7) for n in a)
+    assert any(float(d.abs().max()) > 0 for d in a.values())  # the other rows trained the policy
+    c = _policy_update(tiny_model_dir, batch)
+    d = _policy_update(tiny_model_dir, swapped)
+    assert any(not torch.allclose(c[n], d[n], atol=1e-7) for n in c)  # in the loss, its tokens count
+
+
+def test_a_batch_of_value_only_rows_trains_the_critic_and_leaves_the_policy(tiny_model_dir):
+    trainer = build(ppo_config(tiny_model_dir))
+    policy_before, head_before = policy_weights(trainer), head_weight(trainer)
+    batch = make_batch(4, 2)
+    metrics = trainer.train_step(TrainBatch(**{**vars(batch), "value_only": [True] * 4}))
+    assert all(torch.equal(policy_before[n], w) for n, w in policy_weights(trainer).items())
+    assert not torch.equal(head_weight(trainer), head_before)
+    assert metrics["train_sequences"] == 0 and metrics["value_only_sequences"] == 4
+    assert metrics["policy_trained"] == 0.0 and "grad_norm" not in metrics

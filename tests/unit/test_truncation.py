@@ -123,6 +123,18 @@ def test_mask_keeps_the_cut_row_in_its_group_statistics_and_out_of_the_loss():
     assert len(none) == 0 and none.uniform_skipped == 4 and none.truncated_masked == 0
 
 
+def test_under_gae_the_cut_row_stays_for_the_critic_alone():
+    scored = _score(MaskTruncated())
+    batch = TrainBatch.from_scored(
+        scored.rows, step=2, max_staleness=1, skip_uniform=True, mask_truncated=True, critic_sees_truncated=True
+    )
+    assert [len(c) for c in batch.completion_ids] == [48, 20, 40, 10] and batch.value_only == [True] + [False] * 3
+    assert batch.truncated_masked == 1 and batch.policy_rows() == 3 and not batch.trains_policy(0)
+    assert batch.select([2, 0]).value_only == [False, True]
+    kept = TrainBatch.from_scored(scored.rows, step=2, max_staleness=1, skip_uniform=True, critic_sees_truncated=True)
+    assert kept.value_only == [] and kept.policy_rows() == 4  # `keep`: nothing is the critic's alone
+
+
 def test_overlong_penalty_moves_rewards_and_advantages():
     scored = _score(OverlongPenalty(buffer=16, penalty=1.0))
     # 48 tokens: -1; 40 tokens: -0.5; 20 and 10 tokens: 0
