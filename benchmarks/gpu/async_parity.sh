@@ -8,7 +8,7 @@
 # After the carry calls of docs/SGLANG.md ("GPU host"), from the repo root there:
 #   SEEDS="0,1 2,3 4,5 6,7" STEPS=30 bash benchmarks/gpu/async_parity.sh start
 #   WAIT_S=540 bash benchmarks/gpu/async_parity.sh wait      # returns when all ended or after WAIT_S
-#   bash benchmarks/gpu/async_parity.sh collect
+#   bash benchmarks/gpu/async_parity.sh collect         # PACK=NAME: one NAME.tgz (a call returns <= 8 files)
 # VARIANTS (space-separated, `--variants` syntax of async_rollouts.py) default to sync, async (auto correction),
 # async with no correction, and async with TRL's sequence mask. Two sets side by side on a host of two GPUs:
 # `CUDA_VISIBLE_DEVICES=k PARITY_DIR=/tmp/park PORT_BASE=3k000 ... start` once per GPU (then wait and collect
@@ -59,9 +59,15 @@ wait)
   echo "[async_parity] $alive process(es) still running"
   ;;
 collect)
-  mkdir -p "$OUT"
-  cp "$DIR"/parity_p*.json "$OUT/" 2>/dev/null
-  for f in "$DIR"/p*.log; do tail -c 20000 "$f" >"$OUT/$(basename "$f")"; done
+  # PACK=NAME: one NAME.tgz in $OUT instead of a file per process (a call brings back at most 8 files)
+  dest=$OUT
+  [ -n "${PACK:-}" ] && dest=$(mktemp -d)
+  mkdir -p "$dest"
+  cp "$DIR"/parity_p*.json "$dest/" 2>/dev/null
+  for f in "$DIR"/p*.log; do tail -c 20000 "$f" >"$dest/$(basename "$f")"; done
+  if [ -n "${PACK:-}" ]; then
+    mkdir -p "$OUT" && tar czf "$OUT/$PACK.tgz" -C "$dest" . && rm -rf "$dest"
+  fi
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
   ;;
 *)

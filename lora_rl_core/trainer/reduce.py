@@ -45,14 +45,16 @@ def m2po_batch_keep(
 
     Returns:
         this rank's part per row (`[tokens]` bool, True = trained on), and the step's global `m2` (mean squared
-        log ratio before masking) and `m2_masked_fraction`.
+        log ratio before masking) and `m2_masked_fraction`. A row the policy's loss leaves out (the critic's
+        `value_only`) keeps no token and does not count in M2.
     """
-    rows = sorted(old)
+    rows = [i for i in sorted(old) if batch.trains_policy(i)]
     log_r = [old[i] - torch.tensor(batch.inference_logprobs[i], dtype=torch.float32) for i in rows]
     mine = torch.cat(log_r) if log_r else torch.zeros(0)
     everyone, start = distributed.all_gather_cat(mine)
     keep_N, m2 = m2po_keep_mask(everyone, threshold)
     own = keep_N[start : start + mine.numel()].cpu()
     masked = float((~keep_N).sum()) / max(1, keep_N.numel())
-    parts = own.split([len(r) for r in log_r])
-    return dict(zip(rows, parts, strict=True)), {"m2": float(m2), "m2_masked_fraction": masked}
+    keep = dict(zip(rows, own.split([len(r) for r in log_r]), strict=True))
+    keep.update({i: torch.zeros(len(old[i]), dtype=torch.bool) for i in old if i not in keep})
+    return keep, {"m2": float(m2), "m2_masked_fraction": masked}

@@ -388,3 +388,8 @@ def test_m2po_masks_over_the_whole_batch_across_micro_batches(make_trainer):
     metrics = trainer.train_step(with_log_ratios([0.3, 0.0], [0.2] * 6))
     assert metrics["m2_masked_fraction"] == pytest.approx(1 / 8) and metrics["clip_fraction"] == 0.0
     assert metrics["is_masked_fraction"] == pytest.approx(1 / 8) and math.isfinite(metrics["loss"])
+    # row 1 the critic's alone (`value_only`, PPO's cut row): M2 over row 0's tokens, 0.09 / 2 = 0.045 > 0.04
+    value_only = TrainBatch(**{**vars(with_log_ratios([0.3, 0.0], [0.0] * 6)), "value_only": [False, True]})
+    keep, stats = m2po_batch_keep(value_only, old, 0.04)
+    assert [k.tolist() for k in (keep[0], keep[1])] == [[False, True], [False] * 6]
+    assert stats["m2"] == pytest.approx(0.09 / 2, rel=1e-5) and stats["m2_masked_fraction"] == pytest.approx(1 / 2)
