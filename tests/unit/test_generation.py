@@ -1,5 +1,5 @@
 """Generation batch: the inverse-CDF sampler draws from the right distribution; shared prefill of repeated
-prompts gives the same tokens and logits as plain HF generation."""
+prompts, and rows that leave the batch when they end, give the same tokens and logits as plain HF generation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
 
 from lora_rl_core.engines import SamplingParams
 from lora_rl_core.engines.embedded.generation import (
@@ -78,21 +78,59 @@ def models(tiny_model_dir):
 PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [10, 11], [5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
 
-def _plain_generate(model, prompts, adapters, max_new_tokens=6):
+def _plain_generate(model, prompts, adapters, max_new_tokens=6, eos=EOS, processors=None):
     ids, mask = left_pad(prompts, PAD)
     kwargs = {"adapter_names": adapters} if adapters else {}
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=PAD,
-        eos_token_id=[EOS],
+        eos_token_id=[eos],
         bos_token_id=None,
         return_dict_in_generate=True,
         output_logits=True,
     )
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kwargs)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors, **kwargs
+        )
     return out.sequences[:, ids.shape[1] :], out.logits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("with_adapters", [False, True])
+def test_rows_that_end_leave_the_batch_and_nothing_else_changes(models, temperature, with_adapters) -> None:
+    """Rows ending at different steps leave the decode batch (fewer rows computed), and every row's tokens and
+    its logits up to its end equal HF `generate`'s, which computes every row to the end; sampled with a seed
+    too (`generate` with the same inverse-CDF sampler: the same uniforms, one per row and step)."""
+    base, peft = models
+    model = peft if with_adapters else base
+    adapters = ["a1", "a1", "__base__", "a1", "__base__", "a1"] if with_adapters else None
+    params = SamplingParams(max_new_tokens=8, temperature=temperature, seed=11)
+
+    def reference(eos: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        torch.manual_seed(11)
+        processors = LogitsProcessorList([InverseCdfSampler(temperature)]) if temperature > 0 else None
+        return _plain_generate(model, PROMPTS, adapters, 8, eos=eos, processors=processors)
+
+    free, _ = reference(eos=-1)  # no row ends: the end token is one that row 0 writes at step 2
+    end = int(free[0, 2])
+    want, want_logits = reference(eos=end)
+    lengths = [int((row == end).nonzero()[0]) + 1 if (row == end).any() else 8 for row in want]
+    assert len(set(lengths)) > 1 and min(lengths) < max(lengths)  # rows end at different steps
+    rows_computed: list[int] = []
+    hook = (peft.get_base_model() if with_adapters else base).register_forward_pre_hook(
+        lambda _m, _a, kwargs: rows_computed.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        tokens, logits = generate_batch(model, PROMPTS, adapters, params, pad_id=PAD, eos_ids=[end])
+    finally:
+        hook.remove()
+    assert torch.equal(tokens, want)
+    for t, (got, ref) in enumerate(zip(logits, want_logits, strict=True)):
+        live = [i for i, n in enumerate(lengths) if t < n]
+        torch.testing.assert_close(got[live], ref[live], atol=1e-4, rtol=1e-4)
+    assert rows_computed[-1] == sum(1 for n in lengths if n == max(lengths))  # the last step: the longest rows
 
 
 @pytest.mark.parametrize("with_adapters", [False, True])

@@ -1,30 +1,37 @@
-"""One forward batch of generation: HF `generate` with a fast sampler and shared prefill of repeated prompts.
+"""One forward batch of generation: HF `generate`'s decode loop with a batch that shrinks, a fast sampler and
+shared prefill of repeated prompts.
 
-The embedded engine (`embedded.py`) decides what runs together; this module runs it. Two things beyond a
-plain `model.generate` call, both for CPU speed and both exact:
+The embedded engine (`embedded.py`) decides what runs together; this module runs it. Three things beyond a
+plain `model.generate` call, all for CPU speed and all exact:
+
+* **A batch that shrinks** (`generate_batch`). The loop is `generate`'s (left-padded prompts, position ids
+  `cumsum(mask) - 1`, a `DynamicCache`, raw float32 logits per step), but a row that ended leaves the batch
+  at once (`DynamicCache.batch_select_indices`): `generate` computes every row until the longest ends, so a
+  rollout of 64 rows where one ran to the token limit decoded all 64 to the limit.
 
 * **Sampling by inverse CDF** (`InverseCdfSampler`). HF's sampler calls `torch.multinomial`, which on a
   CPU draws one exponential variate per vocabulary entry (the exponential-race trick): 64 rows x 49,152
   tokens took 85 ms a step on a 2-core AVX2 EPYC, 17 % of generation time, and a Gumbel-max argmax costs
   the same. Inverse CDF needs one uniform per row: softmax, a float64 cumsum, `searchsorted` (8 ms). The
-  processor runs under greedy decoding (`do_sample=False`) and returns scores whose argmax is the sampled
-  token; temperature, top-k and top-p are HF's own warpers, applied first. The token distribution is the
-  same as HF's sampling; the random stream differs, so a seed gives other (equally distributed) samples.
+  processor returns scores whose argmax is the sampled token; temperature, top-k and top-p are HF's own
+  warpers, applied first. The token distribution is the same as HF's sampling; the random stream differs,
+  so a seed gives other (equally distributed) samples. Every row of the batch draws its uniform at every
+  step, ended or not, so a row's samples do not depend on when the others end.
 * **Shared prefill** (`shared_prefill`). GRPO samples each prompt `group_size` times (SGLang's `n`);
   rows with the same prompt and adapter have the same KV cache. The prompt minus its last token is run
-  once per distinct (prompt, adapter), the cache is gathered out to every row, and `generate` continues
-  from it (HF runs only the uncached last token). For 8 prompts x 8 samples of 47 tokens on the same CPU,
+  once per distinct (prompt, adapter), the cache is gathered out to every row, and the decode loop
+  continues from it (it runs only the uncached last token). For 8 prompts x 8 samples of 47 tokens on the same CPU,
   prefill took 0.7 s instead of 6.5 s. Position ids follow HF's left-padding rule (`cumsum(mask) - 1`),
   so the cache equals the one `generate` would have built.
 
-Stop sequences (`SamplingParams.stop`, `stop_token_ids`) halt a row inside `generate`, so no tokens are spent past
-them: stop token ids join the EOS ids of the generation config, stop strings are a stopping criterion
-(`StopStrings`) that matches them as transformers' `StopStringCriteria` does (tensor ops over a table of the
+Stop sequences (`SamplingParams.stop`, `stop_token_ids`) end a row inside the loop, so no tokens are spent past
+them: stop token ids join the EOS ids of the generation config, stop strings are checked each step
+(`StopStrings`), matching them as transformers' `StopStringCriteria` does (tensor ops over a table of the
 vocabulary's token strings, built once per set of strings: no per-token decoding), over each row's completion
 only (HF's own `stop_strings` would also match a string begun in the prompt, e.g. `"\n\n"` after a chat
 prompt's last `"\n"`), and records where each row completed one. A tokenizer whose vocabulary that table
 cannot be built from (one whose decoding puts spaces between tokens) is matched by decoding each row's last
-tokens instead (`DecodedStops`). Finished rows are padded by HF; the engine cuts each row after its end
+tokens instead (`DecodedStops`). Finished rows are padded; the engine cuts each row after its end
 (`peft_model.finish_points`).
 
 The cache is passed by the name the model's `forward` takes (`cache_kwarg`): `cache` since transformers 5.24,
@@ -43,12 +50,9 @@ import torch
 from peft import PeftModel
 from transformers import (
     DynamicCache,
-    GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
     PreTrainedTokenizerBase,
-    StoppingCriteria,
-    StoppingCriteriaList,
     StopStringCriteria,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -84,10 +88,17 @@ class InverseCdfSampler(LogitsProcessor):
         self._warpers = LogitsProcessorList(warpers)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        uniforms_B1 = torch.rand(scores.shape[0], 1, dtype=torch.float64, device="cpu")
+        return self.with_uniforms(input_ids, scores, uniforms_B1)
+
+    def with_uniforms(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, uniforms_B1: torch.Tensor
+    ) -> torch.FloatTensor:
+        """As a call, with the rows' uniforms given: `[B, 1]` float64 in [0, 1), on the CPU."""
         probs_BV = torch.softmax(self._warpers(input_ids, scores).float(), dim=-1)
         # float64 cumsum: over ~50k entries float32 rounding would shift the tail probabilities
         cdf_BV = probs_BV.to(torch.float64).cumsum(dim=-1)
-        u_B1 = torch.rand(cdf_BV.shape[0], 1, dtype=torch.float64, device="cpu").to(cdf_BV.device) * cdf_BV[:, -1:]
+        u_B1 = uniforms_B1.to(cdf_BV.device) * cdf_BV[:, -1:]
         # right=True: the first entry with cdf > u, so a zero-probability token is never chosen
         tokens_B1 = torch.searchsorted(cdf_BV, u_B1, right=True).clamp_(max=cdf_BV.shape[1] - 1)
         out = torch.full_like(scores, float("-inf"))
@@ -198,37 +209,30 @@ def stop_match(tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> St
     return lambda completion_BT: criteria(cast(torch.LongTensor, completion_BT), None)
 
 
-class StopStrings(StoppingCriteria):
-    """`SamplingParams.stop` as a stopping criterion of one `generate` call over left-padded prompts `[B, P]`: a
-    row is done at the token that completes a stop string within its completion (columns `P:`, the prompt never
-    looked at). `first_B` records where: per row, the index in the completion of that token, -1 while none."""
+class StopStrings:
+    """`SamplingParams.stop` over one batch's completions: a row is done at the token that completes a stop
+    string within its completion (the prompt never looked at). `first_B` records where: per row of the batch,
+    the index in the completion of that token, -1 while none.
 
-    def __init__(self, match: StopMatch, prompt_width: int) -> None:
+    Args:
+        match: the strings' matcher (`stop_match`). rows: the batch's rows (`first_B`'s length).
+    """
+
+    def __init__(self, match: StopMatch, rows: int) -> None:
         self._match = match
-        self._width = prompt_width
-        self.first_B: torch.Tensor | None = None
+        self.first_B = torch.full((rows,), -1, dtype=torch.long)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
-        completion_BT = input_ids[:, self._width :]
-        hit_B = self._match(completion_BT).to(torch.bool)
-        if self.first_B is None:
-            self.first_B = torch.full(hit_B.shape, -1, dtype=torch.long, device=hit_B.device)
-        self.first_B = torch.where((self.first_B < 0) & hit_B, completion_BT.shape[1] - 1, self.first_B)
-        return cast(torch.BoolTensor, hit_B)
-
-
-def generation_config(p: SamplingParams, pad_id: int, eos_ids: list[int]) -> GenerationConfig:
-    """HF config for one batch: always greedy argmax (sampling is `InverseCdfSampler`'s), raw logits out; the
-    EOS ids and `p.stop_token_ids` end a row."""
-    return GenerationConfig(
-        max_new_tokens=p.max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad_id,
-        eos_token_id=sorted({*eos_ids, *p.stop_token_ids}),
-        bos_token_id=None,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
+    def check(self, completion_bT: torch.Tensor, rows_b: torch.Tensor) -> torch.Tensor:
+        """Which of the rows still decoding (`rows_b`: their indices in the batch) end with a stop string now,
+        given their completions so far `[b, T]`: `[b]` bool (on the completions' device); a first hit is
+        recorded in `first_B` at index `T - 1`."""
+        hit_b = self._match(completion_bT).to(torch.bool)
+        first = self.first_B.to(hit_b.device)
+        rows = rows_b.to(hit_b.device)
+        new_b = hit_b & (first[rows] < 0)
+        first[rows[new_b]] = completion_bT.shape[1] - 1
+        self.first_B = first.cpu()
+        return hit_b
 
 
 @torch.no_grad()
@@ -243,38 +247,80 @@ def generate_batch(
     stops: StopStrings | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Generate for prompts with equal sampling params: new tokens `[B, T]` (long, CPU) and per-step raw
-    logits (`T` tensors `[B, V]`, on the model's device). A row that ended (an EOS id or stop token id of
-    `params`, a stop string of `stops`) is padded with `pad_id` while others go on; `T` is the step at which the
-    last row ended, or `params.max_new_tokens`.
+    logits (`T` tensors `[B, V]`, float32, on the model's device). A row ends at an EOS id or stop token id of
+    `params`, or a stop string of `stops`; it keeps the token that ended it and is padded with `pad_id` after
+    it (its logits there are 0). `T` is the step at which the last row ended, or `params.max_new_tokens`.
+
+    The decode loop is HF `generate`'s greedy loop (the same left-padded prompts, position ids
+    `cumsum(mask) - 1`, KV cache and raw logits; `InverseCdfSampler` picks a sampled token), except that a
+    row that ended leaves the batch at once: its KV cache rows go (`DynamicCache.batch_select_indices`), so
+    the next steps compute only the rows still decoding, where `generate` computes every row until the
+    longest ends (a step of 64 rows whose longest ran to the limit decoded 64 rows to the end).
 
     Args:
         model: causal LM, or a PeftModel with `adapters` (per-row adapter names; PEFT's base name for none).
         params: sampling; temperature 0 = greedy. `params.seed` seeds torch's global generator first.
-        stops: the criterion of `params.stop` for this call (prompt width `max(len(p) for p in prompts)`);
-            after the call its `first_B` says where each row completed a stop string.
+        stops: the stop strings' criterion for this batch (`StopStrings(match, len(prompts))`); after the
+            call its `first_B` says where each row completed a stop string.
     """
     input_ids, attention_mask = left_pad(prompts, pad_id)
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    rows, limit = len(prompts), params.max_new_tokens
+    tokens_BT = torch.full((rows, limit), pad_id, dtype=torch.long, device=device)
+    step_logits: list[torch.Tensor] = []
+    ends = torch.tensor(sorted({*eos_ids, *params.stop_token_ids}), dtype=torch.long, device=device)
+    sampler = InverseCdfSampler(params.temperature, params.top_k, params.top_p) if params.temperature > 0 else None
     with _one_adapter(model, adapters) as adapters:
-        kwargs: dict[str, Any] = {"adapter_names": adapters} if adapters else {}
         if params.seed is not None:
             torch.manual_seed(params.seed)
+        position_ids = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)  # HF's left-pad rule
         cache = shared_prefill(model, input_ids, attention_mask, adapters)
-        if cache is not None:
-            kwargs[cache_kwarg(model)] = cache
-        processors = None
-        if params.temperature > 0:
-            processors = LogitsProcessorList([InverseCdfSampler(params.temperature, params.top_k, params.top_p)])
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=generation_config(params, pad_id, eos_ids),
-            logits_processor=processors,
-            stopping_criteria=StoppingCriteriaList([stops]) if stops is not None else None,
-            **kwargs,
-        )
-    return out.sequences[:, input_ids.shape[1] :].cpu(), out.logits
+        step_ids, step_positions = input_ids, position_ids
+        if cache is not None:  # the prompts minus their last token are cached: run the last one
+            step_ids, step_positions = input_ids[:, -1:], position_ids[:, -1:]
+        cache = cache if cache is not None else DynamicCache()
+        live = torch.arange(rows, device=device)  # each decoding row's index in the batch
+        names, mask, last = adapters, attention_mask, position_ids[:, -1]
+        for t in range(limit):
+            kwargs: dict[str, Any] = {cache_kwarg(model): cache}
+            if names:
+                kwargs["adapter_names"] = names
+            out = model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **kwargs,
+            )
+            logits_bV = out.logits[:, -1, :].float()
+            logits_BV = logits_bV.new_zeros((rows, logits_bV.shape[1]))
+            logits_BV[live] = logits_bV
+            step_logits.append(logits_BV)
+            scores_bV = logits_bV
+            if sampler is not None:  # one uniform per row of the batch, ended or not: a row's samples do not
+                # depend on when the others end (the random stream of `generate`, which samples every row)
+                uniforms_B1 = torch.rand(rows, 1, dtype=torch.float64, device="cpu")
+                scores_bV = sampler.with_uniforms(
+                    cast(torch.LongTensor, step_ids), cast(torch.FloatTensor, logits_bV), uniforms_B1[live.cpu()]
+                )
+            next_b = scores_bV.argmax(dim=-1)
+            tokens_BT[live, t] = next_b
+            done_b = torch.isin(next_b, ends)
+            if stops is not None:
+                done_b |= stops.check(tokens_BT[live, : t + 1], live)
+            if bool(done_b.all()) or t + 1 == limit:
+                break
+            if bool(done_b.any()):  # the rows that ended leave the batch
+                keep = (~done_b).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                live, mask, last, next_b = live[keep], mask[keep], last[keep], next_b[keep]
+                names = [names[i] for i in keep.tolist()] if names else None
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            last = last + 1
+            step_ids, step_positions = next_b[:, None], last[:, None]
+    return tokens_BT[:, : len(step_logits)].cpu(), tuple(step_logits)
 
 
 @contextmanager

@@ -208,11 +208,11 @@ class PeftAdapterModel:
         adapters = [r.adapter or BASE_ADAPTER for r in requests] if isinstance(self._model, PeftModel) else None
         params = requests[0].sampling
         prompts = [r.prompt_ids for r in requests]
-        stops = StopStrings(self._stop_match(params.stop), max(map(len, prompts))) if params.stop else None
+        stops = StopStrings(self._stop_match(params.stop), len(prompts)) if params.stop else None
         tokens_BT, step_logits = generate_batch(
             self._model, prompts, adapters, params, pad_id=self._pad_id, eos_ids=self.eos_ids, stops=stops
         )
-        first_B = stops.first_B.cpu() if stops is not None and stops.first_B is not None else None
+        first_B = stops.first_B if stops is not None else None
         return tokens_BT, step_logits, first_B
 
     def _stop_match(self, stops: tuple[str, ...]) -> StopMatch:
