@@ -94,7 +94,7 @@ class InverseCdfSampler(LogitsProcessor):
     def with_uniforms(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor, uniforms_B1: torch.Tensor
     ) -> torch.FloatTensor:
-        """As a call, with the rows' uniforms given: `[B, 1]` float64 in [0, 1), on the CPU."""
+        """As a call, with the rows' uniforms given: `[B, 1]` float64 in [0, 1) (any device)."""
         probs_BV = torch.softmax(self._warpers(input_ids, scores).float(), dim=-1)
         # float64 cumsum: over ~50k entries float32 rounding would shift the tail probabilities
         cdf_BV = probs_BV.to(torch.float64).cumsum(dim=-1)
@@ -212,7 +212,7 @@ def stop_match(tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> St
 class StopStrings:
     """`SamplingParams.stop` over one batch's completions: a row is done at the token that completes a stop
     string within its completion (the prompt never looked at). `first_B` records where: per row of the batch,
-    the index in the completion of that token, -1 while none.
+    the index in the completion of that token, -1 while none (long, on the completions' device once checked).
 
     Args:
         match: the strings' matcher (`stop_match`). rows: the batch's rows (`first_B`'s length).
@@ -227,11 +227,10 @@ class StopStrings:
         given their completions so far `[b, T]`: `[b]` bool (on the completions' device); a first hit is
         recorded in `first_B` at index `T - 1`."""
         hit_b = self._match(completion_bT).to(torch.bool)
-        first = self.first_B.to(hit_b.device)
+        self.first_B = self.first_B.to(hit_b.device)  # stays there: no copy to the host per step
         rows = rows_b.to(hit_b.device)
-        new_b = hit_b & (first[rows] < 0)
-        first[rows[new_b]] = completion_bT.shape[1] - 1
-        self.first_B = first.cpu()
+        new_b = hit_b & (self.first_B[rows] < 0)
+        self.first_B[rows[new_b]] = completion_bT.shape[1] - 1
         return hit_b
 
 
@@ -301,9 +300,9 @@ def generate_batch(
             scores_bV = logits_bV
             if sampler is not None:  # one uniform per row of the batch, ended or not: a row's samples do not
                 # depend on when the others end (the random stream of `generate`, which samples every row)
-                uniforms_B1 = torch.rand(rows, 1, dtype=torch.float64, device="cpu")
+                uniforms_B1 = torch.rand(rows, 1, dtype=torch.float64, device="cpu").to(device)
                 scores_bV = sampler.with_uniforms(
-                    cast(torch.LongTensor, step_ids), cast(torch.FloatTensor, logits_bV), uniforms_B1[live.cpu()]
+                    cast(torch.LongTensor, step_ids), cast(torch.FloatTensor, logits_bV), uniforms_B1[live]
                 )
             next_b = scores_bV.argmax(dim=-1)
             tokens_BT[live, t] = next_b

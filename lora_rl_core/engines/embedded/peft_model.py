@@ -212,7 +212,7 @@ class PeftAdapterModel:
         tokens_BT, step_logits = generate_batch(
             self._model, prompts, adapters, params, pad_id=self._pad_id, eos_ids=self.eos_ids, stops=stops
         )
-        first_B = stops.first_B if stops is not None else None
+        first_B = stops.first_B.cpu() if stops is not None else None
         return tokens_BT, step_logits, first_B
 
     def _stop_match(self, stops: tuple[str, ...]) -> StopMatch:
