@@ -44,7 +44,7 @@ from lora_rl_core.engines.embedded.generation import (  # noqa: E402
     left_pad,
     shared_prefill,
 )
-from lora_rl_core.engines.embedded.peft_model import eos_ids  # noqa: E402
+from lora_rl_core.engines.embedded.peft_model import eos_ids, finish_points  # noqa: E402
 from lora_rl_core.models import load_model  # noqa: E402
 from lora_rl_core.runtime import configure_threads  # noqa: E402
 
@@ -78,12 +78,8 @@ def hf_generate(model: Any, prompts: list[list[int]], params: SamplingParams, pa
 
 
 def completion_tokens(tokens_BT: torch.Tensor, eos: list[int]) -> int:
-    """Tokens the rows wrote, each up to and with the token that ended it."""
-    total = 0
-    for row in tokens_BT.tolist():
-        ends = [i for i, t in enumerate(row) if t in eos]
-        total += ends[0] + 1 if ends else len(row)
-    return total
+    """Tokens the rows wrote, each up to and with the token that ended it (the engine's `finish_points`)."""
+    return sum(n for n, _ in finish_points(tokens_BT, eos, (), None))
 
 
 def cpu_model() -> str:
