@@ -69,7 +69,7 @@ def run_mode(config: str, background: bool, steps: int) -> list[dict[str, float]
     """Time `steps` step tails of a fresh run with `trainer.background_publish` = `background`."""
     from lora_rl_core.config import load_config
     from lora_rl_core.records import TrainStats
-    from lora_rl_core.run import phases, start_run, versions
+    from lora_rl_core.run import open_run, phases, versions
 
     with tempfile.TemporaryDirectory(prefix="bg-publish-") as tmp:
         overrides = [
@@ -79,7 +79,7 @@ def run_mode(config: str, background: bool, steps: int) -> list[dict[str, float]
             "trainer.checkpoint_every=1",
             f"trainer.background_publish={str(background).lower()}",
         ]
-        run = start_run(load_config(config, overrides), "bg-publish")
+        run = open_run(load_config(config, overrides), "bg-publish")
         rows: list[dict[str, float]] = []
         try:
             versions.sync(run, versions.publish(run, 0))

@@ -45,7 +45,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """In a child process: build a run for one dtype and time `args.steps` steps of the library's step loop
     (`lora_rl_core.run.loop.run_steps`) phase by phase."""
     from lora_rl_core.config import load_config
-    from lora_rl_core.run import start_run
+    from lora_rl_core.run import open_run
     from lora_rl_core.run.loop import RunPhases, run_steps
 
     with tempfile.TemporaryDirectory(prefix="cpu-step-") as tmp:
@@ -59,7 +59,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         ]
         cfg = load_config(args.config, overrides)
         start = time.perf_counter()
-        run = start_run(cfg, "cpu-step")
+        run = open_run(cfg, "cpu-step")
         setup_s = time.perf_counter() - start
         steps: list[dict[str, Any]] = []
         try:

@@ -164,7 +164,7 @@ def main() -> None:
 
     from lora_rl_core.config import load_config
     from lora_rl_core.records import RolloutBatch
-    from lora_rl_core.run import start_run
+    from lora_rl_core.run import open_run
     from lora_rl_core.run.loop import RunPhases, run_steps
 
     model_dir = build_model(args.shape, args.tokenizer, args.models / f"qwen2.5-{args.shape}-random")
@@ -194,7 +194,7 @@ def main() -> None:
     steps: list[dict[str, Any]] = []
     start = time.perf_counter()
     with GpuMemory() as memory:
-        run = start_run(cfg, "gpu-scale")
+        run = open_run(cfg, "gpu-scale")
         setup_s = time.perf_counter() - start
         profiled = None
         if args.profile_step:

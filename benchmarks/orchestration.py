@@ -138,10 +138,10 @@ def build_model(out: Path, layers: int, hidden: int) -> Path:
 
 def run_library(cfg: Any, run_id: str) -> tuple[list[dict[str, Any]], TracedPhases]:
     """The steps through `run_steps` over `RunPhases` (no Prefect)."""
-    from lora_rl_core.run import start_run
+    from lora_rl_core.run import open_run
     from lora_rl_core.run.loop import RunPhases, run_steps
 
-    run = start_run(cfg, run_id)
+    run = open_run(cfg, run_id)
     try:
         with RunPhases(run) as inner:
             traced = TracedPhases(inner)

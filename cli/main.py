@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -47,7 +50,9 @@ OverridesArg = Annotated[
 def train(
     config: ConfigOpt,
     overrides: OverridesArg = None,
-    run_id: Annotated[str | None, typer.Option(help="run id (default run.id or <run.name>-<flow run id[:8]>)")] = None,
+    run_id: Annotated[
+        str | None, typer.Option(help="run id (default run.id or <run.name>-<8 random hex digits>)")
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show Prefect's INFO logs too")] = False,
 ) -> None:
     """Run the `lora-rl-train` flow with a progress bar and one line per step."""
@@ -57,47 +62,60 @@ def train(
     # Prefect gives its temporary server 20 s to answer; a fresh PREFECT_HOME on a busy 2-core CPU takes longer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(PREFECT_STARTUP_TIMEOUT_S))
     from lora_rl_core.config import load_config
-    from lora_rl_core.run import prepare_run
-    from tasks import registry
+    from lora_rl_core.plan import make_plan
+    from lora_rl_core.run import components, load_inputs
 
-    cfg = load_config(config, overrides or [])  # validated once: the flow takes this object
-    prepared = prepare_run(cfg)  # store, data, rewards, grader, model and the plan, once: one line, before Prefect
-    with registry.handed_over(prepared):  # the flow's open_run builds from them; closed if it never does
+    cfg = load_config(config, overrides or [])  # the one parse and the one validation
+    # the inputs and the plan, checked before anything starts: a user error is one line and leaves nothing behind
+    with load_inputs(cfg) as inputs:  # the run owns them once built (closing twice is harmless)
+        plan = make_plan(cfg, tokenizer=inputs.tokenizer, problems=inputs.train)
         reaper.watch()  # before the engine, the trainer and Prefect: nothing outlives this process, even on SIGKILL
-        from flows.grpo_lora import train as train_flow
+        run_id = run_id or components.default_run_id(cfg, uuid.uuid4().hex)  # passed on: a retry resumes it
+        # the engine and the trainer, once, before Prefect; the flow takes the run by its id
+        with components.build_run(plan, inputs, run_id):
+            from flows.grpo_lora import train as train_flow
 
-        shutdown.quiet_console_logs()  # Prefect's handlers exist now: its crash lines on SIGTERM stay off the terminal
-        shutdown.isolate_prefect_server()  # a terminal's Ctrl-C reaches lora-rl, which stops the server last
+            shutdown.quiet_console_logs()  # Prefect's handlers exist now: its crash lines on SIGTERM stay quiet
+            shutdown.isolate_prefect_server()  # a terminal's Ctrl-C reaches lora-rl, which stops the server last
 
-        bar = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=console,
-        )
-        task_id = bar.add_task("training", total=None)
-
-        def on_event(event: str, data: dict[str, Any]) -> None:
-            if event == "run_started":
-                bar.update(task_id, total=data["steps"], description=f"training {data['run_id']}")
-                bar.console.print(progress.format_runtime(data["runtime"]), markup=False)
-            elif event == "step":
-                bar.console.print(progress.format_step(data))
-                bar.advance(task_id)
-            elif event == "eval":
-                bar.console.print(
-                    f"greedy accuracy {data['phase']} training: {progress.format_accuracy(data)} ({data['n']} problems)"
+            with _progress_lines():
+                summary = train_flow.with_options(flow_run_name=run_id)(
+                    config_path=config, overrides=list(overrides or []), run_id=run_id
                 )
-
-        unsubscribe = progress.subscribe(on_event)
-        try:
-            with bar:
-                summary = train_flow(config_path=config, overrides=list(overrides or []), run_id=run_id, config=cfg)
-        finally:
-            unsubscribe()
     _print_summary(summary)
+
+
+@contextmanager
+def _progress_lines() -> Iterator[None]:
+    """Within the block, a progress bar over the run's steps, and one line per step and evaluation."""
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    task_id = bar.add_task("training", total=None)
+
+    def on_event(event: str, data: dict[str, Any]) -> None:
+        if event == "run_started":
+            bar.update(task_id, total=data["steps"], description=f"training {data['run_id']}")
+            bar.console.print(progress.format_runtime(data["runtime"]), markup=False)
+        elif event == "step":
+            bar.console.print(progress.format_step(data))
+            bar.advance(task_id)
+        elif event == "eval":
+            bar.console.print(
+                f"greedy accuracy {data['phase']} training: {progress.format_accuracy(data)} ({data['n']} problems)"
+            )
+
+    unsubscribe = progress.subscribe(on_event)
+    try:
+        with bar:
+            yield
+    finally:
+        unsubscribe()
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -121,13 +139,15 @@ def eval_(
     """
     from lora_rl_core.config import load_config
     from lora_rl_core.evaluation import evaluate_run_policy
-    from lora_rl_core.run import build_evaluation, prepare_run
+    from lora_rl_core.plan import make_plan
+    from lora_rl_core.run import build_evaluation, load_inputs
 
     cfg = load_config(config, overrides or [])
-    with prepare_run(cfg, train=False) as prepared:  # the store, held-out data and grader, as a run builds them
+    with load_inputs(cfg, train=False) as inputs:  # the store, held-out data and grader, as a run builds them
+        plan = make_plan(cfg, tokenizer=inputs.tokenizer, problems=inputs.train, train=False)
         reaper.watch()  # nothing started from here on outlives this process, even on SIGKILL
-        with build_evaluation(prepared) as built:
-            engine, inputs, name = built.engine, prepared.inputs, None
+        with build_evaluation(plan, inputs) as built:
+            engine, name = built.engine, None
             if adapter:
                 ref = inputs.store.resolve(adapter)
                 if ref.name not in engine.list_adapters():
@@ -155,11 +175,12 @@ def plan_(
     resolved on this machine, or set in the config), and on a GPU the memory plan. The inputs are loaded and
     checked as `train` checks them (store, data, rewards, grader, model); no engine or trainer is started."""
     from lora_rl_core.config import load_config
-    from lora_rl_core.run import prepare_run
+    from lora_rl_core.plan import make_plan
+    from lora_rl_core.run import load_inputs
 
     cfg = load_config(config, overrides or [])
-    with prepare_run(cfg) as prepared:  # its worker processes stop at the end: nothing else is started
-        summary = prepared.plan.summary()
+    with load_inputs(cfg) as inputs:  # its worker processes stop at the end: nothing else is started
+        summary = make_plan(cfg, tokenizer=inputs.tokenizer, problems=inputs.train).summary()
     if json_out:
         console.print_json(json.dumps(summary))
     else:

@@ -18,14 +18,11 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.runtime import flow_run
 
 from lora_rl_core import progress
-from lora_rl_core.config import RunConfig, load_config
 from lora_rl_core.report import artifact_markdown, run_summary, step_table
-from lora_rl_core.run import phases, samples
+from lora_rl_core.run import close_run, get_run, phases, samples
 from lora_rl_core.run.loop import run_steps
-from tasks.registry import close_run
 from tasks.steps import TaskPhases, open_run, prefect_slug, result_storage
 
 
@@ -34,7 +31,6 @@ def train(
     config_path: str | None = None,
     overrides: list[str] | None = None,
     run_id: str | None = None,
-    config: RunConfig | None = None,
 ) -> dict[str, Any]:
     """Train a LoRA policy with GRPO and publish every step's adapter to the store.
 
@@ -42,23 +38,21 @@ def train(
         config_path: YAML run config (None = built-in defaults).
         overrides: dotted `key=value` overrides, e.g. `["lora.rank=32"]`.
         run_id: run id (default: `run.id`, else `<run.name>-<first 8 characters of the flow run id>`, so a
-            retry of the flow run resumes the same run).
-        config: the config already validated from `config_path` and `overrides` (`lora-rl train` passes it,
-            so the config is validated once per process); None = load it here.
+            retry of the flow run resumes the same run). A run of that id open in this process (`lora-rl train`
+            opens it before the flow starts) is the one trained; else it is built from the config here.
 
     Returns:
         summary: run_id, final_adapter, base/final accuracy, wall_seconds, seconds_per_step,
         completions_per_second, report path.
     """
     start = time.perf_counter()
-    cfg = config if config is not None else load_config(config_path, overrides or [])
-    # A retry of this flow run keeps its id, so it resumes the same run.
-    run_id = run_id or cfg.run.id or f"{cfg.run.name}-{str(flow_run.id)[:8]}"
-    logger = get_run_logger()
-    steps = cfg.trainer.steps
-    resumed = open_run(cfg, run_id)
-    t = TaskPhases(run_id, result_storage(resumed.store_uri, cfg.store.storage_options, run_id))
+    resumed = open_run(config_path, list(overrides or []), run_id)
+    run_id = resumed.run_id
     try:
+        cfg = get_run(run_id).cfg
+        logger = get_run_logger()
+        steps = cfg.trainer.steps
+        t = TaskPhases(run_id, result_storage(resumed.store_uri, cfg.store.storage_options, run_id))
         progress.emit("run_started", {"steps": steps, **resumed.model_dump()})
         logger.info(f"run {run_id}: {steps} steps, resuming after checkpoint step {resumed.restored_step}")
         logger.info(progress.format_runtime(resumed.runtime))

@@ -1,2 +1,2 @@
-"""Prefect tasks: thin wrappers over `lora_rl_core.run` (retries and caching live here), and the registry of
-the runs open in this process (`tasks.registry`)."""
+"""Prefect tasks: thin wrappers over `lora_rl_core.run` (retries and caching live here); the runs open in this
+process are the library's (`lora_rl_core.run.components.get_run`)."""

@@ -1,11 +1,12 @@
 """The Prefect tasks of a run, made from one table over the library's phase functions (`PHASE_TASKS`): each
 phase function of `lora_rl_core.run` (`phases`, `versions`, `samples`) becomes the task of the same name, which
-takes the run id in place of the run's components and looks them up in `tasks.registry`. `TaskPhases` runs them
-for the step loop (`lora_rl_core.run.loop.run_steps`) and the flow, so a phase has one name from the loop to the
-task run the UI shows.
+takes the run id in place of the run's components and looks them up (`lora_rl_core.run.components.get_run`).
+`TaskPhases` runs them for the step loop (`lora_rl_core.run.loop.run_steps`) and the flow, so a phase has one
+name from the loop to the task run the UI shows.
 
 Tasks take the run id and small values and return small typed records (`lora_rl_core.records` stats,
-`AdapterRef`s); models, engines and tensors stay in the run's components.
+`AdapterRef`s); models, engines and tensors stay in the run's components, open in the flow's process
+(`lora_rl_core.run.components`).
 
 Resume: `rollout` and `score` persist their results with cache keys that name
 the run, the task and the step (`<run>-rollout-000007`), in result storage next
@@ -33,11 +34,12 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileSystem
 from prefect.futures import PrefectFuture
+from prefect.runtime import flow_run
 
-from lora_rl_core.config import RunConfig
+from lora_rl_core.config import load_config
 from lora_rl_core.records import ResumeInfo
-from lora_rl_core.run import RunComponents, phases, samples, versions
-from tasks import registry
+from lora_rl_core.run import RunComponents, components, phases, samples, versions
+from lora_rl_core.run.resume import restore
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -74,14 +76,15 @@ PHASE_TASKS: tuple[tuple[Callable[..., Any], dict[str, Any]], ...] = (
 
 def phase_task(phase: Callable[..., Any], **options: Any) -> Task[..., Any]:
     """The Prefect task of `phase`: named as the function (task runs `<name>-<step>` where it takes a step),
-    taking `run_id` in place of the run's components (`tasks.registry.get_run`), documented by its docstring."""
+    taking `run_id` in place of the run's components (`lora_rl_core.run.components.get_run`), documented by its
+    docstring."""
     signature = inspect.signature(phase)
     params = list(signature.parameters.values())[1:]
     module, name = importlib.import_module(phase.__module__), phase.__name__
 
     def run_phase(run_id: str, *args: Any, **kwargs: Any) -> Any:
         # the module's function at call time, as a direct call would find it (a test may wrap it)
-        return getattr(module, name)(registry.get_run(run_id), *args, **kwargs)
+        return getattr(module, name)(components.get_run(run_id), *args, **kwargs)
 
     run_id = inspect.Parameter("run_id", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str)
     run_phase.__signature__ = signature.replace(parameters=[run_id, *params])  # type: ignore[attr-defined]
@@ -97,10 +100,21 @@ _TASKS: dict[str, Task[..., Any]] = {phase.__name__: phase_task(phase, **o) for 
 
 
 @task(name="open_run", **_NO_CACHE)
-def open_run(cfg: RunConfig, run_id: str) -> ResumeInfo:
-    """Plan run `run_id` from its validated config, build its models, engine, store and data in this process
-    and restore the newest checkpoint."""
-    return registry.open_run(cfg, run_id)
+def open_run(config_path: str | None, overrides: list[str], run_id: str | None) -> ResumeInfo:
+    """Restore run `run_id` from its newest checkpoint (`restore`): the run `lora-rl train` opened before the flow
+    started, else one opened here (a deployment's flow run, a retry from the UI) from the config, validated once
+    (`load_config`) and built once (`lora_rl_core.run.components.open_run`), its id `run.id` or
+    `<run.name>-<first 8 characters of the flow run id>` when `run_id` is None. A run opened here that fails to
+    restore is closed again."""
+    if run_id is not None and components.is_open(run_id):
+        return restore(components.get_run(run_id))
+    cfg = load_config(config_path, overrides)
+    run = components.open_run(cfg, run_id or components.default_run_id(cfg, str(flow_run.id)))
+    try:
+        return restore(run)
+    except BaseException:
+        run.close()
+        raise
 
 
 class TaskPhases:

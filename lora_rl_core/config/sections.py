@@ -267,10 +267,11 @@ class RunSection(Section):
     """Run identity and outputs."""
 
     id: str | None = None
-    """Run id; default `<run.name>-<flow run id, first 8 characters>`, so a retry of the Prefect flow run
-    resumes the same run. `lora-rl train --run-id` overrides it."""
+    """Run id; default `<run.name>-<flow run id, first 8 characters>` (`lora-rl train`: 8 random hex digits,
+    passed to the flow run), so a retry of the Prefect flow run resumes the same run. `lora-rl train --run-id`
+    overrides it."""
     name: str = "run"
-    """Prefix of the default run id (`<run.name>-<flow run id, first 8 characters>`); ignored when `id` is set."""
+    """Prefix of the default run id (`RunSection.id`); ignored when `id` is set."""
     seed: int = 0
     """Seeds the arithmetic problems, the prompt order, the LoRA initialisation, Python's and torch's RNGs,
     and each step's sampling seed, so a run with the same seed and config draws the same prompts."""

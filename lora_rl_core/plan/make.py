@@ -425,7 +425,10 @@ def _transport(cfg: RunConfig, trainer_device: torch.device | None, colocated: b
         return Choice("auto", f"not used by engine.type {e.type}")
     if e.tensor_transport != "auto":
         return Choice(e.tensor_transport, SET)
-    per_server = "auto: per server at load: `ipc` for one on this host with CUDA here, else the published folder"
+    per_server = (
+        "auto: per server when its client is made (Ray replicas: once each has started, before step 1, run.json "
+        "`replicas`): `ipc` for one on this host with CUDA here, else the published folder"
+    )
     if e.ray_replicas:
         return Choice("auto", per_server)
     if placement.ranks or placement.dp_size > 1:

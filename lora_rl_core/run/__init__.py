@@ -2,9 +2,9 @@
 over them.
 
 `inputs`: the store, data, tokenizer, reward terms and grader (`load_inputs`, `RunInputs`), and the checks made
-before step 1 (gold answers, the reward leak check, stop token ids); `components`: `prepare_run` (the inputs,
-then the plan, once per process), `build_run` (the one place that builds run files, engine and trainer from
-them) and
+before step 1 (gold answers, the reward leak check, stop token ids); `components`: `build_run` (the one place
+that builds a run from its plan and inputs: engine, run files, trainer; open by run id until closed), `open_run`
+(the inputs, the plan, then `build_run`),
 `RunComponents`, `build_evaluation` for `lora-rl eval`; `state`: the policy version rollouts use and the last
 published version; `step`: the step as pure functions over records; `phases`: rollout, score, train, evaluate
 (thin wrappers that read and write the run's files); `loop`: the step order; `versions`: publish and sync
@@ -13,22 +13,24 @@ completions of the first, middle and last steps, for the report.
 """
 
 from lora_rl_core.run.components import (
-    PreparedRun,
     RunComponents,
     build_evaluation,
     build_run,
-    prepare_run,
-    start_run,
+    close_run,
+    get_run,
+    is_open,
+    open_run,
 )
 from lora_rl_core.run.inputs import RunInputs, load_inputs
 
 __all__ = [
-    "PreparedRun",
     "RunComponents",
     "RunInputs",
     "build_evaluation",
     "build_run",
+    "close_run",
+    "get_run",
+    "is_open",
     "load_inputs",
-    "prepare_run",
-    "start_run",
+    "open_run",
 ]

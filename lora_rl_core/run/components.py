@@ -1,18 +1,23 @@
-"""The one place that builds what a training run uses: its inputs and plan (`prepare_run`), then run files,
-engine and trainer (`build_run`), or what an evaluation uses (`build_evaluation`).
+"""The one place that builds what a training run uses, and the open runs of this process by run id.
 
-The order is: the inputs (`lora_rl_core.run.inputs.load_inputs`: store, data, tokenizer, rewards, grader), the
-plan (`lora_rl_core.plan.make_plan`: every `auto` resolved, the memory plan), together `prepare_run`, each built
-once per process; then `build_run(prepared, run_id)` builds the engine and the trainer.
-The phases (`lora_rl_core.run.phases`) and resume (`lora_rl_core.run.resume`) are functions over the
-`RunComponents`. Nothing here runs a phase, and nothing here knows about Prefect: the flow's tasks keep the
-components of open runs in `tasks.registry`.
+`open_run(cfg, run_id)` builds a run once per process, in this order: the inputs
+(`lora_rl_core.run.inputs.load_inputs`: store, data, tokenizer, rewards, grader, and their checks), the plan
+(`lora_rl_core.plan.make_plan`: every `auto` resolved, the memory plan), the engine (with what it starts), the
+run's files and the trainer; the run stays open under its id (`get_run`) until it is closed. `lora-rl train`
+opens the run before Prefect starts, so whatever cannot be built fails before step 1 with one line; the flow's
+first task (`tasks.steps.open_run`) takes it by id, or opens it itself where the flow runs without the CLI (a
+deployment, a retry from the UI). Prefect tasks get the run id and look the components up here: models,
+engines and worker processes cannot cross a task boundary, so every task of a run runs in the process that
+opened it. `build_evaluation` builds what `lora-rl eval` uses. Nothing here runs a phase, and nothing here knows
+about Prefect; the phases (`lora_rl_core.run.phases`) and resume (`lora_rl_core.run.resume`) are functions over
+the `RunComponents`.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +32,7 @@ from lora_rl_core.config import RunConfig, ray_replicas
 from lora_rl_core.data import PromptSampler, PromptStyle
 from lora_rl_core.engines import BuiltEngine, EngineInputs, RolloutEngine
 from lora_rl_core.engines.registry import build_engine
+from lora_rl_core.errors import LoraRLError
 from lora_rl_core.plan import RunPlan, make_plan
 from lora_rl_core.rewards import RewardSet
 from lora_rl_core.run.inputs import RunInputs, load_inputs
@@ -35,59 +41,10 @@ from lora_rl_core.run.state import PolicyState, Restored
 from lora_rl_core.run.writer import StoreWriter
 from lora_rl_core.runtime import configure_threads
 from lora_rl_core.store import AdapterStore, validate_run_id
-from lora_rl_core.trainer import Trainer, build_trainer
+from lora_rl_core.trainer import PolicyTrainer, Trainer, policy_model
+from lora_rl_core.trainer.workers import TrainerWorkers
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PreparedRun:
-    """A run's plan and inputs, made once per process before anything trains (`prepare_run`); `close()` stops
-    the inputs' worker processes where no run was built from them (a built run owns them)."""
-
-    plan: RunPlan
-    inputs: RunInputs
-
-    def close(self) -> None:
-        """Stop the reward terms' and the grader's worker processes."""
-        self.inputs.close()
-
-    def __enter__(self) -> PreparedRun:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def prepare_run(cfg: RunConfig, *, train: bool = True) -> PreparedRun:
-    """The run's inputs (`load_inputs`: store, data, tokenizer, rewards, grader, and their checks), then its plan
-    (`make_plan`): what `build_run` (or, with `train=False`, `build_evaluation`) builds from. No engine or
-    trainer is started and nothing is written.
-
-    Raises:
-        StoreError / DataError / RewardError / ModelError / ConfigError / EngineError: as `load_inputs` and
-        `make_plan` (what was built is closed again).
-    """
-    inputs = load_inputs(cfg, train=train)
-    try:
-        return PreparedRun(make_plan(cfg, tokenizer=inputs.tokenizer, problems=inputs.train, train=train), inputs)
-    except BaseException:
-        inputs.close()
-        raise
-
-
-def start_run(cfg: RunConfig, run_id: str) -> RunComponents:
-    """A run's components from its config: `prepare_run`, then `build_run` (scripts, tests, benchmarks).
-
-    Raises:
-        as `prepare_run` and `build_run`.
-    """
-    prepared = prepare_run(cfg)
-    try:
-        return build_run(prepared, run_id)
-    except BaseException:
-        prepared.close()
-        raise
 
 
 def engine_inputs(
@@ -125,7 +82,7 @@ def runtime_summary(plan: RunPlan, built: BuiltEngine) -> dict[str, Any]:
 
 @dataclass
 class RunComponents:
-    """Everything one training run uses in this process. Build with `build_run`; `close()` when done.
+    """Everything one training run uses in this process. Build with `open_run`; `close()` when done.
 
     Attributes:
         plan: the run's plan (its validated config, every `auto` resolved).
@@ -137,12 +94,13 @@ class RunComponents:
         prompt: how problems become prompts (`PromptStyle`: the one renderer of rollouts and evaluations).
         built: the engine (`engine`: its own copy of the base model, or clients of remote engines) with what
             was started for it (an SGLang server, Ray actors), from the engine registry.
-        trainer: the policy LoRA and the optimizer (`build_trainer`).
+        trainer: the policy LoRA and the optimizer (in this process, or its ranks: `trainer.backend`).
         sampler: the training prompts' order.
         writer: writes train records, checkpoints and adapter versions to the store, in step order, on a
             background thread (`trainer.background_publish`) or at once.
         policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
         restored: what the run resumed from (`lora_rl_core.run.resume.restore` sets it).
+        closed: whether `close()` ran.
     """
 
     plan: RunPlan
@@ -158,6 +116,7 @@ class RunComponents:
     writer: StoreWriter
     policy: PolicyState = field(default_factory=PolicyState)
     restored: Restored = Restored()
+    closed: bool = field(default=False, repr=False)
 
     @property
     def cfg(self) -> RunConfig:
@@ -216,71 +175,151 @@ class RunComponents:
                     log.warning("taking the KV cache back after the failed update failed too: %s", exc)
 
     def close(self) -> None:
-        """Wait for the store writes still queued and stop the writer's thread, then stop the trainer's worker
-        processes, then the engine (its worker thread, or its HTTP clients) and what was started for it
-        (`engine.launch`'s SGLang server, Ray actors)."""
+        """Forget the run (`get_run`), wait for the store writes still queued and stop the writer's thread, then
+        stop the trainer's worker processes, then the engine (its worker thread, or its HTTP clients) and what
+        was started for it (`engine.launch`'s SGLang server, Ray actors), then the inputs' worker processes.
+        A second call does nothing."""
+        with _LOCK:
+            if self.closed:
+                return
+            self.closed = True
+            if _OPEN.get(self.run_id) is self:
+                del _OPEN[self.run_id]
         with ExitStack() as stack:  # closes in reverse order, each one even if an earlier one raised
             stack.callback(self.inputs.close)
             stack.callback(self.built.close)
             stack.callback(self.trainer.close)
             stack.callback(self.writer.close)
 
+    def __enter__(self) -> RunComponents:
+        return self
 
-def build_run(prepared: PreparedRun, run_id: str) -> RunComponents:
-    """Build the components of run `run_id` from its plan and inputs (`prepare_run`): set CPU threads, build the
-    engine, write the config snapshot `run.json` (the config and the plan with what Ray replicas resolved on
-    their hosts: `runtime_summary`, once), build the trainer, and seed Python's and torch's RNGs with
-    `run.seed`. The components own the inputs from then on (`close`).
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_OPEN: dict[str, RunComponents] = {}
+_LOCK = threading.Lock()
+
+
+def open_run(cfg: RunConfig, run_id: str) -> RunComponents:
+    """Run `run_id` from its validated config: its inputs (`load_inputs`), its plan (`make_plan`), then
+    `build_run`. For a flow that runs without the CLI, scripts, tests and benchmarks; `lora-rl train` makes the
+    inputs and the plan itself, to check them before it starts anything.
+
+    Raises:
+        as `load_inputs`, `make_plan` and `build_run` (what was built is closed again).
+    """
+    inputs = load_inputs(cfg)
+    try:
+        plan = make_plan(cfg, tokenizer=inputs.tokenizer, problems=inputs.train)
+    except BaseException:
+        inputs.close()
+        raise
+    return build_run(plan, inputs, run_id)  # the run owns the inputs (it closes them, also on a failure)
+
+
+def build_run(plan: RunPlan, inputs: RunInputs, run_id: str) -> RunComponents:
+    """Build run `run_id` from its plan and inputs (`make_plan`, `load_inputs`), once, and keep it open in this
+    process under its id (`get_run`) until `close()`: CPU threads, the engine, the config snapshot `run.json`
+    (the config and the plan with what Ray replicas resolved on their hosts: `runtime_summary`), the trainer
+    (`trainer.backend`: in this process, `local` FSDP2 worker processes or Ray actors), with Python's and torch's
+    RNGs seeded with `run.seed` first. The run owns the inputs: it closes them, and so does a failure here.
 
     The engine comes from the engine registry (`lora_rl_core.engines.registry.build_engine`) with what it
     starts: with `engine.launch.enabled` an SGLang server (log: `<workdir>/sglang.log`), with
     `engine.ray_replicas` Ray actors (SGLang logs `<workdir>/sglang-<i>.log`). If a later part fails, what was
-    already built is closed or stopped again (the inputs stay the caller's).
+    built is closed or stopped again.
 
     Raises:
-        StoreError: bad run id, or the store cannot be written.
+        StoreError: bad run id, or the store cannot be written. LoraRLError: a run of that id is already open
+            in this process.
         ModelError / EngineError / TrainerWorkerError: what could not be built.
     """
-    plan, inputs = prepared.plan, prepared.inputs
     cfg = plan.config
-    if plan.trainer is None:
-        raise ValueError("build_run needs a training plan (prepare_run(..., train=True))")
-    run_id = validate_run_id(run_id)
-    configure_threads()
-    store = inputs.store
-    run_dir = RunDir(store.uri, run_id, cfg.store.storage_options)
-    random.seed(cfg.run.seed)
-    torch.manual_seed(cfg.run.seed)
-    workdir = plan.workdir(run_id)
+    assert plan.trainer is not None  # a training plan (`make_plan(..., train=True)`)
     with ExitStack() as started:  # on a failure, what was built so far is stopped again
-        built = build_engine(engine_inputs(plan, inputs.tokenizer, workdir, inputs.store))
-        started.callback(built.close)
+        started.enter_context(inputs)
+        run_id = validate_run_id(run_id)
+        with _LOCK:
+            if run_id in _OPEN:
+                raise LoraRLError(f"run {run_id!r} is already open in this process: close it before opening it again")
+        configure_threads()
+        run_dir = RunDir(inputs.store.uri, run_id, cfg.store.storage_options)
+        random.seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)
+        workdir = plan.workdir(run_id)
+        built = started.enter_context(build_engine(engine_inputs(plan, inputs.tokenizer, workdir, inputs.store)))
         run_dir.write_config({**cfg.model_dump(mode="json"), "plan": runtime_summary(plan, built)})
-        trainer = build_trainer(plan.trainer, pad_id=inputs.tokenizer.pad_token_id)
-        started.pop_all()  # built: the components own them now
-    return RunComponents(
-        plan=plan,
-        run_id=run_id,
-        run_dir=run_dir,
-        checkpoints=CheckpointStore(store.uri, cfg.store.storage_options),
-        workdir=workdir,
-        inputs=inputs,
-        prompt=PromptStyle.of(cfg.data, cfg.rollout),
-        built=built,
-        trainer=trainer,
-        sampler=PromptSampler(inputs.train, seed=cfg.run.seed),
-        writer=StoreWriter(background=cfg.trainer.background_publish),
-    )
+        t = plan.trainer
+        trainer: Trainer
+        if t.backend == "ray":
+            from lora_rl_core.trainer.ray_actors import RayTrainer  # lazy: Ray only when asked for
+
+            trainer = RayTrainer(t)
+        elif t.backend == "local":
+            trainer = TrainerWorkers(t)
+        else:
+            model, pad_id = policy_model(t, device=t.device)
+            trainer = PolicyTrainer(model, t, pad_id=pad_id)
+        run = RunComponents(
+            plan=plan,
+            run_id=run_id,
+            run_dir=run_dir,
+            checkpoints=CheckpointStore(inputs.store.uri, cfg.store.storage_options),
+            workdir=workdir,
+            inputs=inputs,
+            prompt=PromptStyle.of(cfg.data, cfg.rollout),
+            built=built,
+            trainer=trainer,
+            sampler=PromptSampler(inputs.train, seed=cfg.run.seed),
+            writer=StoreWriter(background=cfg.trainer.background_publish),
+        )
+        with _LOCK:
+            _OPEN[run_id] = run
+        started.pop_all()  # built: the run owns them now
+    return run
 
 
-def build_evaluation(prepared: PreparedRun) -> BuiltEngine:
+def default_run_id(cfg: RunConfig, unique: str) -> str:
+    """A run's id when none is given: `run.id`, else `<run.name>-<first 8 characters of unique>` (the flow run's
+    id in a flow; random for `lora-rl train`, which passes it on to the flow, so that a retry resumes it)."""
+    return cfg.run.id or f"{cfg.run.name}-{unique[:8]}"
+
+
+def get_run(run_id: str) -> RunComponents:
+    """The components of run `run_id`, open in this process (`build_run`).
+
+    Raises:
+        LoraRLError: this process has not opened the run (a Prefect task ran in another process than the flow).
+    """
+    try:
+        return _OPEN[run_id]
+    except KeyError:
+        raise LoraRLError(
+            f"run {run_id!r} is not open in this process: its tasks must run in the flow's process, after open_run"
+        ) from None
+
+
+def is_open(run_id: str) -> bool:
+    """Whether run `run_id` is open in this process."""
+    return run_id in _OPEN
+
+
+def close_run(run_id: str) -> None:
+    """Close run `run_id` (`RunComponents.close`); nothing happens if it is not open."""
+    run = _OPEN.get(run_id)
+    if run is not None:
+        run.close()
+
+
+def build_evaluation(plan: RunPlan, inputs: RunInputs) -> BuiltEngine:
     """The engine for evaluating adapters of the plan's store on its held-out problems (`lora-rl eval`), from
     the engine registry as `build_run` builds it (a launched server logs to the working directory); the caller
-    closes it, then the prepared inputs.
+    closes it, then the inputs.
 
     Raises:
         ModelError / EngineError: what could not be built.
     """
     configure_threads()
-    inputs = prepared.inputs
-    return build_engine(engine_inputs(prepared.plan, inputs.tokenizer, Path.cwd(), inputs.store))
+    return build_engine(engine_inputs(plan, inputs.tokenizer, Path.cwd(), inputs.store))

@@ -67,6 +67,12 @@ class RunInputs:
             if self.rewards is not None:
                 stack.callback(self.rewards.close)
 
+    def __enter__(self) -> RunInputs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def load_inputs(cfg: RunConfig, *, train: bool = True) -> RunInputs:
     """Build the store, the problems (`train=False`: the held-out split alone, for an evaluation), the reward

@@ -11,7 +11,7 @@ from lora_rl_core.records import TrainBatch
 
 class Trainer(Protocol):
     """What a run needs from its trainer, in-process (`PolicyTrainer`) or sharded over worker processes
-    (`lora_rl_core.trainer.workers.TrainerWorkers`). Built by `lora_rl_core.trainer.build.build_trainer`.
+    (`lora_rl_core.trainer.workers.TrainerWorkers`). Built by `lora_rl_core.run.components.build_run`.
 
     Not here, as a run never calls it: `profiled_train_step` (`train_step` under `torch.profiler`), which every
     built trainer also has, for `benchmarks/gpu_scale.py --profile-step`."""

@@ -91,7 +91,7 @@ class CriticSettings:
 
 @dataclass(frozen=True)
 class TrainerPlan:
-    """What builds the trainer, every `auto` resolved (`lora_rl_core.trainer.build.build_trainer`). Frozen; sent
+    """What builds the trainer, every `auto` resolved (`lora_rl_core.run.components.build_run`). Frozen; sent
     to FSDP2 ranks in other processes and on Ray as it is (pickled), never validated again.
 
     Attributes:

@@ -79,6 +79,7 @@ from lora_rl_core.trainer.batching import (
     split_even,
 )
 from lora_rl_core.trainer.critic import POLICY, Critic, RowTargets, is_critic_param, set_adapter
+from lora_rl_core.trainer.kernels import compile_layers
 from lora_rl_core.trainer.plan import TrainerPlan
 from lora_rl_core.trainer.reduce import MAX_KEYS, accumulate, all_reduce_metrics, m2po_batch_keep
 from lora_rl_core.trainer.state import gather_state, load_state
@@ -94,8 +95,8 @@ class PolicyTrainer:
             already passed through `distributed.shard_model` (the process group decides rank and world size).
         plan: the trainer's plan (`TrainerPlan`: the loss and optimizer settings, every `auto` resolved: the
             LoRA compute dtype, the micro-batch, gradient checkpointing, the off-policy correction).
-            Gradient checkpointing is applied here for an in-process trainer; sharded ranks get it per decoder
-            layer from `shard_model`.
+            Gradient checkpointing and `torch_compile` (each decoder layer compiled) are applied here for an
+            in-process trainer; sharded ranks get checkpointing per decoder layer from `shard_model`.
         pad_id: the tokenizer's pad token id.
     """
 
@@ -116,6 +117,9 @@ class PolicyTrainer:
         self.compute_dtype = DTYPES[plan.lora_compute_dtype]
         if self.compute_dtype != torch.float32:
             set_input_dtype_casting(model, enabled=False)  # autocast casts the float32 LoRA weights instead
+        if plan.torch_compile:  # the plan allows it in-process only (`choose_compile`)
+            layers = compile_layers(model)
+            log.info("trainer: %d decoder layers compiled (trainer.torch_compile); step 1 pays the compilation", layers)
         if plan.gradient_checkpointing and plan.world_size == 0:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()

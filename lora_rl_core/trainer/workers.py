@@ -59,11 +59,9 @@ from transformers.utils import logging as hf_logging
 from lora_rl_core import distributed
 from lora_rl_core.adapters.io import safetensors_bytes
 from lora_rl_core.errors import LoraRLError
-from lora_rl_core.models import load_model
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import cpu_threads
-from lora_rl_core.trainer.critic import with_adapters
-from lora_rl_core.trainer.kernels import apply_kernels
+from lora_rl_core.trainer.build import policy_model
 from lora_rl_core.trainer.plan import TrainerPlan
 from lora_rl_core.trainer.policy import PolicyTrainer
 
@@ -141,10 +139,7 @@ def build_sharded_trainer(plan: TrainerPlan, *, device: torch.device) -> PolicyT
     # on a GPU the weights load to host memory and each layer moves to the GPU as it is sharded: a rank never
     # holds the whole model, so a model larger than one GPU's share loads (and a launched SGLang beside it keeps
     # the memory the plan gave it)
-    model, tokenizer = load_model(plan.model, device="cpu" if device.type == "cuda" else device, dtype=plan.dtype)
-    apply_kernels(model, plan.liger_kernels)
-    torch.manual_seed(plan.seed)  # the same LoRA init on every rank and in a single process
-    peft_model = with_adapters(model, plan)  # the policy's LoRA, and PPO's critic under GAE
+    peft_model, pad_id = policy_model(plan, device="cpu" if device.type == "cuda" else device, seed=plan.seed)
     distributed.shard_model(
         peft_model,
         mixed_precision=plan.mixed_precision,
@@ -152,7 +147,7 @@ def build_sharded_trainer(plan: TrainerPlan, *, device: torch.device) -> PolicyT
         device=device,
         shard_weights=plan.shard_weights,
     )
-    return PolicyTrainer(peft_model, plan, pad_id=tokenizer.pad_token_id)
+    return PolicyTrainer(peft_model, plan, pad_id=pad_id)
 
 
 def rank_device(kind: str, cuda_index: int, world_size: int) -> torch.device:

@@ -19,7 +19,7 @@ import torch
 from lora_rl_core.adapters import adapter_name
 from lora_rl_core.config import load_config
 from lora_rl_core.engines.base import GenerationRequest, SamplingParams
-from lora_rl_core.run import start_run
+from lora_rl_core.run import open_run
 from lora_rl_core.run.loop import RunPhases, run_steps
 
 MODEL = os.environ.get("LORA_RL_SGLANG_MODEL", "")
@@ -58,7 +58,7 @@ def test_a_colocated_two_gpu_run_publishes_and_serves_each_version(tmp_path: Pat
         ],
     )
     before = set(gpu_processes())
-    run = start_run(cfg, "colocated")
+    run = open_run(cfg, "colocated")
     try:
         assert run.plan.trainer is not None and run.plan.trainer.world_size == 2
         assert run.plan.engine.launch is not None and run.plan.engine.launch.servers == 2

@@ -188,14 +188,14 @@ def test_sglang_replicas_on_ray_own_their_servers(local_ray, tiny_model_dir, tmp
     reaper) and fails the call naming that server; closing the run stops everything."""
     from lora_rl_core.config import load_config
     from lora_rl_core.engines import MultiEngine
-    from lora_rl_core.run import start_run
+    from lora_rl_core.run import open_run
     from lora_rl_testing.adapters import write_peft_folder
 
     model_cfg, tensors, config, requests = setup
     with build_embedded_engine(EmbeddedEngineConfig(), model_cfg, None) as local:
         want = _run(local, tensors, config, requests)
     folder = write_peft_folder(tensors, config, tmp_path / "adapter")
-    run = start_run(load_config(_sglang_replicas_config(tmp_path, tiny_model_dir, "ray-sgl")), "ray-sgl")
+    run = open_run(load_config(_sglang_replicas_config(tmp_path, tiny_model_dir, "ray-sgl")), "ray-sgl")
     try:
         assert isinstance(run.engine, MultiEngine) and len(run.engine.members()) == 2
         answers = run.runtime["replicas"]  # each server's flags, resolved on its host

@@ -14,7 +14,7 @@ from lora_rl_core.models import load_model
 from lora_rl_core.plan import make_plan
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.trainer import PolicyTrainer
-from lora_rl_core.trainer.build import build_trainer
+from lora_rl_core.trainer.build import policy_model
 from lora_rl_core.trainer.critic import CRITIC, VALUE_HEAD
 
 VOCAB = 64
@@ -38,11 +38,9 @@ def ppo_config(model_dir, *, critic: dict | None = None, **algorithm) -> RunConf
 def build(cfg: RunConfig) -> PolicyTrainer:
     plan = make_plan(cfg).trainer
     assert plan is not None and plan.backend == "in-process"
-    _, tokenizer = load_model(cfg.model)
     torch.manual_seed(cfg.run.seed)  # as the run seeds it before building
-    trainer = build_trainer(plan, pad_id=tokenizer.pad_token_id)
-    assert isinstance(trainer, PolicyTrainer)
-    return trainer
+    model, pad_id = policy_model(plan, device=plan.device)
+    return PolicyTrainer(model, plan, pad_id=pad_id)
 
 
 def make_batch(rows: int, seed: int) -> TrainBatch:

@@ -13,7 +13,7 @@ import torch
 
 from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import load_config
-from lora_rl_core.run import start_run
+from lora_rl_core.run import open_run
 from lora_rl_core.run.loop import RunPhases, run_steps
 from lora_rl_core.run.resume import restore
 from tests.integration.tiny_run import write_tiny_config
@@ -32,7 +32,7 @@ def test_a_run_checkpointed_before_the_plan_records_changed_resumes(tmp_path, ti
     old_versions = {v: _manifest_sha(store, v) for v in (0, 1, 2)}
     saved = CheckpointStore(f"file://{store}").load("old-ckpt", 2)["trainer"]
     cfg = load_config(write_tiny_config(tmp_path, tiny_model_dir, "old", trainer={"steps": 3}), [])
-    run = start_run(cfg, "old-ckpt")
+    run = open_run(cfg, "old-ckpt")
     try:
         info = restore(run)
         assert (info.restored_step, info.policy_version) == (2, 2)

@@ -1,5 +1,5 @@
-"""`build_run` builds every component once and owns them: the config snapshot is written, `close()` stops
-the engine, a failure half-way closes what was built; the tasks' registry names a run that is not open."""
+"""`open_run` builds every component once and owns them: the config snapshot is written, `close()` stops the
+engine and forgets the run, a failure half-way closes what was built; a run that is not open is named."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import pytest
 
 from lora_rl_core.config import load_config
 from lora_rl_core.errors import EngineError, LoraRLError, StoreError
-from lora_rl_core.run import components, start_run
+from lora_rl_core.run import components, open_run
 from lora_rl_core.run.rundir import RunDir
-from tasks import registry
 from tests.integration.tiny_run import write_tiny_config
 
 
@@ -18,8 +17,8 @@ def cfg(tmp_path, tiny_model_dir):
     return load_config(write_tiny_config(tmp_path, tiny_model_dir, "comp"))
 
 
-def test_build_run_writes_the_snapshot_and_close_stops_the_engine(cfg, tmp_path):
-    run = start_run(cfg, "comp-1")
+def test_open_run_writes_the_snapshot_and_close_stops_the_engine(cfg, tmp_path):
+    run = open_run(cfg, "comp-1")
     try:
         snapshot = RunDir(cfg.store.uri, "comp-1").read_config()
         assert snapshot is not None and snapshot["lora"]["rank"] == 4
@@ -28,10 +27,15 @@ def test_build_run_writes_the_snapshot_and_close_stops_the_engine(cfg, tmp_path)
         assert plan["choices"]["trainer.micro_batch_size"]["value"] == cfg.trainer.micro_batch_size
         assert len(run.inputs.train) == 64 and len(run.inputs.test) == 4
         assert run.policy.version is None and run.engine.health()["ok"]
+        assert components.get_run("comp-1") is run
+        with pytest.raises(LoraRLError, match="run 'comp-1' is already open in this process"):
+            open_run(cfg, "comp-1")
     finally:
         run.close()
     with pytest.raises(EngineError):
         run.engine.generate([])
+    assert not components.is_open("comp-1")
+    run.close()  # a second close does nothing
 
 
 def test_a_failing_trainer_build_closes_the_engine(cfg, monkeypatch):
@@ -46,23 +50,23 @@ def test_a_failing_trainer_build_closes_the_engine(cfg, monkeypatch):
         raise RuntimeError("no trainer today")
 
     monkeypatch.setattr(components, "build_engine", spy)
-    monkeypatch.setattr(components, "build_trainer", broken)
+    monkeypatch.setattr(components, "policy_model", broken)
     with pytest.raises(RuntimeError, match="no trainer today"):
-        start_run(cfg, "comp-2")
-    assert len(built) == 1
+        open_run(cfg, "comp-2")
+    assert len(built) == 1 and not components.is_open("comp-2")
     with pytest.raises(EngineError):
         built[0].engine.generate([])
 
 
 def test_bad_run_id_fails_before_anything_is_built(cfg):
     with pytest.raises(StoreError, match="invalid run id"):
-        start_run(cfg, "../escape")
+        open_run(cfg, "../escape")
 
 
-def test_registry_names_a_run_that_is_not_open():
+def test_a_run_that_is_not_open_is_named():
     with pytest.raises(LoraRLError, match="run 'nowhere' is not open in this process"):
-        registry.get_run("nowhere")
-    registry.close_run("nowhere")  # closing what is not open is a no-op
+        components.get_run("nowhere")
+    components.close_run("nowhere")  # closing what is not open is a no-op
 
 
 def test_a_version_held_by_a_rollout_is_not_retired_until_released(cfg):
@@ -70,7 +74,7 @@ def test_a_version_held_by_a_rollout_is_not_retired_until_released(cfg):
     (here 2), but never a held one; the first sync after its release retires it."""
     from lora_rl_core.run import versions
 
-    run = start_run(cfg, "comp-hold")
+    run = open_run(cfg, "comp-hold")
     try:
         versions.sync(run, versions.publish(run, 0))
         listed = lambda: sorted(n for n in run.engine.list_adapters() if n.startswith("comp-hold"))  # noqa: E731
@@ -96,7 +100,7 @@ def test_the_library_loop_trains_a_tiny_run_without_prefect(tmp_path, tiny_model
     from lora_rl_core.run.loop import RunPhases, run_steps
 
     cfg = load_config(write_tiny_config(tmp_path, tiny_model_dir, f"loop-{mode}"), [f"rollout.mode={mode}"])
-    run = start_run(cfg, f"loop-{mode}")
+    run = open_run(cfg, f"loop-{mode}")
     try:
         with RunPhases(run) as phases:
             done = run_steps(phases, steps=2, ahead=run.plan.rollouts_ahead())
@@ -167,12 +171,12 @@ def test_a_failed_resume_after_a_failed_update_does_not_hide_the_update_error(ca
         pass  # after an update that succeeded, a failed resume is the error
 
 
-def test_a_run_is_prepared_once_per_process_and_the_flow_builds_from_what_the_cli_handed_over(cfg, monkeypatch):
-    """Issue 44, item 2: `lora-rl train` prepares the run (store, data, tokenizer, rewards, leak check, grader,
-    plan) before Prefect and hands it over; the flow's `open_run` builds from it without preparing again. A
-    flow run with nothing handed over (a deployment's) prepares once."""
+def test_a_run_is_built_once_per_process_and_the_flow_task_takes_the_open_run(cfg, monkeypatch):
+    """Issue 44, item 2: `lora-rl train` opens the run (store, data, tokenizer, rewards, leak check, grader, plan,
+    engine, trainer) before Prefect; the flow's `open_run` task takes it by id and only restores it. A flow run
+    with no open run (a deployment's) validates the config and builds it once."""
     from lora_rl_core.config import StoreConfig
-    from lora_rl_core.run import prepare_run
+    from tasks import steps
 
     calls: list[str] = []
     real_load, real_plan, real_store = components.load_inputs, components.make_plan, StoreConfig.build
@@ -187,30 +191,21 @@ def test_a_run_is_prepared_once_per_process_and_the_flow_builds_from_what_the_cl
     monkeypatch.setattr(components, "load_inputs", counted("inputs", real_load))
     monkeypatch.setattr(components, "make_plan", counted("plan", real_plan))
     monkeypatch.setattr(StoreConfig, "build", counted("store", real_store))
-    prepared = prepare_run(cfg)
-    assert sorted(calls) == ["inputs", "plan", "store"]  # the store inside the inputs
-    same_config = type(cfg).model_validate_json(cfg.model_dump_json())  # as a flow's parameter may arrive
-    with registry.handed_over(prepared):
-        try:
-            registry.open_run(same_config, "comp-handed")
-            run = registry.get_run("comp-handed")
-            assert run.inputs is prepared.inputs and run.plan is prepared.plan and len(calls) == 3
-        finally:
-            registry.close_run("comp-handed")
+    monkeypatch.setattr(steps, "load_config", counted("config", lambda *args: cfg))  # the tiny config, validated
+    with open_run(cfg, "comp-cli") as run:  # as `lora-rl train` opens it
+        assert sorted(calls) == ["inputs", "plan", "store"]  # the store inside the inputs
+        info = steps.open_run.fn(None, [], "comp-cli")  # the flow's task: restores the open run, builds nothing
+        assert info.run_id == "comp-cli" and components.get_run("comp-cli") is run and len(calls) == 3
     calls.clear()
+    info = steps.open_run.fn("tiny.yaml", [], "comp-alone")  # nothing open: validated and built here, once
     try:
-        registry.open_run(cfg, "comp-alone")  # nothing handed over: prepared here, once
-        assert sorted(calls) == ["inputs", "plan", "store"]
+        assert sorted(calls) == ["config", "inputs", "plan", "store"] and components.is_open(info.run_id)
     finally:
-        registry.close_run("comp-alone")
+        components.close_run("comp-alone")
 
 
-def test_a_prepared_run_no_flow_took_is_closed_at_the_end_of_the_hand_over(cfg, monkeypatch):
-    from lora_rl_core.run import prepare_run
-
-    prepared = prepare_run(cfg)
-    closed: list[bool] = []
-    monkeypatch.setattr(type(prepared.inputs.grader), "close", lambda self: closed.append(True))
-    with registry.handed_over(prepared):
-        pass  # the flow failed before open_run
-    assert closed == [True]
+def test_the_default_run_id_is_the_configs_or_the_run_name_with_a_unique_suffix(cfg):
+    mine = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": "mine"})})
+    assert components.default_run_id(mine, "x") == "mine"
+    named = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": None, "name": "arith"})})
+    assert components.default_run_id(named, "0123456789abcdef") == "arith-01234567"

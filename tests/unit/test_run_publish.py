@@ -22,7 +22,7 @@ from lora_rl_core.engines.registry import sync_reads_folder
 from lora_rl_core.errors import BackgroundWriteError, StoreError
 from lora_rl_core.faults import InjectedFault
 from lora_rl_core.records import TrainStats
-from lora_rl_core.run import phases, start_run, versions
+from lora_rl_core.run import open_run, phases, versions
 from lora_rl_core.run.components import Restored
 from lora_rl_core.run.resume import checkpoint_state, restore, write_checkpoint
 from lora_rl_core.subscriber import SyncResult
@@ -35,7 +35,7 @@ def make_run(tmp_path, tiny_model_dir):
 
     def make(run_id: str = "bg", *overrides: str):
         cfg = load_config(write_tiny_config(tmp_path, tiny_model_dir, run_id), list(overrides))
-        built.append(start_run(cfg, run_id))
+        built.append(open_run(cfg, run_id))
         return built[-1]
 
     yield make
@@ -331,6 +331,7 @@ def test_a_run_resumed_in_another_rollout_mode_says_so(make_run, caplog):
         restore(second)
     assert "run modes resumes in rollout.mode async after training in sync up to step 1" in caplog.text
     assert "set rollout.mode: sync to keep it" in caplog.text
+    second.close()  # a run is open once per process
     caplog.clear()
     third = make_run("modes")
     with caplog.at_level("WARNING", logger="lora_rl_core.run.resume"):

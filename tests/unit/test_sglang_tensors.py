@@ -18,7 +18,9 @@ from lora_rl_core.engines.remote.ipc import (
     is_loopback,
     pack,
     pick_transport,
+    server_transport,
 )
+from lora_rl_core.engines.remote.transport import SGLangTensorLoad, tensor_loader
 from lora_rl_core.errors import EngineError
 
 
@@ -36,14 +38,18 @@ def test_loopback_urls(url, local):
     assert is_loopback(url) is local
 
 
-def test_auto_picks_ipc_only_for_a_local_server_with_cuda(monkeypatch):
+def test_auto_is_ipc_only_for_a_local_server_with_cuda_and_is_resolved_once_per_server(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert pick_transport("auto", url="http://127.0.0.1:1", has_path=True) == "ipc"
-    assert pick_transport("auto", url="http://10.0.0.5:1", has_path=True) == "disk"
-    assert pick_transport("auto", url="http://10.0.0.5:1", has_path=False) == "inline"
+    assert server_transport("auto", "http://127.0.0.1:1") == "ipc"
+    assert server_transport("auto", "http://10.0.0.5:1") == "auto"  # the folder where a load gives one
+    assert server_transport("inline", "http://127.0.0.1:1") == "inline"
+    local = tensor_loader("sglang", url="http://127.0.0.1:1", transport="auto")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert pick_transport("auto", url="http://127.0.0.1:1", has_path=True) == "disk"
-    assert pick_transport("inline", url="http://127.0.0.1:1", has_path=True) == "inline"
+    assert isinstance(local, SGLangTensorLoad) and local.transport == "ipc"  # decided when the client was made
+    assert server_transport("auto", "http://127.0.0.1:1") == "auto"
+    assert pick_transport("auto", has_path=True) == "disk"
+    assert pick_transport("auto", has_path=False) == "inline"
+    assert pick_transport("ipc", has_path=True) == "ipc"
 
 
 def test_inline_payload_round_trips_and_sends_only_the_viewed_data():

@@ -1,7 +1,7 @@
 """`trainer.liger_kernels`: where Liger's fused kernels go on, and the clear refusals of `true` where they cannot.
 
 Liger's Triton kernels need a GPU: their numerics are checked in `tests/gpu/test_liger_kernels.py`. Here the
-choice (`choose_kernels`) and the refusal before any worker starts (`build_trainer`)."""
+choice (`choose_kernels`) and the refusal before any worker starts (`open_run`)."""
 
 from __future__ import annotations
 
@@ -121,12 +121,10 @@ def test_true_on_cpu_workers_is_refused_before_the_run_builds_anything(tmp_path,
             "store": {"uri": f"file://{tmp_path}/store"},
         }
     )
-    from lora_rl_core.trainer import workers
-
-    monkeypatch.setattr(workers, "TrainerWorkers", lambda *a, **k: pytest.fail("a worker was started"))
+    monkeypatch.setattr(components, "TrainerWorkers", lambda *a, **k: pytest.fail("a worker was started"))
     monkeypatch.setattr(components, "build_engine", lambda *a, **k: pytest.fail("an engine was built"))
     with pytest.raises(ConfigError, match="trainer.liger_kernels=true but the trainer is on cpu"):
-        components.start_run(cfg, "liger-cpu")
+        components.open_run(cfg, "liger-cpu")
     assert not (tmp_path / "store").exists()  # not even run.json: nothing written
 
 
@@ -190,5 +188,5 @@ def test_compile_true_on_a_cpu_run_is_refused_before_anything_is_built(tmp_path,
         }
     )
     with pytest.raises(ConfigError, match="trainer.torch_compile=true but the trainer is on cpu"):
-        components.start_run(cfg, "compile-cpu")
+        components.open_run(cfg, "compile-cpu")
     assert not (tmp_path / "store").exists()

@@ -143,7 +143,9 @@ class SGLangReplica:
 
 def start_sglang_replicas(inputs: EngineInputs, connect: Callable[[list[str]], BuiltEngine]) -> BuiltEngine:
     """Start `engine.ray_replicas` `SGLangReplica` actors and return a `BuiltEngine` over clients of their
-    servers (`connect(urls)`, a `MultiEngine`), owning the actors and the run's use of Ray.
+    servers (`connect(urls)`, a `MultiEngine`), owning the actors and the run's use of Ray. Each replica's entry
+    of `BuiltEngine.resolved` (run.json `replicas`) says what it resolved on its host and the tensor transport
+    its client resolved for it (`server_transport`: `ipc` for a server on this host with CUDA here).
 
     Takes one use of Ray (`ray_cluster.acquire_ray`), given back on close. Each actor reserves one CPU and
     `engine.ray_gpus_per_replica` GPUs.
@@ -173,6 +175,11 @@ def start_sglang_replicas(inputs: EngineInputs, connect: Callable[[list[str]], B
         ) from None
     clients.owned += [release_ray, lambda: _stop_actors(actors)]  # run last first: the actors stop, then Ray
     clients.actors += actors
+    from lora_rl_core.engines.remote.ipc import server_transport  # lazy: torch only for tensor loads
+
+    requested = inputs.tensor_transport or engine.tensor_transport
+    for replica in resolved:  # what each client resolved for its server, now that its URL is known
+        replica["tensor_transport"] = server_transport(requested, replica["url"])
     clients.resolved += resolved
     return clients
 

@@ -152,7 +152,7 @@ class HTTPEngine(ControlCalls):
         self._models = FreshCall(lambda: json_or_empty(self._call("GET", "/v1/models")))
         self._retired = RetiredAdapters()
         self.tensors = tensor_loader(
-            dialect.tensor_upload, transport=tensor_transport, layout=tensor_layout, dtype=tensor_dtype
+            dialect.tensor_upload, url=self.url, transport=tensor_transport, layout=tensor_layout, dtype=tensor_dtype
         )
         self.retire = retire
         self._kept: set[str] = set()  # retired here, left resident on the server (retire="keep")

@@ -69,17 +69,25 @@ def is_loopback(url: str) -> bool:
     return (urlsplit(url).hostname or "") in _LOOPBACK_HOSTS
 
 
-def pick_transport(requested: TensorTransport, *, url: str, has_path: bool) -> str:
-    """The transport for one tensor load.
+def server_transport(requested: TensorTransport, url: str) -> TensorTransport:
+    """`engine.tensor_transport` for the server at `url`, resolved once, when its client is made (this process
+    and the server's host are known then: a Ray replica's URL only once it has started, before step 1).
 
-    `auto`: `ipc` when the server is on this host and this process has CUDA; else `disk` when a published
-    folder is given (`has_path`); else `inline`. Any other value (checked by `EngineConfig.tensor_transport`)
-    is returned as given.
+    `auto` becomes `ipc` when the server is on this host and this process has CUDA; else it stays `auto`, which
+    a load then takes as the published folder where it gives one and inline data where not (`pick_transport`).
+    Any other value (checked by `EngineConfig.tensor_transport`) is returned as given.
     """
-    if requested != "auto":
-        return requested
-    if is_loopback(url) and torch.cuda.is_available():
+    if requested == "auto" and is_loopback(url) and torch.cuda.is_available():
         return "ipc"
+    return requested
+
+
+def pick_transport(transport: TensorTransport, *, has_path: bool) -> str:
+    """The transport for one tensor load of a client whose transport `server_transport` resolved: `auto` (no
+    CUDA IPC to that server) is `disk` when a published folder is given (`has_path`), else `inline`; any other
+    value as given."""
+    if transport != "auto":
+        return transport
     return "disk" if has_path else "inline"
 
 

@@ -5,9 +5,9 @@
 * `SGLangTensorLoad` (real SGLang): `/load_lora_adapter_from_tensors` with torch multiprocessing payloads
   (`lora_rl_core.engines.remote.ipc`): CUDA IPC handles to a server on this host, or the data inline; or
   `/load_lora_adapter` of a PEFT folder written for the load on this host (`file`) or of the published folder
-  (`disk`), as `engine.tensor_transport` asks (`auto` picks). When SGLang refuses the tensors
-  and a folder is given, the folder is loaded instead and the strategy keeps to folders from then on
-  (`fallback` says why).
+  (`disk`), as `engine.tensor_transport` asks (`auto`: resolved per server when its client is made). When
+  SGLang refuses the tensors and a folder is given, the folder is loaded instead and the strategy keeps to
+  folders from then on (`fallback` says why).
 
 A strategy sends through the client's `AdapterSink` (`update`: one checked LoRA update call; `load_path`: a
 load from a folder) and returns the transport it used, or None when it loaded the folder through `load_path`.
@@ -101,7 +101,8 @@ class SGLangTensorLoad:
     """Real SGLang's tensor load (module docstring).
 
     Args:
-        transport: `engine.tensor_transport` (`auto`, `ipc`, `inline`, `file`, `disk`).
+        transport: `engine.tensor_transport` resolved for the server (`server_transport`: `auto` left there is
+            the published folder where a load gives one, else inline), `ipc`, `inline`, `file` or `disk`.
         layout: how `ipc` shares the tensors (`engine.tensor_layout`).
         dtype: the dtype tensors are sent in, or `keep` (`engine.tensor_dtype`).
     """
@@ -136,7 +137,7 @@ class SGLangTensorLoad:
         """
         from lora_rl_core.engines.remote.ipc import is_loopback, pick_transport  # lazy: torch only for tensor loads
 
-        chosen = "disk" if self.fallback else pick_transport(self.transport, url=sink.url, has_path=path is not None)
+        chosen = "disk" if self.fallback else pick_transport(self.transport, has_path=path is not None)
         if chosen == "file" and not is_loopback(sink.url):  # a setting to change, not a refusal to fall back from
             raise EngineError(
                 f"engine.tensor_transport 'file' writes a local folder, which the server at {sink.url} (not on "
@@ -221,13 +222,19 @@ class SGLangTensorLoad:
 def tensor_loader(
     upload: str,
     *,
+    url: str,
     transport: TensorTransport = SGLANG_DEFAULTS.tensor_transport,
     layout: IpcLayout = SGLANG_DEFAULTS.tensor_layout,
     dtype: TensorDtype = SGLANG_DEFAULTS.tensor_dtype,
 ) -> TensorLoader:
-    """The loader for a dialect's `tensor_upload` (`safetensors` or `sglang`)."""
+    """The loader for a dialect's `tensor_upload` (`safetensors` or `sglang`) to the server at `url`, its
+    transport resolved once for that server (`server_transport`)."""
     if upload == "safetensors":
         return SafetensorsUpload()
+    if transport == "auto":
+        from lora_rl_core.engines.remote.ipc import server_transport  # lazy: torch only for tensor loads
+
+        transport = server_transport(transport, url)
     return SGLangTensorLoad(transport, layout, dtype)
 
 
@@ -237,7 +244,7 @@ def sglang_tensor_load_reads_folder(engine: EngineConfig, transport: str) -> boo
     server is on this host with CUDA here (then `ipc`); Ray replicas' servers may run on other hosts, so
     `auto` counts as the folder there. (A server that refuses the tensors falls back to the folder too;
     `lora_rl_core.run.versions.sync` then tries again once the folder is stored.)"""
-    from lora_rl_core.engines.remote.ipc import pick_transport  # lazy: torch only for tensor loads
+    from lora_rl_core.engines.remote.ipc import server_transport  # lazy: torch only for tensor loads
 
     if transport != "auto":
         return transport == "disk"
@@ -245,4 +252,4 @@ def sglang_tensor_load_reads_folder(engine: EngineConfig, transport: str) -> boo
     if cfg.ray_replicas:
         return True
     urls = cfg.urls or [f"http://{cfg.launch.host}:{cfg.launch.port}"]
-    return any(pick_transport("auto", url=url, has_path=True) == "disk" for url in urls)
+    return any(server_transport("auto", url) != "ipc" for url in urls)
