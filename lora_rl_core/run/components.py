@@ -262,6 +262,7 @@ def build_run(plan: RunPlan, inputs: RunInputs, run_id: str) -> RunComponents:
         else:
             model, pad_id = policy_model(t, device=t.device)
             trainer = PolicyTrainer(model, t, pad_id=pad_id)
+        started.callback(trainer.close)
         run = RunComponents(
             plan=plan,
             run_id=run_id,
