@@ -158,7 +158,14 @@ def gae_advantages(
         return advantages_BT, returns_BT
 
 
-def masked_whiten(values_BT: Tensor, mask_BT: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(
+    values_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    scale_mask_BT: Tensor | None = None,
+) -> Tensor:
     """Whiten over the real tokens of the whole batch: ``(x - mean) * rsqrt(var + eps)``.
 
     verl ``masked_whiten`` (``verl/utils/torch_functional.py``): one mean and one variance over every real token,
@@ -167,29 +174,41 @@ def masked_whiten(values_BT: Tensor, mask_BT: Tensor, *, shift_mean: bool = True
     is the input centred, not scaled (so 0 on a single real token; ``x`` itself with ``shift_mean=False``),
     never NaN (verl raises instead); so is a batch with no variance at all when ``eps`` is 0.
 
+    ``scale_mask_BT`` splits the two statistics: the mean is still every real token's, the variance is the
+    spread of the ``scale_mask_BT`` tokens about that mean, ``sum (x - mean)^2 / (n_s - 1)``, so those tokens
+    come out with unit mean square (their own mean need not be 0). The critic uses it to whiten every row
+    it trains on about one mean while scaling by the rows the policy's loss covers (``Critic.targets``
+    says why); with ``scale_mask_BT`` equal to ``mask_BT`` this is verl's whitening exactly.
+
     Args:
         values_BT: ``[B, T]`` values to whiten (e.g. GAE's advantages), any floating dtype; ignored on padding.
         mask_BT: ``[B, T]`` 1 on real tokens, 0 on padding (float or bool).
         shift_mean: False: add the mean back after scaling.
         eps: added to the variance under the square root, >= 0.
+        scale_mask_BT: ``[B, T]`` 1 on the tokens whose spread sets the scale (real tokens only count), or None:
+            every real token. Fewer than 2 such tokens: centred, not scaled.
 
     Returns:
         ``[B, T]`` float32 on the mask's device, detached, 0 on padding; over the real tokens its mean is 0
-        (``shift_mean``) and its unbiased variance ``var / (var + eps)``, 1 up to ``eps``.
+        (``shift_mean``) and its unbiased variance ``var / (var + eps)``, 1 up to ``eps`` (with
+        ``scale_mask_BT``: ``sum (x - mean)^2 / (n_s - 1)`` over its tokens is that, about the real tokens' mean).
 
     Raises:
         ValueError: mismatched shapes, or ``eps < 0``.
     """
     _check_shapes(mask_BT, values_BT=values_BT)
+    if scale_mask_BT is not None:
+        _check_shapes(mask_BT, scale_mask_BT=scale_mask_BT)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     with torch.no_grad():
         real_BT = mask_BT > 0
         x_BT = _real_float32(values_BT, real_BT)
-        n = real_BT.sum().float()
-        mean = x_BT.sum() / n.clamp(min=1.0)
+        mean = x_BT.sum() / real_BT.sum().float().clamp(min=1.0)
         centred_BT = torch.where(real_BT, x_BT - mean, 0.0)
-        var = (centred_BT**2).sum() / (n - 1.0).clamp(min=1.0)
+        spread_BT = real_BT if scale_mask_BT is None else real_BT & (scale_mask_BT.to(real_BT.device) > 0)
+        n = spread_BT.sum().float()
+        var = torch.where(spread_BT, centred_BT, 0.0).pow(2).sum() / (n - 1.0).clamp(min=1.0)
         # no device sync; fewer than 2 tokens (or eps = 0 on a constant batch): centred only
         scale = torch.where((n >= 2) & (var + eps > 0), torch.rsqrt(var + eps), 1.0)
         whitened_BT = centred_BT * scale

@@ -225,8 +225,19 @@ class Critic:
         The task's reward goes at each completion's last token; with `kl_coef` > 0 each token's reward also
         loses `kl_coef * (log pi_old - log pi_ref)` (verl `apply_kl_penalty`, k1 estimator). A cut completion
         is not bootstrapped (`gae_advantages`: no value after the last token). The advantages are whitened over
-        the whole batch, every rank's rows (verl `compute_advantage` for GAE, OpenRLHF, SkyRL), the rows only
-        the critic trains on (`TrainBatch.value_only`) included.
+        the whole batch, every rank's rows (verl `compute_gae_advantage_return`: `masked_whiten(advantages,
+        response_mask)`, OpenRLHF, SkyRL), with two statistics:
+        - the mean over every row's tokens, the rows only the critic trains on (`TrainBatch.value_only`, cut at
+          the token limit under `truncation: mask`) included: with a critic that explains little, this mean is
+          the batch's baseline, and being cut (reward 0) must be in it for ending to be paid, as a GRPO group's
+          mean counts its cut rows (the policy rows' own mean would make ending with a low reward look worse
+          than rambling, the failure the value-only rows fixed);
+        - the scale from the rows the policy's loss covers alone: their advantages' mean square about that mean
+          is 1 (`masked_whiten`'s `scale_mask_BT`). verl, OpenRLHF and SkyRL whiten exactly the tokens in the
+          loss, which gives them unit scale; a std taken over every row instead would be shrunk by the cut
+          rows' near-0 advantages and scale the few rows that ended by up to sqrt(tokens / their tokens): 5
+          ended rows among 59 cut ones got about +5 per token, the step's gradient several times that of a
+          step with no cut row. With no `value_only` row both statistics are verl's.
 
         Returns:
             `{row: RowTargets}` of this rank's rows, and the step's global `value_mean` (before the update),
@@ -256,10 +267,17 @@ class Critic:
                 rows[row] = (values_BT[j, real].cpu(), returns[j, real].cpu(), advantages[j, real].cpu())
         order = sorted(rows)
         flat = [torch.cat([rows[i][k] for i in order]) if order else torch.zeros(0) for k in range(3)]
+        # 1 on the tokens of the rows the policy's loss covers: they set the whitening's scale
+        policy = [torch.full_like(rows[i][2], float(batch.trains_policy(i))) for i in order]
+        flat.append(torch.cat(policy) if order else torch.zeros(0))
         gathered = [distributed.all_gather_cat(x) for x in flat]
-        (values_N, _), (returns_N, _), (advantages_N, start) = gathered
+        (values_N, _), (returns_N, _), (advantages_N, start), (policy_N, _) = gathered
         ones = torch.ones(1, advantages_N.numel())
-        whitened_N = masked_whiten(advantages_N[None].cpu(), ones)[0] if advantages_N.numel() else advantages_N
+        whitened_N = (
+            masked_whiten(advantages_N[None].cpu(), ones, scale_mask_BT=policy_N[None].cpu())[0]
+            if advantages_N.numel()
+            else advantages_N
+        )
         own = whitened_N[start : start + flat[2].numel()].cpu().split([rows[i][2].numel() for i in order])
         out = {i: RowTargets(rows[i][0], rows[i][1], a) for i, a in zip(order, own, strict=True)}
         tokens = max(1, values_N.numel())

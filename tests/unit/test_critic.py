@@ -3,10 +3,12 @@ trained beside the policy, checkpointed with it and never published."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
 import torch
+from torch.testing import assert_close
 
 from lora_rl_core.config import RunConfig
 from lora_rl_core.errors import ConfigError
@@ -260,3 +262,40 @@ def test_a_batch_of_value_only_rows_trains_the_critic_and_leaves_the_policy(tiny
     assert not torch.equal(head_weight(trainer), head_before)
     assert metrics["train_sequences"] == 0 and metrics["value_only_sequences"] == 4
     assert metrics["policy_trained"] == 0.0 and "grad_norm" not in metrics
+
+
+def test_many_value_only_rows_leave_the_policy_rows_advantages_at_unit_scale(tiny_model_dir):
+    """Two completions that ended (reward 1, 2 tokens each) among six cut at the limit (`value_only`, reward 0,
+    4 tokens each). Before its first update the critic predicts 0, so with gamma = lam = 1 each token's
+    advantage is its row's reward. The mean is every token's, 4 / 28 = 1/7: the cut rows stay in the baseline.
+    The scale is the policy rows' mean square about it, 4 x (6/7)^2 / 3 = 48/49: their advantages are
+    (6/7) / sqrt(48/49) = 6 / sqrt(48) = 0.866, not 2.40 (a std over every token, 168 / 1323, would give that)."""
+    trainer = build(ppo_config(tiny_model_dir, lam=1.0))
+    assert trainer.critic is not None
+    critic = trainer.critic
+    seen = {}
+    targets = critic.targets
+
+    def record(*args, **kwargs):
+        out, metrics = targets(*args, **kwargs)
+        seen.update(out)
+        return out, metrics
+
+    critic.targets = record  # type: ignore[method-assign]
+    rows = 8
+    batch = TrainBatch(
+        [[5, 6]] * rows,
+        [[7, 8]] * 2 + [[9, 10, 11, 12]] * 6,
+        [0.0] * rows,
+        [[-1.0, -1.0]] * 2 + [[-1.0] * 4] * 6,
+        rewards=[1.0, 1.0] + [0.0] * 6,
+        value_only=[False, False] + [True] * 6,
+    )
+    trainer.train_step(batch)
+    assert sorted(seen) == list(range(rows))
+    for i in (0, 1):
+        assert_close(seen[i].advantages, torch.full((2,), 6 / math.sqrt(48)), rtol=1e-5, atol=1e-6)
+    for i in range(2, rows):
+        assert_close(seen[i].advantages, torch.full((4,), -1 / math.sqrt(48)), rtol=1e-5, atol=1e-6)
+    policy = torch.cat([seen[i].advantages for i in (0, 1)])
+    assert float(policy.pow(2).sum() / (policy.numel() - 1)) == pytest.approx(1.0, rel=1e-5)

@@ -154,6 +154,26 @@ def test_masked_whiten_with_fewer_than_two_tokens_centres_without_nan():
     assert_close(constant_BT, torch.zeros(2, 3))
 
 
+def test_masked_whiten_scales_by_the_scale_mask_about_every_real_token_mean():
+    """The mean over every real token, the scale from the `scale_mask_BT` tokens' spread about it: one row of
+    2 tokens at 1 among two rows of 3 tokens at 0 (the critic's cut rows) comes out at 1/sqrt(2), not 1.62."""
+    mask_BT = torch.tensor([[1.0, 1, 0], [1, 1, 1], [1, 1, 1]])
+    x_BT = torch.tensor([[1.0, 1, 50], [0, 0, 0], [0, 0, 0]])
+    scale_BT = torch.tensor([[1.0, 1, 1], [0, 0, 0], [0, 0, 0]])  # its padding does not count
+    out_BT = masked_whiten(x_BT, mask_BT, scale_mask_BT=scale_BT)
+    # mean 2 / 8 = 0.25; the first row's spread about it: 2 x 0.75^2 / (2 - 1) = 1.125
+    scale = 1 / math.sqrt(1.125 + 1e-8)
+    assert_close(out_BT, torch.tensor([[0.75 * scale] * 2 + [0.0], [-0.25 * scale] * 3, [-0.25 * scale] * 3]))
+    assert 0.75 * scale == pytest.approx(1 / math.sqrt(2), rel=1e-6)
+    # over every token (no scale mask): variance (1.125 + 6 x 0.0625) / 7 = 3 / 14, the row at 0.75 / sqrt(3 / 14)
+    assert float(masked_whiten(x_BT, mask_BT)[0, 0]) == pytest.approx(0.75 / math.sqrt(3 / 14), rel=1e-6)
+    assert_close(masked_whiten(x_BT, mask_BT, scale_mask_BT=mask_BT), masked_whiten(x_BT, mask_BT))
+    assert_close(  # fewer than 2 scale tokens: centred, not scaled
+        masked_whiten(x_BT, mask_BT, scale_mask_BT=torch.tensor([[1.0, 0, 0], [0, 0, 0], [0, 0, 0]])),
+        torch.where(mask_BT > 0, x_BT - 0.25, 0.0),
+    )
+
+
 # --- value_loss --------------------------------------------------------------
 
 
@@ -282,6 +302,7 @@ def _zeros(*shape: int) -> torch.Tensor:
         (lambda: token_rewards(_zeros(1), torch.ones(1, 2), kl_BT=_zeros(1, 2), kl_coef=-0.1), "kl_coef"),
         (lambda: masked_whiten(_zeros(1, 3), torch.ones(1, 2)), "values_BT"),
         (lambda: masked_whiten(_zeros(1, 2), torch.ones(1, 2), eps=-1.0), "eps"),
+        (lambda: masked_whiten(_zeros(1, 2), torch.ones(1, 2), scale_mask_BT=torch.ones(1, 3)), "scale_mask_BT"),
         (lambda: explained_variance(_zeros(1, 2), _zeros(2, 2), torch.ones(1, 2)), "returns_BT"),
     ],
 )
