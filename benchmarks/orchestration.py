@@ -156,6 +156,7 @@ def run_prefect(cfg: Any, run_id: str) -> tuple[list[dict[str, Any]], TracedPhas
     swapped for the tracer's constructor while the flow runs; the flow's evaluations and report pass through
     it untraced)."""
     import flows.grpo_lora as flow
+    from lora_rl_core.run import open_run
 
     tracers: list[TracedPhases] = []
     task_phases = flow.TaskPhases
@@ -166,7 +167,8 @@ def run_prefect(cfg: Any, run_id: str) -> tuple[list[dict[str, Any]], TracedPhas
 
     flow.TaskPhases = traced_task_phases  # type: ignore[assignment,misc]
     try:
-        flow.train(config=cfg, run_id=run_id)
+        with open_run(cfg, run_id):  # built before the flow, as `lora-rl train` builds it: the flow takes it by id
+            flow.train(run_id=run_id)
     finally:
         flow.TaskPhases = task_phases  # type: ignore[misc]
     history = json.loads((Path(cfg.run.output_dir) / run_id / "history.json").read_text())

@@ -8,7 +8,7 @@ its workers; but Prefect's temporary API server ran on (Prefect has no parent-de
 dashboard and runtime-env agents (they see the raylet die, then try for 60 s to report it to the dead GCS).
 A launched SGLang server would run on too, holding its GPU.
 
-`watch()` (train, eval and serve call it before they start anything) marks
+`watch()` (train, eval and serve call it once their inputs are checked, before they start anything) marks
 this process's environment with `LORA_RL_OWNER=<random token>`, which every process started afterwards
 inherits however deep (trainer workers, Prefect's server, SGLang and its children, Ray's processes), and
 starts the reaper: this file run as a stdlib-only script (`python -I -S`) in a session of its own, so that

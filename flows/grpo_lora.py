@@ -45,11 +45,12 @@ def train(
         summary: run_id, final_adapter, base/final accuracy, wall_seconds, seconds_per_step,
         completions_per_second, report path.
     """
-    start = time.perf_counter()
-    resumed = open_run(config_path, list(overrides or []), run_id)
-    run_id = resumed.run_id
+    start, opened = time.perf_counter(), None
     try:
-        cfg = get_run(run_id).cfg
+        resumed = open_run(config_path, list(overrides or []), run_id)
+        run_id = opened = resumed.run_id
+        run = get_run(run_id)
+        start, cfg = min(start, run.began), run.cfg  # `lora-rl train` built the run before the flow: counted
         logger = get_run_logger()
         steps = cfg.trainer.steps
         t = TaskPhases(run_id, result_storage(resumed.store_uri, cfg.store.storage_options, run_id))
@@ -82,7 +83,8 @@ def train(
         progress.emit("run_finished", summary)
         return summary
     finally:
-        close_run(run_id)  # the loop has waited for rollouts running ahead: the engine can close
+        if opened is not None:
+            close_run(opened)  # the loop has waited for rollouts running ahead: the engine can close
 
 
 def _evaluate(t: TaskPhases, adapter: str | None, phase: str, enabled: bool, logger: Any) -> dict[str, Any] | None:

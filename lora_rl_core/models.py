@@ -68,7 +68,11 @@ def model_dtype(cfg: ModelConfig) -> DtypeChoice:
 
 
 def load_model(
-    cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: str | None = None
+    cfg: ModelConfig,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the base causal LM and its tokenizer, in eval mode.
 
@@ -76,6 +80,8 @@ def load_model(
         cfg: the `model` section.
         device / dtype: as the run's plan resolved them (`lora_rl_core.plan`); None = `cfg.device` and
             `model_dtype(cfg)` resolved here (a process without a plan: a Ray replica, `lora-rl serve`).
+        tokenizer: the model's tokenizer where the caller has it already (a run's inputs: loaded once per
+            process); None = loaded here (`load_tokenizer`).
 
     Returns:
         (model, tokenizer); the tokenizer has a pad token (EOS when it had none).
@@ -84,9 +90,9 @@ def load_model(
         ModelError: the model is neither a local folder, a reachable hub id, nor an
             offline name; the message names the model and the reason.
     """
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     folder = model_folder(cfg)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             folder,
             dtype=DTYPES[dtype] if dtype is not None else model_dtype(cfg).torch_dtype,
@@ -94,8 +100,6 @@ def load_model(
         )
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load model from {folder}: {_first_line(exc)}") from exc
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     # transformers' `to` wrapper confuses mypy about `self`; at runtime it is PreTrainedModel.to
     model = model.to(torch.device(device) if device is not None else resolve_device(cfg.device))  # type: ignore[call-arg,arg-type,unused-ignore]
     return model.eval(), tokenizer

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class RunComponents:
             background thread (`trainer.background_publish`) or at once.
         policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
         restored: what the run resumed from (`lora_rl_core.run.resume.restore` sets it).
+        began: when `build_run` began (`time.perf_counter()`): a run's wall time counts its build.
         closed: whether `close()` ran.
     """
 
@@ -116,6 +118,7 @@ class RunComponents:
     writer: StoreWriter
     policy: PolicyState = field(default_factory=PolicyState)
     restored: Restored = Restored()
+    began: float = field(default_factory=time.perf_counter)
     closed: bool = field(default=False, repr=False)
 
     @property
@@ -236,14 +239,13 @@ def build_run(plan: RunPlan, inputs: RunInputs, run_id: str) -> RunComponents:
             in this process.
         ModelError / EngineError / TrainerWorkerError: what could not be built.
     """
-    cfg = plan.config
-    assert plan.trainer is not None  # a training plan (`make_plan(..., train=True)`)
+    began, cfg = time.perf_counter(), plan.config
     with ExitStack() as started:  # on a failure, what was built so far is stopped again
         started.enter_context(inputs)
+        if plan.trainer is None:
+            raise ValueError("build_run needs a training plan: make_plan(..., train=True)")
         run_id = validate_run_id(run_id)
-        with _LOCK:
-            if run_id in _OPEN:
-                raise LoraRLError(f"run {run_id!r} is already open in this process: close it before opening it again")
+        _check_not_open(run_id)
         configure_threads()
         run_dir = RunDir(inputs.store.uri, run_id, cfg.store.storage_options)
         random.seed(cfg.run.seed)
@@ -260,7 +262,7 @@ def build_run(plan: RunPlan, inputs: RunInputs, run_id: str) -> RunComponents:
         elif t.backend == "local":
             trainer = TrainerWorkers(t)
         else:
-            model, pad_id = policy_model(t, device=t.device)
+            model, pad_id = policy_model(t, device=t.device, tokenizer=inputs.tokenizer)
             trainer = PolicyTrainer(model, t, pad_id=pad_id)
         started.callback(trainer.close)
         run = RunComponents(
@@ -275,11 +277,18 @@ def build_run(plan: RunPlan, inputs: RunInputs, run_id: str) -> RunComponents:
             trainer=trainer,
             sampler=PromptSampler(inputs.train, seed=cfg.run.seed),
             writer=StoreWriter(background=cfg.trainer.background_publish),
+            began=began,
         )
-        with _LOCK:
+        with _LOCK:  # checked again: another thread may have opened the id meanwhile (the stack closes ours)
+            _check_not_open(run_id)
             _OPEN[run_id] = run
-        started.pop_all()  # built: the run owns them now
+            started.pop_all()  # registered: the run owns what was built
     return run
+
+
+def _check_not_open(run_id: str) -> None:
+    if run_id in _OPEN:
+        raise LoraRLError(f"run {run_id!r} is already open in this process: close it before opening it again")
 
 
 def default_run_id(cfg: RunConfig, unique: str) -> str:

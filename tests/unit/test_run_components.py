@@ -192,14 +192,21 @@ def test_a_run_is_built_once_per_process_and_the_flow_task_takes_the_open_run(cf
     monkeypatch.setattr(components, "make_plan", counted("plan", real_plan))
     monkeypatch.setattr(StoreConfig, "build", counted("store", real_store))
     monkeypatch.setattr(steps, "load_config", counted("config", lambda *args: cfg))  # the tiny config, validated
+    from lora_rl_core import models
+
+    monkeypatch.setattr(
+        models.AutoTokenizer, "from_pretrained", counted("tokenizer", models.AutoTokenizer.from_pretrained)
+    )
     with open_run(cfg, "comp-cli") as run:  # as `lora-rl train` opens it
-        assert sorted(calls) == ["inputs", "plan", "store"]  # the store inside the inputs
+        # the store inside the inputs; one tokenizer for the inputs, the engine and the trainer
+        assert sorted(calls) == ["inputs", "plan", "store", "tokenizer"]
+        calls.remove("tokenizer")
         info = steps.open_run.fn(None, [], "comp-cli")  # the flow's task: restores the open run, builds nothing
         assert info.run_id == "comp-cli" and components.get_run("comp-cli") is run and len(calls) == 3
     calls.clear()
     info = steps.open_run.fn("tiny.yaml", [], "comp-alone")  # nothing open: validated and built here, once
     try:
-        assert sorted(calls) == ["config", "inputs", "plan", "store"] and components.is_open(info.run_id)
+        assert sorted(calls) == ["config", "inputs", "plan", "store", "tokenizer"] and components.is_open(info.run_id)
     finally:
         components.close_run("comp-alone")
 

@@ -36,10 +36,11 @@ def build_embedded_engine(
     from lora_rl_core.engines.embedded.engine import EmbeddedEngine
     from lora_rl_core.models import load_model
 
-    model, loaded_tokenizer = load_model(model_cfg)  # its device and dtype as the section says (the plan's)
+    # its device and dtype as the section says (the plan's); the run's tokenizer where it has one
+    model, tokenizer = load_model(model_cfg, tokenizer=tokenizer)
     return EmbeddedEngine(
         model,
-        tokenizer if tokenizer is not None else loaded_tokenizer,
+        tokenizer,
         max_batch_size=engine_cfg.max_batch_size
         if isinstance(engine_cfg, EmbeddedEngineConfig)
         else ENGINE_DEFAULTS.max_batch_size,
