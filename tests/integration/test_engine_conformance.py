@@ -118,7 +118,7 @@ def adapter_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
 def local_ray():
     """A local Ray with 2 CPUs for the `ray` subject, started only when that subject runs."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # not one already here
     yield
     ray.shutdown()
 

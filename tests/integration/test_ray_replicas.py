@@ -35,7 +35,7 @@ NAME = "ray-v000001"
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # not one already here
     yield
     ray.shutdown()
 
