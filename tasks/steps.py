@@ -36,10 +36,9 @@ from prefect.filesystems import LocalFileSystem, RemoteFileSystem, WritableFileS
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 
-from lora_rl_core.config import load_config
 from lora_rl_core.records import ResumeInfo
 from lora_rl_core.run import RunComponents, components, phases, samples, versions
-from lora_rl_core.run.resume import restore
+from lora_rl_core.run.resume import resume_run
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -101,20 +100,10 @@ _TASKS: dict[str, Task[..., Any]] = {phase.__name__: phase_task(phase, **o) for 
 
 @task(name="open_run", **_NO_CACHE)
 def open_run(config_path: str | None, overrides: list[str], run_id: str | None) -> ResumeInfo:
-    """Restore run `run_id` from its newest checkpoint (`restore`): the run `lora-rl train` opened before the flow
-    started, else one opened here (a deployment's flow run, a retry from the UI) from the config, validated once
-    (`load_config`) and built once (`lora_rl_core.run.components.open_run`), its id `run.id` or
-    `<run.name>-<first 8 characters of the flow run id>` when `run_id` is None. A run opened here that fails to
-    restore is closed again."""
-    if run_id is not None and components.is_open(run_id):
-        return restore(components.get_run(run_id))
-    cfg = load_config(config_path, overrides)
-    run = components.open_run(cfg, run_id or components.default_run_id(cfg, str(flow_run.id)))
-    try:
-        return restore(run)
-    except BaseException:
-        run.close()
-        raise
+    """The run `lora-rl train` opened before the flow started, else one built here from the config, restored
+    from its newest checkpoint (`lora_rl_core.run.resume.resume_run`; the default id's suffix is the flow run's
+    id)."""
+    return resume_run(run_id, config_path, overrides, str(flow_run.id))
 
 
 class TaskPhases:

@@ -1,16 +1,17 @@
 """The one place that builds what a training run uses, and the open runs of this process by run id.
 
-`open_run(cfg, run_id)` builds a run once per process, in this order: the inputs
-(`lora_rl_core.run.inputs.load_inputs`: store, data, tokenizer, rewards, grader, and their checks), the plan
-(`lora_rl_core.plan.make_plan`: every `auto` resolved, the memory plan), the engine (with what it starts), the
-run's files and the trainer; the run stays open under its id (`get_run`) until it is closed. `lora-rl train`
-opens the run before Prefect starts, so whatever cannot be built fails before step 1 with one line; the flow's
-first task (`tasks.steps.open_run`) takes it by id, or opens it itself where the flow runs without the CLI (a
-deployment, a retry from the UI). Prefect tasks get the run id and look the components up here: models,
-engines and worker processes cannot cross a task boundary, so every task of a run runs in the process that
-opened it. `build_evaluation` builds what `lora-rl eval` uses. Nothing here runs a phase, and nothing here knows
-about Prefect; the phases (`lora_rl_core.run.phases`) and resume (`lora_rl_core.run.resume`) are functions over
-the `RunComponents`.
+`build_run(plan, inputs, run_id)` builds a run from its inputs (`lora_rl_core.run.inputs.load_inputs`: store,
+data, tokenizer, rewards, grader, and their checks) and its plan (`lora_rl_core.plan.make_plan`: every `auto`
+resolved, the memory plan): the engine (with what it starts), the run's files and the trainer, once per
+process; the run stays open under its id (`get_run`) until it is closed. `open_run(cfg, run_id)` makes the
+inputs and the plan, then `build_run`. `lora-rl train` makes the inputs and the plan itself (a bad input is one
+line, before anything starts) and builds the run before Prefect starts; the flow's first task takes it by id,
+or opens it where the flow runs without the CLI (`lora_rl_core.run.resume.resume_run`: a deployment, a retry
+from the UI). Prefect tasks get the run id and look the components up here: models, engines and worker
+processes cannot cross a task boundary, so every task of a run runs in the process that opened it.
+`build_evaluation` builds what `lora-rl eval` uses. Nothing here runs a phase, and nothing here knows about
+Prefect; the phases (`lora_rl_core.run.phases`) and resume (`lora_rl_core.run.resume`) are functions over the
+`RunComponents`.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def runtime_summary(plan: RunPlan, built: BuiltEngine) -> dict[str, Any]:
 
 @dataclass
 class RunComponents:
-    """Everything one training run uses in this process. Build with `open_run`; `close()` when done.
+    """Everything one training run uses in this process. Build with `build_run` (or `open_run`); `close()` when done.
 
     Attributes:
         plan: the run's plan (its validated config, every `auto` resolved).
@@ -99,9 +100,9 @@ class RunComponents:
         sampler: the training prompts' order.
         writer: writes train records, checkpoints and adapter versions to the store, in step order, on a
             background thread (`trainer.background_publish`) or at once.
+        began: when `build_run` began (`time.perf_counter()`, seconds): a run's wall time counts its build.
         policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
         restored: what the run resumed from (`lora_rl_core.run.resume.restore` sets it).
-        began: when `build_run` began (`time.perf_counter()`): a run's wall time counts its build.
         closed: whether `close()` ran.
     """
 
@@ -116,9 +117,9 @@ class RunComponents:
     trainer: Trainer
     sampler: PromptSampler
     writer: StoreWriter
+    began: float
     policy: PolicyState = field(default_factory=PolicyState)
     restored: Restored = Restored()
-    began: float = field(default_factory=time.perf_counter)
     closed: bool = field(default=False, repr=False)
 
     @property

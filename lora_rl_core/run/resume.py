@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from lora_rl_core.config import load_config
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import ResumeInfo
+from lora_rl_core.run import components
 from lora_rl_core.run.components import RunComponents
 from lora_rl_core.run.state import Restored
 from lora_rl_core.run.versions import sync
@@ -97,3 +100,29 @@ def restore(run: RunComponents) -> ResumeInfo:
         store_uri=run.store.uri,
         rollouts_ahead=run.plan.rollouts_ahead(),
     )
+
+
+def resume_run(run_id: str | None, config_path: str | None, overrides: Sequence[str], unique: str) -> ResumeInfo:
+    """Restore run `run_id` from its newest checkpoint (`restore`): the run open in this process under that id
+    (`lora-rl train` builds it before its flow starts), else one built here from the config, validated once
+    (`load_config`) and built once (`components.open_run`: a deployment's flow run, a retry from the UI), its id
+    `components.default_run_id(cfg, unique)` when `run_id` is None. A run built here that fails to restore is
+    closed again.
+
+    Args:
+        run_id: the run's id, or None for the config's default.
+        config_path / overrides: the YAML config and its dotted overrides (read only where no run is open).
+        unique: what the default id's suffix comes from (the flow run's id).
+
+    Raises:
+        ConfigError: a bad config; as `components.open_run` and `restore`.
+    """
+    if run_id is not None and components.is_open(run_id):
+        return restore(components.get_run(run_id))
+    cfg = load_config(config_path, list(overrides))
+    run = components.open_run(cfg, run_id or components.default_run_id(cfg, unique))
+    try:
+        return restore(run)
+    except BaseException:
+        run.close()
+        raise

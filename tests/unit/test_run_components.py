@@ -176,6 +176,7 @@ def test_a_run_is_built_once_per_process_and_the_flow_task_takes_the_open_run(cf
     engine, trainer) before Prefect; the flow's `open_run` task takes it by id and only restores it. A flow run
     with no open run (a deployment's) validates the config and builds it once."""
     from lora_rl_core.config import StoreConfig
+    from lora_rl_core.run import resume
     from tasks import steps
 
     calls: list[str] = []
@@ -191,7 +192,7 @@ def test_a_run_is_built_once_per_process_and_the_flow_task_takes_the_open_run(cf
     monkeypatch.setattr(components, "load_inputs", counted("inputs", real_load))
     monkeypatch.setattr(components, "make_plan", counted("plan", real_plan))
     monkeypatch.setattr(StoreConfig, "build", counted("store", real_store))
-    monkeypatch.setattr(steps, "load_config", counted("config", lambda *args: cfg))  # the tiny config, validated
+    monkeypatch.setattr(resume, "load_config", counted("config", lambda *args: cfg))  # the tiny config, validated
     from lora_rl_core import models
 
     monkeypatch.setattr(
