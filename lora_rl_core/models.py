@@ -19,6 +19,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -102,7 +103,37 @@ def load_model(
         raise ModelError(f"cannot load model from {folder}: {_first_line(exc)}") from exc
     # transformers' `to` wrapper confuses mypy about `self`; at runtime it is PreTrainedModel.to
     model = model.to(torch.device(device) if device is not None else resolve_device(cfg.device))  # type: ignore[call-arg,arg-type,unused-ignore]
+    contiguous_head_input(model)
     return model.eval(), tokenizer
+
+
+def contiguous_head_input(model: PreTrainedModel) -> bool:
+    """Make the output layer's input contiguous before it runs (a forward pre-hook on
+    `model.get_output_embeddings()`; once per module). Returns whether a hook was added.
+
+    Why: the trainer asks for the logits of the completion's frame only, and the engine's shared prefill for
+    the last position only (`logits_to_keep`), so transformers hands the output layer the slice `hidden[:, -F:]`
+    `[b, F, H]`, which is not contiguous. `torch.matmul` then does not always fold `[b, F, H] @ [H, V]` into one
+    2-D matmul (never for an input that needs a gradient: folding would copy it for the backward pass) and runs
+    a `bmm` over the weight expanded to `[b, H, V]`; on a CPU that copies the whole `[V, H]` weight b times,
+    forward and backward. Measured on a 2-core AVX512 EPYC with SmolLM2-135M (V = 49,152), one train
+    micro-batch of 16 rows x 38 positions: 1.42 s there, 0.27 s with the contiguous input (a copy of
+    `[b, F, H]`); the engine's prefill of 8 prompts spent 0.73 s copying the weight. A contiguous tensor
+    passes as it is.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Module) or getattr(head, "_lora_rl_contiguous_input", False):
+        return False
+    head.register_forward_pre_hook(_contiguous_first_input)
+    head._lora_rl_contiguous_input = True  # type: ignore[assignment]  # a marker: one hook per module
+    return True
+
+
+def _contiguous_first_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Forward pre-hook: the first positional input made contiguous (`contiguous_head_input`)."""
+    if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+        return (args[0].contiguous(), *args[1:])
+    return args
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

@@ -391,7 +391,9 @@ class PolicyTrainer:
             out = self.model(
                 input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False, logits_to_keep=keep
             )
-        return out.logits[:, :-1].float() / self.temperature
+        logits = out.logits[:, :-1].float()
+        # at temperature 1 a division would only copy the [b, F, V] logits again (twice, with its backward)
+        return logits if self.temperature == 1.0 else logits / self.temperature
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """`torch.autocast` to the LoRA compute dtype (module docstring); nothing when it is float32."""

