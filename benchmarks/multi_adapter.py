@@ -11,10 +11,8 @@ each; request i names adapter `i % k` (rank `--rank`, all linear layers, random 
 * one at a time: one `generate` call per adapter with its requests (k smaller batches, in turn).
 
 tokens/s = completion tokens returned / wall seconds of the calls (median of `--repeats` after a warm-up),
-end to end through the engine: admission, HF `generate`, and the engine's per-token logprobs. A `base` row
-(no adapter) is the reference. `logprob_postprocess_s` is the time the engine's logprob extraction
-(`peft_model.token_logprobs`, per step over `[batch, vocab]` logits) takes for one full batch on this device, measured
-on synthetic logits of that shape, as a guide to how much of the wall time is not the model.
+end to end through the engine: admission, the decode loop, and the engine's per-token logprobs (taken in
+the loop, from each step's logits). A `base` row (no adapter) is the reference.
 
 Usage::
 
@@ -92,21 +90,6 @@ def bench_case(
     return out
 
 
-def logprob_postprocess_s(batch: int, steps: int, vocab: int, device: str, dtype: torch.dtype) -> float:
-    """Seconds of the engine's logprob extraction for one batch (`[batch, vocab]` logits per step)."""
-    from lora_rl_core.engines.embedded.peft_model import token_logprobs  # the engine's own helper, timed in isolation
-
-    logits = tuple(torch.randn(batch, vocab, device=device, dtype=dtype) for _ in range(steps))
-    tokens = torch.randint(0, vocab, (batch, steps))
-    for _ in range(3):  # warm-up (the first calls of a thread are slow: allocator, OpenMP pool)
-        token_logprobs(logits[:4], tokens[:, :4], 0.0)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    token_logprobs(logits, tokens, 0.0)
-    return time.perf_counter() - start
-
-
 def load_adapters(engine: EmbeddedEngine, model: torch.nn.Module, count: int, rank: int) -> list[str]:
     """Load `count` random adapters `adapter-0..`; returns their names."""
     make = random_lora_factory(model, rank=rank, targets=ALL_LINEAR, scale=0.02)
@@ -141,7 +124,6 @@ def main() -> None:
     cfg = _common.model_config(None if args.tiny else args.model_config, layers=args.layers)
 
     model = random_model(cfg, device=device, dtype=dtype)
-    post_s = logprob_postprocess_s(args.batch, args.max_new_tokens, cfg["vocab_size"], device, dtype)
     gen = torch.Generator().manual_seed(0)
     vocab = cfg["vocab_size"]
     prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
@@ -159,12 +141,12 @@ def main() -> None:
         results: dict[str, Any] = {}
         for label, case in cases.items():
             results[label] = bench_case(engine, prompts, case, params, args.repeats)
-            save(args, cfg, device, dtype, results, post_s, complete=False)  # partial results survive a time limit
-    save(args, cfg, device, dtype, results, post_s, complete=True)
-    show(args, device, results, post_s)
+            save(args, cfg, device, dtype, results, complete=False)  # partial results survive a time limit
+    save(args, cfg, device, dtype, results, complete=True)
+    show(args, device, results)
 
 
-def show(args: argparse.Namespace, device: str, results: dict[str, Any], post_s: float) -> None:
+def show(args: argparse.Namespace, device: str, results: dict[str, Any]) -> None:
     """The rich table: tokens/s of both modes and the speed-up, per case."""
     model_name = "tiny-qwen2" if args.tiny else args.model_config.stem
     rows = [
@@ -173,7 +155,6 @@ def show(args: argparse.Namespace, device: str, results: dict[str, Any], post_s:
     ]
     title = f"{model_name}, {device}, {args.batch} requests x {args.max_new_tokens} tokens, rank {args.rank}"
     print_table(title, ["case", "adapters", "mixed tok/s", "one at a time tok/s", "speed-up"], rows)
-    print(f"engine logprob extraction for one {args.batch}x{args.max_new_tokens} batch: {post_s:.3f} s")
 
 
 def save(
@@ -182,7 +163,6 @@ def save(
     device: str,
     dtype: torch.dtype,
     results: dict,
-    post_s: float,
     *,
     complete: bool,
 ) -> None:
@@ -195,7 +175,6 @@ def save(
             "dtype": str(dtype),
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "lora": {"rank": args.rank, "targets": list(ALL_LINEAR)},
-            "logprob_postprocess_s": post_s,
             "machine": machine_info(device),
             "results": results,
         },

@@ -1,5 +1,5 @@
 """Generation batch: the inverse-CDF sampler draws from the right distribution; shared prefill of repeated
-prompts, and rows that leave the batch when they end, give the same tokens and logits as plain HF generation."""
+prompts, and rows that leave the batch when they end, give the same tokens and logprobs as plain HF generation."""
 
 from __future__ import annotations
 
@@ -78,6 +78,19 @@ def models(tiny_model_dir):
 PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [10, 11], [5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
 
+def _logprobs(tokens_BT, step_logits, temperature=0.0):
+    """Logprobs `[B, T]` of `tokens_BT` under each step's raw logits `[B, V]` / temperature (0: 1), as the
+    engine records them."""
+    temp = temperature if temperature > 0 else 1.0
+    return torch.stack(
+        [
+            torch.log_softmax(logits.float() / temp, -1).gather(1, tokens_BT[:, t : t + 1]).squeeze(1)
+            for t, logits in enumerate(step_logits)
+        ],
+        dim=1,
+    )
+
+
 def _plain_generate(model, prompts, adapters, max_new_tokens=6, eos=EOS, processors=None):
     ids, mask = left_pad(prompts, PAD)
     kwargs = {"adapter_names": adapters} if adapters else {}
@@ -101,7 +114,7 @@ def _plain_generate(model, prompts, adapters, max_new_tokens=6, eos=EOS, process
 @pytest.mark.parametrize("with_adapters", [False, True])
 def test_rows_that_end_leave_the_batch_and_nothing_else_changes(models, temperature, with_adapters) -> None:
     """Rows ending at different steps leave the decode batch (fewer rows computed), and every row's tokens and
-    its logits up to its end equal HF `generate`'s, which computes every row to the end; sampled with a seed
+    its logprobs up to its end equal HF `generate`'s, which computes every row to the end; sampled with a seed
     too (`generate` with the same inverse-CDF sampler: the same uniforms, one per row and step)."""
     base, peft = models
     model = peft if with_adapters else base
@@ -123,13 +136,14 @@ def test_rows_that_end_leave_the_batch_and_nothing_else_changes(models, temperat
         lambda _m, _a, kwargs: rows_computed.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
     try:
-        tokens, logits = generate_batch(model, PROMPTS, adapters, params, pad_id=PAD, eos_ids=[end])
+        tokens, logprobs = generate_batch(model, PROMPTS, adapters, params, pad_id=PAD, eos_ids=[end])
     finally:
         hook.remove()
     assert torch.equal(tokens, want)
-    for t, (got, ref) in enumerate(zip(logits, want_logits, strict=True)):
-        live = [i for i, n in enumerate(lengths) if t < n]
-        torch.testing.assert_close(got[live], ref[live], atol=1e-4, rtol=1e-4)
+    want_logprobs = _logprobs(want, want_logits, temperature)
+    for i, n in enumerate(lengths):  # up to its end a row's logprobs are generate's; after it, 0
+        torch.testing.assert_close(logprobs[i, :n], want_logprobs[i, :n], atol=1e-4, rtol=1e-4)
+        assert not logprobs[i, n:].any()
     assert rows_computed[-1] == sum(1 for n in lengths if n == max(lengths))  # the last step: the longest rows
 
 
@@ -140,12 +154,11 @@ def test_shared_prefill_equals_plain_generation(models, with_adapters: bool) -> 
     # rows 0 and 1 share prompt and adapter; row 3 has the same prompt under another adapter
     adapters = ["a1", "a1", "a1", "__base__", "__base__", "a1"] if with_adapters else None
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-    tokens, logits = generate_batch(model, PROMPTS, adapters, greedy, pad_id=PAD, eos_ids=[EOS])
+    tokens, logprobs = generate_batch(model, PROMPTS, adapters, greedy, pad_id=PAD, eos_ids=[EOS])
     ref_tokens, ref_logits = _plain_generate(model, PROMPTS, adapters)
     assert torch.equal(tokens, ref_tokens)
-    assert len(logits) == len(ref_logits)
-    for got, want in zip(logits, ref_logits, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert logprobs.shape == tokens.shape and bool((logprobs < 0).all())  # no row ends early here
+    torch.testing.assert_close(logprobs, _logprobs(ref_tokens, ref_logits), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("adapter", ["a1", "__base__"])
@@ -154,11 +167,10 @@ def test_one_adapter_batch_equals_the_mixed_batch_path(models, adapter: str) -> 
     base model); its tokens and logits equal PEFT's per-row routing of the same batch."""
     _, peft = models
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-    tokens, logits = generate_batch(peft, PROMPTS, [adapter] * len(PROMPTS), greedy, pad_id=PAD, eos_ids=[EOS])
+    tokens, logprobs = generate_batch(peft, PROMPTS, [adapter] * len(PROMPTS), greedy, pad_id=PAD, eos_ids=[EOS])
     ref_tokens, ref_logits = _plain_generate(peft, PROMPTS, [adapter] * len(PROMPTS))
     assert torch.equal(tokens, ref_tokens)
-    for got, want in zip(logits, ref_logits, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logprobs, _logprobs(ref_tokens, ref_logits), atol=1e-4, rtol=1e-4)
     if adapter == "__base__":  # and the adapter really was off: the base model's own output
         base_tokens, _ = _plain_generate(models[0], PROMPTS, None)
         assert torch.equal(tokens, base_tokens)

@@ -244,11 +244,14 @@ def generate_batch(
     pad_id: int,
     eos_ids: list[int],
     stops: StopStrings | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Generate for prompts with equal sampling params: new tokens `[B, T]` (long, CPU) and per-step raw
-    logits (`T` tensors `[B, V]`, float32, on the model's device). A row ends at an EOS id or stop token id of
-    `params`, or a stop string of `stops`; it keeps the token that ended it and is padded with `pad_id` after
-    it (its logits there are 0). `T` is the step at which the last row ended, or `params.max_new_tokens`.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generate for prompts with equal sampling params: new tokens `[B, T]` (long, CPU) and their logprobs
+    `[B, T]` (float32, CPU) under softmax(logits / temperature) of the raw logits (temperature 0, greedy:
+    under temperature 1). A row ends at an EOS id or stop token id of `params`, or a stop string of `stops`;
+    it keeps the token that ended it and is padded with `pad_id` after it (logprob 0 there). `T` is the step
+    at which the last row ended, or `params.max_new_tokens`. Each step's logprobs are taken from its logits
+    at once, so no `[B, V]` logits outlive their step (64 rows x 1,024 steps of a 152k vocabulary would be
+    40 GB of float32).
 
     The decode loop is HF `generate`'s greedy loop (the same left-padded prompts, position ids
     `cumsum(mask) - 1`, KV cache and raw logits; `InverseCdfSampler` picks a sampled token), except that a
@@ -267,7 +270,9 @@ def generate_batch(
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     rows, limit = len(prompts), params.max_new_tokens
     tokens_BT = torch.full((rows, limit), pad_id, dtype=torch.long, device=device)
-    step_logits: list[torch.Tensor] = []
+    logprobs_BT = torch.zeros((rows, limit), dtype=torch.float32, device=device)
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    steps = 0
     ends = torch.tensor(sorted({*eos_ids, *params.stop_token_ids}), dtype=torch.long, device=device)
     sampler = InverseCdfSampler(params.temperature, params.top_k, params.top_p) if params.temperature > 0 else None
     with _one_adapter(model, adapters) as adapters:
@@ -294,9 +299,7 @@ def generate_batch(
                 **kwargs,
             )
             logits_bV = out.logits[:, -1, :].float()
-            logits_BV = logits_bV.new_zeros((rows, logits_bV.shape[1]))
-            logits_BV[live] = logits_bV
-            step_logits.append(logits_BV)
+            steps = t + 1
             scores_bV = logits_bV
             if sampler is not None:  # one uniform per row of the batch, ended or not: a row's samples do not
                 # depend on when the others end (the random stream of `generate`, which samples every row)
@@ -306,6 +309,8 @@ def generate_batch(
                 )
             next_b = scores_bV.argmax(dim=-1)
             tokens_BT[live, t] = next_b
+            scaled_bV = logits_bV / temperature if temperature != 1.0 else logits_bV
+            logprobs_BT[live, t] = scaled_bV.gather(1, next_b[:, None]).squeeze(1) - torch.logsumexp(scaled_bV, -1)
             done_b = torch.isin(next_b, ends)
             if stops is not None:
                 done_b |= stops.check(tokens_BT[live, : t + 1], live)
@@ -319,7 +324,7 @@ def generate_batch(
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             last = last + 1
             step_ids, step_positions = next_b[:, None], last[:, None]
-    return tokens_BT[:, : len(step_logits)].cpu(), tuple(step_logits)
+    return tokens_BT[:, :steps].cpu(), logprobs_BT[:, :steps].cpu()
 
 
 @contextmanager

@@ -199,21 +199,19 @@ class PeftAdapterModel:
             out.update(zip(rows, done, strict=True))
         return [out[i] for i in range(len(requests))]
 
-    def generate(
-        self, requests: list[GenerationRequest]
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """One generate call over requests with equal sampling params: new tokens `[B, T]`, per-step logits
-        `T x [B, V]` (`generation.generate_batch`: inverse-CDF sampling, shared prefill of repeated prompts) and,
+    def generate(self, requests: list[GenerationRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One generate call over requests with equal sampling params: new tokens `[B, T]`, their logprobs
+        `[B, T]` (`generation.generate_batch`: inverse-CDF sampling, shared prefill of repeated prompts) and,
         with stop strings, where each row completed one (`[B]` long, CPU: index in the completion, -1 none)."""
         adapters = [r.adapter or BASE_ADAPTER for r in requests] if isinstance(self._model, PeftModel) else None
         params = requests[0].sampling
         prompts = [r.prompt_ids for r in requests]
         stops = StopStrings(self._stop_match(params.stop), len(prompts)) if params.stop else None
-        tokens_BT, step_logits = generate_batch(
+        tokens_BT, logprobs_BT = generate_batch(
             self._model, prompts, adapters, params, pad_id=self._pad_id, eos_ids=self.eos_ids, stops=stops
         )
         first_B = stops.first_B.cpu() if stops is not None else None
-        return tokens_BT, step_logits, first_B
+        return tokens_BT, logprobs_BT, first_B
 
     def _stop_match(self, stops: tuple[str, ...]) -> StopMatch:
         """The matcher of `stops`, built once (it reads the vocabulary) and kept for the last few sets."""
@@ -228,18 +226,15 @@ class PeftAdapterModel:
         requests: list[GenerationRequest],
         versions: list[int | None],
         tokens_BT: torch.Tensor,
-        step_logits: tuple[torch.Tensor, ...],
+        logprobs_BT: torch.Tensor,
         stop_at_B: torch.Tensor | None = None,
     ) -> list[Completion]:
-        """Completions of one batch from its new tokens `[B, T]`, per-step logits `T x [B, V]` and where rows
+        """Completions of one batch from its new tokens `[B, T]`, their logprobs `[B, T]` and where rows
         completed a stop string (`stop_at_B`, from `generate`; no lock needed).
 
-        Each row is cut after the token that ended it, which is kept (`finish_points`); logprobs are under
-        softmax(logits / temperature), one per kept token.
+        Each row is cut after the token that ended it, which is kept (`finish_points`); one logprob per kept token.
         """
         params = requests[0].sampling
-        logprobs_BT = token_logprobs(step_logits, tokens_BT, params.temperature)
-        tokens_BT = tokens_BT.cpu()
         ends = finish_points(tokens_BT, self.eos_ids, params.stop_token_ids, stop_at_B)
         return [
             _completion(r, v, tokens_BT[i, :n].tolist(), logprobs_BT[i, :n].tolist(), finish)
@@ -340,17 +335,3 @@ def _completion(
         adapter=request.adapter,
         adapter_version=version,
     )
-
-
-def token_logprobs(step_logits: tuple[torch.Tensor, ...], tokens_BT: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probs `[B, T]` (float32, CPU) of the sampled tokens under softmax(logits / temperature); one step at a
-    time so the `[B, T, V]` tensor is never built. `temperature=0` (greedy) scores under temperature 1."""
-    temp = temperature if temperature > 0 else 1.0
-    if not step_logits:
-        return torch.empty(tokens_BT.shape, dtype=torch.float32)
-    tokens = tokens_BT.to(step_logits[0].device)
-    out = torch.empty(tokens.shape, dtype=torch.float32, device=tokens.device)
-    for t, logits_BV in enumerate(step_logits):  # on the logits' device: only [B, T] floats cross to the host
-        scaled = logits_BV.float() / temp
-        out[:, t] = scaled.gather(1, tokens[:, t : t + 1]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
-    return out.cpu()
