@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -246,3 +247,31 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(tiny_model_dir):
         got = [c.completion_ids for c in no_pad.generate([GenerationRequest(p, None, greedy) for p in rows])]
         want = [c.completion_ids for c in padded.generate([GenerationRequest(p, None, greedy) for p in rows])]
     assert got == want and all(got)
+
+
+def test_an_adapter_is_held_in_the_base_weights_dtype(tiny_model_dir):
+    """Over a bfloat16 model the engine holds the adapter in bfloat16 (as SGLang does), not PEFT's float32 copy,
+    and its completions are those of PEFT's own model with the same bfloat16 adapter."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    engine = EmbeddedEngine(model, tiny_tokenizer(tiny_model_dir), max_batch_size=8)
+    try:
+        load(engine, A1, tiny_model_dir, seed=1)
+        lora = {p.dtype for n, p in engine._model._model.named_parameters() if "lora_" in n}
+        assert lora == {torch.bfloat16}
+        out = engine.generate([GenerationRequest(p, A1, GREEDY) for p in prompts(tiny_model_dir, 3)])
+    finally:
+        engine.close()
+    tensors, config = random_adapter(tiny_model_dir, 1)
+    lora_config = LoraConfig(**{k: v for k, v in config.items() if k not in ("peft_type", "base_model_name_or_path")})
+    reference = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16),
+        lora_config,
+        autocast_adapter_dtype=False,
+    ).eval()
+    set_peft_model_state_dict(reference, tensors)
+    for completion, prompt in zip(out, prompts(tiny_model_dir, 3), strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = reference.generate(ids, max_new_tokens=GREEDY.max_new_tokens, do_sample=False, pad_token_id=0)
+        n = len(completion.completion_ids)
+        assert completion.completion_ids == want[0, len(prompt) : len(prompt) + n].tolist()
