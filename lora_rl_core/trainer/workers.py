@@ -360,6 +360,7 @@ class _WorkerSpec:
 def _worker_main(rank: int, spec: _WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process: set up, report, then serve commands until `close` or the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.excepthook = _parent_gone_quietly
     # No weight-loading progress bars: the parent shows its own, and tqdm's multiprocessing lock would be
     # a named semaphore that `_exit` leaves behind (the resource tracker then warns "leaked semaphore").
     hf_logging.disable_progress_bar()
@@ -374,6 +375,21 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn: Connection) -> None:
     finally:
         distributed.destroy_process_group()
         _exit(0)
+
+
+def _parent_gone_quietly(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    """A worker's `sys.excepthook`: silent for a connection the run's process dropped, the default otherwise.
+
+    A reply that holds tensors crosses as shared memory: the parent's unpickling connects back to this process's
+    `multiprocessing.resource_sharer` thread for each file descriptor. When the parent stops mid-handover (a
+    SIGTERM while it receives a step's result), that thread's handshake fails with `ConnectionResetError`,
+    and the thread reports it through `sys.excepthook` as a traceback, in the run's log after the parent's
+    own line saying why it stopped. The parent is going away and says so itself; the reset adds nothing.
+    (The serving loop catches everything it runs, so the main thread does not come here.)
+    """
+    if issubclass(exc_type, (ConnectionError, EOFError)):
+        return
+    sys.__excepthook__(exc_type, exc, tb)
 
 
 def rank_info(rank: int, trainer: PolicyTrainer) -> dict[str, Any]:
