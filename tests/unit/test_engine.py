@@ -7,12 +7,13 @@ import json
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from peft import get_peft_model, set_peft_model_state_dict
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.adapters import adapter_version
 from lora_rl_core.engines import EmbeddedEngine, GenerationRequest, SamplingParams
+from lora_rl_core.engines.embedded.peft_model import _lora_config
 from lora_rl_core.errors import EngineError
 from lora_rl_core.subscriber import retire_stale
 from tests.support.embedded_engine import (
@@ -262,7 +263,7 @@ def test_an_adapter_is_held_in_the_base_weights_dtype(tiny_model_dir):
     finally:
         engine.close()
     tensors, config = random_adapter(tiny_model_dir, 1)
-    lora_config = LoraConfig(**{k: v for k, v in config.items() if k not in ("peft_type", "base_model_name_or_path")})
+    lora_config = _lora_config(A1, config)  # the engine's own reading of an adapter_config
     reference = get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16),
         lora_config,
