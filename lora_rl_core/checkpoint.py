@@ -1,15 +1,15 @@
 """Training checkpoints in the object store, with the adapter store's manifest rule.
 
 Layout (docs/DESIGN.md): `<store>/<run_id>/checkpoints/step-000010/` holding
-`tensors.safetensors` (every tensor of the state: LoRA weights, optimizer
-moments, RNG states), `state.json` (everything else: scheduler, step,
-policy version, with tensors replaced by `{"__tensor__": key}`) and
-`manifest.json`, written LAST with the sha256 and size of each file. A
-checkpoint exists iff its manifest exists and every file matches it, so a
-writer killed mid-upload leaves nothing a reader would load. No pickle:
-arbitrary nested state is flattened into safetensors + JSON. All I/O goes
-through the adapter store's `StoreIO`: transient errors are retried with
-backoff, symlinks in local stores are refused, reads are size-capped.
+`tensors.safetensors` (the tensors of the run's own state: RNG states), `state.json` (everything else:
+step, rollout mode, with tensors replaced by `{"__tensor__": key}`), the trainer's state as one
+`rank-00000.safetensors` per trainer rank (`write_shard`: each rank writes its own part of the LoRA
+weights and AdamW moments, its RNG, and rank 0 the JSON meta in the file's header), and `manifest.json`,
+written LAST with the sha256 and size of each file. A checkpoint exists iff its manifest exists and every
+file matches it, so a writer killed mid-upload leaves nothing a reader would load. No pickle: arbitrary
+nested state is flattened into safetensors + JSON. All I/O goes through the adapter store's `StoreIO`:
+transient errors are retried with backoff, symlinks in local stores are refused, reads are size-capped.
+Checkpoints of older runs hold the whole trainer state in `tensors.safetensors` and still load.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import hashlib
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import fsspec
 import torch
@@ -32,6 +33,42 @@ from lora_rl_core.store.io import RetryPolicy, StoreIO
 
 _STEP_DIR = re.compile(r"step-(\d{6})$")
 _FILES = ("tensors.safetensors", "state.json")
+_SHARD_FILE = re.compile(r"rank-(\d{5})\.safetensors$")
+SHARDED = "sharded"
+"""`state["trainer"]` of a checkpoint whose trainer state is in the ranks' files (`write_shard`)."""
+
+
+class Piece(NamedTuple):
+    """A rank's part of one tensor of the trainer state: `data` (CPU), the whole tensor's `shape` and the
+    index of `data`'s first element in it (`offset`, one per dimension; all 0 for a whole tensor)."""
+
+    data: torch.Tensor
+    shape: list[int]
+    offset: list[int]
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """Where a trainer rank writes its part of the checkpoint of `step`: the store root (`store.uri`), its
+    fsspec options and the run."""
+
+    uri: str
+    run_id: str
+    step: int
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """A trainer rank's finished write of its part of the checkpoint of `step`: the manifest entries of its
+    files (`{name: {"sha256", "size"}}`), or `error` (what failed) and no files."""
+
+    step: int
+    rank: int
+    files: dict[str, dict[str, Any]]
+    error: str | None = None
+
+
 MAX_CHECKPOINT_FILE_BYTES = 64 * 2**30  # LoRA weights + AdamW moments stay far below this
 
 
@@ -100,10 +137,18 @@ class CheckpointStore:
         return base if step is None else f"{base}/step-{step:06d}"
 
     def save(
-        self, run_id: str, step: int, state: dict[str, Any], *, before_manifest: Callable[[], None] | None = None
+        self,
+        run_id: str,
+        step: int,
+        state: dict[str, Any],
+        *,
+        shards: dict[str, dict[str, Any]] | None = None,
+        before_manifest: Callable[[], None] | None = None,
     ) -> str:
         """Write the checkpoint of `step` (files first, manifest last); returns its folder path.
 
+        `shards`: the manifest entries of the files the trainer's ranks wrote (`write_shard`), with
+        `state["trainer"]` = `SHARDED`; without them `state` holds the whole trainer state.
         Leftovers of an attempt that died before its manifest are overwritten; an existing complete
         checkpoint of the same step loses its manifest first, so no reader mixes old and new files.
         `before_manifest` is called with the files written and the manifest not yet (fault-injection tests
@@ -119,20 +164,46 @@ class CheckpointStore:
             "state.json": json.dumps(tree).encode(),
         }
         folder = self._dir(run_id, step)
-        if self._io.size(f"{folder}/manifest.json") is not None:
-            self._io.rm(f"{folder}/manifest.json")
-        for name, data in blobs.items():
-            self._io.put(f"{folder}/{name}", data)
+        files = self._put(folder, blobs)
         if before_manifest is not None:
             before_manifest()
         manifest = {
             "run_id": run_id,
             "step": step,
             "created_at": _dt.datetime.now(_dt.UTC).isoformat(),
-            "files": {n: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)} for n, d in blobs.items()},
+            "files": {**(shards or {}), **files},
         }
         self._io.put(f"{folder}/manifest.json", json.dumps(manifest, indent=1).encode())
         return folder
+
+    def write_shard(
+        self, run_id: str, step: int, rank: int, pieces: dict[str, Piece], meta: dict[str, Any] | None
+    ) -> dict[str, dict[str, Any]]:
+        """Write trainer rank `rank`'s part of the checkpoint of `step`: `rank-RRRRR.safetensors` (the pieces'
+        data) and `rank-RRRRR.json` (each piece's place in its whole tensor, and `meta`, the trainer's JSON
+        state, from rank 0). The checkpoint exists once `save` writes its manifest with the entries returned.
+
+        Returns:
+            The files' manifest entries, `{name: {"sha256", "size"}}`.
+
+        Raises:
+            StoreError: the store failed after retries.
+        """
+        index = {"pieces": {k: {"shape": p.shape, "offset": p.offset} for k, p in pieces.items()}, "trainer": meta}
+        blobs = {
+            f"rank-{rank:05d}.safetensors": safetensors_bytes({k: p.data for k, p in pieces.items()}, metadata=None),
+            f"rank-{rank:05d}.json": json.dumps(index).encode(),
+        }
+        return self._put(self._dir(run_id, step), blobs)
+
+    def _put(self, folder: str, blobs: dict[str, bytes]) -> dict[str, dict[str, Any]]:
+        """Write files into a checkpoint folder, its manifest removed first (a complete checkpoint of the step,
+        written again, is never read with new files under its old manifest); returns their manifest entries."""
+        if self._io.size(f"{folder}/manifest.json") is not None:
+            self._io.rm(f"{folder}/manifest.json")
+        for name, data in blobs.items():
+            self._io.put(f"{folder}/{name}", data)
+        return {n: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)} for n, d in blobs.items()}
 
     def steps(self, run_id: str) -> list[int]:
         """Steps with a manifest (complete checkpoints), ascending."""
@@ -154,11 +225,40 @@ class CheckpointStore:
         raw = self._io.get(f"{folder}/manifest.json", 2**20)
         if raw is None:
             raise StoreError(f"no checkpoint of run {run_id!r} at step {step} (have {self.steps(run_id)})")
-        manifest = json.loads(raw)
-        blobs = {name: self._verified(folder, name, manifest["files"][name]) for name in _FILES}
-        return unflatten_state(json.loads(blobs["state.json"]), load_safetensors(blobs["tensors.safetensors"]))
+        files = json.loads(raw)["files"]
+        blobs = {name: self._verified(folder, name, files.get(name)) for name in _FILES}
+        state = unflatten_state(json.loads(blobs["state.json"]), load_safetensors(blobs["tensors.safetensors"]))
+        if state.get("trainer") == SHARDED:
+            ranks = sorted(name.removesuffix(".safetensors") for name in files if _SHARD_FILE.match(name))
+            state["trainer"] = self._assemble(folder, files, ranks)
+        return state
 
-    def _verified(self, folder: str, name: str, entry: dict[str, Any]) -> bytes:
+    def _assemble(self, folder: str, files: dict[str, Any], ranks: list[str]) -> dict[str, Any]:
+        """The whole trainer state (`trainer.state.gather_state` format) from the ranks' files: each tensor put
+        together from its pieces, which must cover it."""
+        whole: dict[str, torch.Tensor] = {}
+        covered: dict[str, int] = {}
+        meta = None
+        for rank in ranks:
+            index = json.loads(self._verified(folder, f"{rank}.json", files.get(f"{rank}.json")))
+            data = load_safetensors(self._verified(folder, f"{rank}.safetensors", files.get(f"{rank}.safetensors")))
+            meta = index["trainer"] if index["trainer"] is not None else meta
+            for key, place in index["pieces"].items():
+                piece = data[key]
+                full = whole.setdefault(key, torch.empty(place["shape"], dtype=piece.dtype))
+                full[tuple(slice(o, o + n) for o, n in zip(place["offset"], piece.shape, strict=True))].copy_(piece)
+                covered[key] = covered.get(key, 0) + piece.numel()
+        gaps = sorted(k for k, t in whole.items() if covered[k] != t.numel())
+        if meta is None or gaps:
+            raise StoreError(
+                f"checkpoint {folder} is incomplete: its ranks' files ({len(ranks)}) "
+                + (f"do not cover {gaps[:3]}" if gaps else "hold no trainer meta (rank 0's file)")
+            )
+        return {"tensors": whole, "meta": meta}
+
+    def _verified(self, folder: str, name: str, entry: dict[str, Any] | None) -> bytes:
+        if entry is None:
+            raise StoreError(f"checkpoint {folder}: its manifest does not list {name}")
         data = self._io.get(f"{folder}/{name}", MAX_CHECKPOINT_FILE_BYTES)
         if data is None:
             raise StoreError(f"checkpoint file {folder}/{name} is missing although its manifest lists it")

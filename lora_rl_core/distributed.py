@@ -64,6 +64,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def free_port() -> int:
@@ -235,6 +236,21 @@ def _sum_gradients(module: FSDPModule) -> None:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: `DTensor.full_tensor()` (a collective: every rank must call it) or the tensor itself."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_part(tensor: torch.Tensor, rank: int, owner: int) -> tuple[torch.Tensor, list[int], list[int]] | None:
+    """This rank's part of `tensor` as a checkpoint stores it, without communication: (its local data, the whole
+    tensor's shape, the index of the data's first element in it), or None where another rank stores it. A
+    DTensor shard is stored by the rank that holds it, its offset from its placements
+    (`compute_local_shape_and_global_offset`, as torch.distributed.checkpoint computes it); a tensor that is
+    the same on every rank (plain, as the LoRA weights are, or replicated) by rank `owner` alone."""
+    if isinstance(tensor, DTensor) and not all(p.is_replicate() for p in tensor.placements):
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.to_local(), list(tensor.shape), list(offset)
+    if rank != owner:
+        return None
+    data = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return data, list(tensor.shape), [0] * tensor.dim()
 
 
 def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,9 @@ class StoreConfig(Section):
     uri: str = "file://./runs"
     """fsspec URI of the store's root: `file://./runs` (the default: `runs/` under the working directory),
     `s3://bucket/prefix`, `memory://...` (tests). A run keeps its adapter versions, config snapshot, tags and
-    checkpoints under `<uri>/<run_id>/` (docs/DESIGN.md, "Object store layout")."""
+    checkpoints under `<uri>/<run_id>/` (docs/DESIGN.md, "Object store layout"). The trainer's ranks write
+    their parts of each checkpoint themselves, so with `trainer.backend: local` or `ray` it is a store they
+    reach: not `memory://` (this process's own); Ray on several nodes needs S3 or a folder every node shares."""
     storage_options: Annotated[dict[str, Any], ReadOnlyMapping] = FrozenDict()
     """Passed to fsspec (e.g. S3 endpoint_url, key, secret)."""
 
@@ -390,6 +392,16 @@ class RunConfig(Section):
             raise ValueError(
                 f"critic.pretrain_steps ({self.critic.pretrain_steps}) must be below trainer.steps "
                 f"({self.trainer.steps}): the policy would never train"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_reach_the_store(self) -> RunConfig:
+        if self.store.uri.startswith("memory://") and self.trainer.backend.type != "in-process":
+            raise ValueError(
+                f"store.uri={self.store.uri} lives in this process's memory, where trainer.backend="
+                f"{self.trainer.backend.type}'s ranks cannot write their checkpoint parts: use a file:// or s3:// "
+                "store, or trainer.backend=in-process"
             )
         return self
 

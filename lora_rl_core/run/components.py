@@ -39,7 +39,7 @@ from lora_rl_core.plan import RunPlan, make_plan
 from lora_rl_core.rewards import RewardSet
 from lora_rl_core.run.inputs import RunInputs, load_inputs
 from lora_rl_core.run.rundir import RunDir
-from lora_rl_core.run.state import PolicyState, Restored
+from lora_rl_core.run.state import PendingCheckpoint, PolicyState, Restored
 from lora_rl_core.run.writer import StoreWriter
 from lora_rl_core.runtime import configure_threads
 from lora_rl_core.store import AdapterStore, validate_run_id
@@ -103,6 +103,7 @@ class RunComponents:
         began: when `build_run` began (`time.perf_counter()`, seconds): a run's wall time counts its build.
         policy: the version rollouts use (mutable; `lora_rl_core.run.versions.sync` moves it).
         restored: what the run resumed from (`lora_rl_core.run.resume.restore` sets it).
+        pending_checkpoints: the checkpoints the trainer's ranks are writing, by step (`run.checkpoints`).
         closed: whether `close()` ran.
     """
 
@@ -120,6 +121,7 @@ class RunComponents:
     began: float
     policy: PolicyState = field(default_factory=PolicyState)
     restored: Restored = Restored()
+    pending_checkpoints: dict[int, PendingCheckpoint] = field(default_factory=dict)
     closed: bool = field(default=False, repr=False)
 
     @property

@@ -5,10 +5,11 @@
         rollout(k) -> score(k) -> train(k) -> publish(k) -> sync
     flush                                                  every version and checkpoint is in the store
 
-Train and publish take their snapshots at once and hand the store writes (step k's train record and
-checkpoint, then version k) to the run's writer, which writes them in order on one background thread while
-the next rollout runs (`trainer.background_publish`); sync gives the engines the new version from memory
-(docs/DESIGN.md, "Publish and checkpoint in the background"). A failed write is raised by the next train or
+Train and publish take their snapshots at once and hand the store writes (step k's train record, then
+version k) to the run's writer, which writes them in order on one background thread while the next rollout
+runs (`trainer.background_publish`); the trainer's ranks upload step k's checkpoint themselves, and its
+manifest follows version k (`lora_rl_core.run.checkpoints`); sync gives the engines the new version from
+memory (docs/DESIGN.md, "Publish and checkpoint in the background"). A failed write is raised by the next train or
 publish, or by `flush`, which the loop calls at the end, and on a failure before it raises, so nothing is
 still being written when the loop returns.
 

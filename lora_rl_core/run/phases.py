@@ -28,8 +28,8 @@ from lora_rl_core.evaluation import evaluate_run_policy
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import RolloutBatch, RolloutStats, ScoredBatch, ScoreStats, TrainBatch, TrainStats
 from lora_rl_core.rewards.score import trim_stops
+from lora_rl_core.run.checkpoints import commit_checkpoints, start_checkpoint
 from lora_rl_core.run.components import RunComponents
-from lora_rl_core.run.resume import checkpoint_state, write_checkpoint
 from lora_rl_core.run.step import (
     rollout_batch,
     rollout_requests,
@@ -119,6 +119,7 @@ def train(run: RunComponents, step: int) -> TrainStats:
     if step <= run.restored.step:
         return _recorded_train(run, step)
     run.writer.check()  # a failed write fails the run before another update is computed
+    commit_checkpoints(run)  # the checkpoints whose ranks are done: their manifests go to the writer
     maybe_fail("train", step, run.run_dir)
     algo = run.cfg.algorithm
     rows = run.run_dir.read_phase("scored", step, ScoredBatch).rows
@@ -158,28 +159,27 @@ def train(run: RunComponents, step: int) -> TrainStats:
 
 
 def record_train(run: RunComponents, step: int, stats: TrainStats) -> TrainStats:
-    """Hand step `step`'s stats and, when `stats.checkpointed`, a snapshot of the checkpoint (taken now) to the
-    run's writer, which writes the stats first, then the checkpoint.
+    """Hand step `step`'s stats to the run's writer and, when `stats.checkpointed`, start the checkpoint (the
+    trainer's ranks snapshot and write their parts now: `start_checkpoint`; its manifest follows the stats).
 
     Returns:
-        `stats` with `snapshot_seconds`, as recorded.
+        `stats` with `snapshot_seconds` (the ranks' snapshot), as recorded.
 
     Raises:
         BackgroundWriteError: an earlier background write failed.
     """
     start = time.perf_counter()
-    state = checkpoint_state(run, step) if stats.checkpointed else None
-    stats = stats.model_copy(update={"snapshot_seconds": time.perf_counter() - start if state is not None else 0.0})
-    label = f"the checkpoint of step {step}" if state is not None else f"the train record of step {step}"
-    run.writer.submit(f"{label} of run {run.run_id}", functools.partial(_write_trained, run, step, stats, state))
+    if stats.checkpointed:
+        start_checkpoint(run, step)
+    seconds = time.perf_counter() - start if stats.checkpointed else 0.0
+    stats = stats.model_copy(update={"snapshot_seconds": seconds})
+    run.writer.submit(
+        f"the train record of step {step} of run {run.run_id}",
+        functools.partial(run.run_dir.write_phase, "trained", step, stats),
+    )
+    if stats.checkpointed and not run.cfg.trainer.background_publish:
+        commit_checkpoints(run, wait=True)  # complete before the step's version, as every write here
     return stats
-
-
-def _write_trained(run: RunComponents, step: int, stats: TrainStats, state: dict[str, Any] | None) -> None:
-    """The step's stats, then its checkpoint (so every step up to a complete checkpoint has its record)."""
-    run.run_dir.write_phase("trained", step, stats)
-    if state is not None:
-        write_checkpoint(run, step, state)
 
 
 def _recorded_train(run: RunComponents, step: int) -> TrainStats:

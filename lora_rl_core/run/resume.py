@@ -4,15 +4,16 @@ A checkpoint (`lora_rl_core.checkpoint`, every `trainer.checkpoint_every` steps)
 (LoRA weights, AdamW moments, scheduler, per-rank RNG) and the Python and torch RNG states of this process.
 It does not hold the prompt sampler: the prompts of step `k` are a function of `(run.seed, k)`
 (`lora_rl_core.run.phases.rollout` places the sampler's cursor from the step), so a resumed run draws the
-same prompts whichever phases came from Prefect's cache. The train phase takes the snapshot
-(`checkpoint_state`) and hands the write (`write_checkpoint`) to the run's `StoreWriter`, which writes it
-after that step's train record and before that step's adapter version.
+same prompts whichever phases came from Prefect's cache. The train phase starts it; the trainer's ranks
+write their parts and the run's writer its manifest, after that step's train record
+(`lora_rl_core.run.checkpoints`).
 
 Resuming = restore the newest checkpoint, then make the engines serve the newest published adapter version.
-The writer's order bounds what a crash leaves: the newest version is at least the checkpoint's step minus
-one (a crash between the step's checkpoint and its version: the resumed run publishes that version from the
-restored trainer) and at most the last step before the next checkpoint (steps after the checkpoint are
-trained again, and their stored versions kept; docs/DESIGN.md "Resume").
+What a crash leaves: the newest version is at least the checkpoint's step minus one (a crash between the
+step's checkpoint and its version: the resumed run publishes that version from the restored trainer); it can
+be ahead of the newest checkpoint (a checkpoint completes while the next step trains, and versions between
+checkpoints are published every step): those steps are trained again and their stored versions kept
+(docs/DESIGN.md "Resume").
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from lora_rl_core.config import load_config
-from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import ResumeInfo
 from lora_rl_core.run import components
 from lora_rl_core.run.components import RunComponents
@@ -33,29 +32,6 @@ from lora_rl_core.run.state import Restored
 from lora_rl_core.run.versions import sync
 
 log = logging.getLogger(__name__)
-
-
-def checkpoint_state(run: RunComponents, step: int) -> dict[str, Any]:
-    """What a checkpoint after `step` holds, taken now: the trainer state (copies: `Trainer.state_dict`), the
-    RNG states (so later steps do not change it while it is written) and the resolved `rollout.mode`."""
-    return {
-        "step": step,
-        "rollout_mode": run.plan.rollout_mode,
-        "trainer": run.trainer.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
-    }
-
-
-def write_checkpoint(run: RunComponents, step: int, state: dict[str, Any]) -> None:
-    """Write `state` (from `checkpoint_state`) as the checkpoint of `step`, then prune to
-    `trainer.keep_checkpoints`. Fault point `checkpoint` fires with its files written and its manifest not yet.
-
-    Raises:
-        StoreError: the store failed (after retries).
-    """
-    run.checkpoints.save(run.run_id, step, state, before_manifest=lambda: maybe_fail("checkpoint", step, run.run_dir))
-    run.checkpoints.prune(run.run_id, keep_last=run.cfg.trainer.keep_checkpoints)
 
 
 def restore(run: RunComponents) -> ResumeInfo:

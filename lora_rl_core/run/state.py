@@ -1,5 +1,6 @@
 """What a run holds between phases: the policy version rollouts use (`PolicyState`), the last published version
-in memory (`PublishedVersion`) and what the run resumed from (`Restored`)."""
+in memory (`PublishedVersion`), what the run resumed from (`Restored`) and the checkpoints its trainer's ranks
+are writing (`PendingCheckpoint`)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,21 @@ class PublishedVersion:
         if self.stored.done():
             return self.stored.result().sha256
         return hashlib.sha256(safetensors_bytes(self.tensors)).hexdigest()
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint the trainer's ranks are writing (`lora_rl_core.run.checkpoints.start_checkpoint`).
+
+    Attributes:
+        state: the run's own part (its step, rollout mode and RNG states), taken when the step trained.
+        files: the manifest entries of the files the ranks reported written so far.
+        ranks: the ranks that reported.
+    """
+
+    state: dict[str, Any]
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ranks: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from lora_rl_core.adapters import adapter_name
 from lora_rl_core.errors import EngineError, LoraRLError, StoreError
 from lora_rl_core.faults import maybe_fail
 from lora_rl_core.records import SyncStats
+from lora_rl_core.run.checkpoints import commit_checkpoints
 from lora_rl_core.run.components import RunComponents
 from lora_rl_core.run.state import PublishedVersion
 from lora_rl_core.store import AdapterRef, PreparedVersion
@@ -164,9 +165,13 @@ def _sync_version(
 
 
 def flush(run: RunComponents) -> None:
-    """Wait until every train record, checkpoint and version handed to the run's writer is in the store.
+    """Wait until every train record, checkpoint and version of the run is in the store: the trainer's ranks'
+    checkpoint writes first (`commit_checkpoints`), then what the run's writer holds.
 
     Raises:
         BackgroundWriteError: one of them failed (naming it and the cause).
     """
-    run.writer.flush()
+    try:
+        commit_checkpoints(run, wait=True)
+    finally:
+        run.writer.flush()

@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lora_rl_core.checkpoint import CheckpointTarget, ShardReport
 from lora_rl_core.records import TrainBatch
 
 
@@ -27,11 +28,22 @@ class Trainer(Protocol):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume (`PolicyTrainer.state_dict` format, loadable at any world size), as copies
-        that later train steps do not change (a checkpoint is written in the background)."""
+        that later train steps do not change, gathered whole into this process (a run's checkpoints are
+        written by the ranks instead: `save_checkpoint`)."""
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict()`."""
+        """Restore a `state_dict()`, or a checkpoint's trainer state (`CheckpointStore.load`), of any world size."""
+        ...
+
+    def save_checkpoint(self, target: CheckpointTarget) -> None:
+        """Every rank snapshots its part of the state now and writes it to the store in the background
+        (`CheckpointStore.write_shard`); the next train step may start at once."""
+        ...
+
+    def written_checkpoints(self, wait: bool = False) -> list[ShardReport]:
+        """The ranks' checkpoint writes that ended since the last call, one report per rank and checkpoint
+        (`wait`: every write queued, waited for)."""
         ...
 
     def close(self) -> None:

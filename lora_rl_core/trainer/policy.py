@@ -32,9 +32,8 @@ stay matched. Metrics are all-reduced: every rank returns the global values.
 Sending the whole batch (token-id lists) to every rank costs little and keeps
 minibatch boundaries identical to a single process.
 
-Checkpoints (`state_dict` / `load_state_dict`, `trainer.state`) hold full
-(unsharded) tensors keyed by parameter FQN, so a state saved at one world size
-loads at any other.
+Checkpoints: each rank writes its own part (`save_checkpoint`); loaded whole (`load_state_dict`), keyed by
+parameter FQN, so a state saved at one world size loads at any other (`trainer.state`).
 
 PPO (`algorithm.advantage: gae`): a critic adapter and value head on the same
 base (`trainer.critic`). Before the update, one pass computes its values (and
@@ -64,6 +63,7 @@ from lora_rl_core.algorithm import (
     ppo_clip_loss,
     selective_log_softmax,
 )
+from lora_rl_core.checkpoint import CheckpointTarget, ShardReport
 from lora_rl_core.config import M2POCorrection
 from lora_rl_core.errors import LoraRLError, TrainerOutOfMemoryError
 from lora_rl_core.lora import cpu_copies, peft_config_dict, set_input_dtype_casting
@@ -82,7 +82,8 @@ from lora_rl_core.trainer.critic import POLICY, Critic, RowTargets, is_critic_pa
 from lora_rl_core.trainer.kernels import compile_layers
 from lora_rl_core.trainer.plan import TrainerPlan
 from lora_rl_core.trainer.reduce import MAX_KEYS, accumulate, all_reduce_metrics, m2po_batch_keep
-from lora_rl_core.trainer.state import gather_state, load_state
+from lora_rl_core.trainer.shards import ShardWriter
+from lora_rl_core.trainer.state import gather_state, load_state, local_state
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class PolicyTrainer:
         if plan.gradient_checkpointing and plan.world_size == 0:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
+        self._shard_writer: ShardWriter | None = None  # made by the first checkpoint
         self.critic = Critic(model, plan.critic, opt, self._autocast) if plan.critic is not None else None
         if self.critic is not None:
             set_adapter(model, POLICY)  # the policy's adapter active between the critic's passes
@@ -419,7 +421,9 @@ class PolicyTrainer:
 
     def close(self) -> None:
         """Stop the compile workers Inductor started for compiled layers (`trainer.torch_compile`); lets callers
-        treat `PolicyTrainer` and `TrainerWorkers` alike."""
+        treat `PolicyTrainer` and `TrainerWorkers` alike. A checkpoint write under way finishes first."""
+        if self._shard_writer is not None:
+            self._shard_writer.close()
         if self.plan.torch_compile:
             from torch._inductor.async_compile import shutdown_compile_workers
 
@@ -456,6 +460,16 @@ class PolicyTrainer:
         if tensors is None:
             return None
         return tensors, peft_config_dict(self.model.peft_config[adapter_name])
+
+    def save_checkpoint(self, target: CheckpointTarget) -> None:
+        """Snapshot this rank's part of the state now (`trainer.state.local_state`, CPU copies; no communication)
+        and write it to the store in the background (`ShardWriter`); `written_checkpoints` reports the write."""
+        self._shard_writer = self._shard_writer or ShardWriter(self.rank)
+        self._shard_writer.submit(target, *local_state(self, self.critic, self.world_size))
+
+    def written_checkpoints(self, wait: bool = False) -> list[ShardReport]:
+        """This rank's checkpoint writes that ended since the last call (`wait`: all of them, waited for)."""
+        return [] if self._shard_writer is None else self._shard_writer.finished(wait)
 
     def gather_state_dict(self) -> dict[str, Any] | None:
         """Everything needed to resume (`trainer.state.gather_state`: the LoRA weights, AdamW state, scheduler and

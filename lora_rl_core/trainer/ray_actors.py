@@ -63,7 +63,9 @@ class TrainerRank:
         return COMMANDS[cmd](self.trainer, *args)
 
     def close(self) -> None:
-        """Leave the process group."""
+        """Finish a checkpoint write under way and leave the process group."""
+        if self.trainer is not None:
+            self.trainer.close()
         distributed.destroy_process_group()
 
 

@@ -3,7 +3,9 @@ AdamW state, scheduler and every rank's torch RNG, and PPO's critic (its adapter
 scheduler and pre-training progress) beside them.
 
 The tensors are full (unsharded) and keyed by parameter name, so a state saved at one world size loads at any
-other; the metadata is JSON (no pickle: the store is untrusted input)."""
+other; the metadata is JSON (no pickle: the store is untrusted input). A run's checkpoints are written rank by
+rank (`local_state`: each rank's part, the store puts the whole tensors together again on load,
+`CheckpointStore.load`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from lora_rl_core import distributed
+from lora_rl_core.checkpoint import Piece
 
 STATE_FORMAT = "lora-rl/policy-trainer-state/v1"
 
@@ -58,10 +61,34 @@ def gather_state(policy: Optimized, critic: HasUpdates | None, world_size: int) 
         return None
     for r, rng in enumerate(rng_by_rank):
         tensors.update({f"rng/rank{r}/{k}": v for k, v in rng.items()})
+    return {"tensors": tensors, "meta": _trainer_meta(policy, critic, world_size)}
+
+
+def local_state(
+    policy: Optimized, critic: HasUpdates | None, world_size: int
+) -> tuple[dict[str, Piece], dict[str, Any] | None]:
+    """This rank's part of `gather_state`'s result, copied to the CPU now (later steps do not change it), without
+    communication (`distributed.local_part`): its shard of each sharded weight or AdamW moment, every N-th of
+    those that are whole on every rank (the LoRA weights and moments: the N ranks share the writing), its own
+    RNG, and on rank 0 the meta (other ranks: None). Keyed as `gather_state`.
+    """
+    rank, ranks = distributed.rank_and_world_size()
+    pieces: dict[str, Piece] = {}
+    named = _named_tensors("", policy) + (_named_tensors("critic/", critic) if critic is not None else [])
+    for i, (key, value) in enumerate(named):  # the same order on every rank: the parameters' own
+        part = distributed.local_part(value, rank, owner=i % ranks)
+        if part is not None:
+            pieces[key] = Piece(part[0].detach().to("cpu", copy=True), part[1], part[2])
+    for kind, rng in _rng_state().items():  # each rank its own stream
+        pieces[f"rng/rank{rank}/{kind}"] = Piece(rng.clone(), list(rng.shape), [0] * rng.dim())
+    return pieces, (_trainer_meta(policy, critic, world_size) if rank == 0 else None)
+
+
+def _trainer_meta(policy: Optimized, critic: HasUpdates | None, world_size: int) -> dict[str, Any]:
     meta: dict[str, Any] = {"format": STATE_FORMAT, **_meta(policy), "world_size": world_size}
     if critic is not None:
         meta["critic"] = {**_meta(critic), "updates": critic.updates}
-    return {"tensors": tensors, "meta": meta}
+    return meta
 
 
 def load_state(policy: Optimized, critic: HasUpdates | None, state: dict[str, Any], rank: int) -> None:
@@ -110,19 +137,24 @@ def _check_names(saved: list[str], ours: list[str], what: str = "model") -> None
         )
 
 
+def _named_tensors(prefix: str, parts: Optimized) -> list[tuple[str, torch.Tensor]]:
+    """Each parameter and its AdamW state tensors, keyed `<prefix>params/<fqn>`, `<prefix>optimizer/<fqn>/<key>`."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, p in zip(parts.param_names, parts.params, strict=True):
+        state = sorted(parts.optimizer.state.get(p, {}).items())
+        out += [(f"{prefix}params/{name}", p.detach())]
+        out += [(f"{prefix}optimizer/{name}/{k}", v) for k, v in state if torch.is_tensor(v)]
+    return out
+
+
 def _gather_tensors(prefix: str, parts: Optimized) -> dict[str, torch.Tensor]:
     """Full parameters and optimizer state where they are, one tensor at a time (kept on rank 0 only)."""
     rank, _ = distributed.rank_and_world_size()
     out: dict[str, torch.Tensor] = {}
-    for name, p in zip(parts.param_names, parts.params, strict=True):
-        state = sorted(parts.optimizer.state.get(p, {}).items())
-        items = [(f"{prefix}params/{name}", p.detach())] + [
-            (f"{prefix}optimizer/{name}/{k}", v) for k, v in state if torch.is_tensor(v)
-        ]
-        for key, value in items:
-            full = distributed.full_tensor(value)
-            if rank == 0:
-                out[key] = full.detach()
+    for key, value in _named_tensors(prefix, parts):
+        full = distributed.full_tensor(value)
+        if rank == 0:
+            out[key] = full.detach()
     return out
 
 

@@ -58,6 +58,7 @@ from transformers.utils import logging as hf_logging
 
 from lora_rl_core import distributed
 from lora_rl_core.adapters.io import safetensors_bytes
+from lora_rl_core.checkpoint import CheckpointTarget, ShardReport
 from lora_rl_core.errors import LoraRLError
 from lora_rl_core.records import TrainBatch
 from lora_rl_core.runtime import cpu_threads
@@ -217,6 +218,15 @@ class RankCommands:
         """Restore a checkpoint from `state_dict()` (of any world size, or an in-process `PolicyTrainer`)."""
         self._call("load_state_dict", PackedTensors.pack(state["tensors"], shared=self.shared_memory), state["meta"])
 
+    def save_checkpoint(self, target: CheckpointTarget) -> None:
+        """Every rank snapshots its part of the state and writes it to the store in the background
+        (`PolicyTrainer.save_checkpoint`); nothing crosses to this process."""
+        self._call("save_checkpoint", target)
+
+    def written_checkpoints(self, wait: bool = False) -> list[ShardReport]:
+        """The ranks' checkpoint writes that ended since the last call, every rank's (`wait`: all, waited for)."""
+        return [report for answer in self._call("written_checkpoints", wait) for report in answer]
+
 
 class TrainerWorkers(RankCommands):
     """`world_size` persistent processes training one FSDP2-sharded LoRA policy.
@@ -373,6 +383,7 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn: Connection) -> None:
     try:
         _serve(trainer, conn)
     finally:
+        trainer.close()  # a checkpoint write under way finishes
         distributed.destroy_process_group()
         _exit(0)
 
@@ -458,4 +469,6 @@ COMMANDS: dict[str, Callable[..., Any]] = {  # what a rank runs, here and on Ray
     "adapter_state": _adapter_state,
     "state_dict": _state_dict,
     "load_state_dict": _load_state_dict,
+    "save_checkpoint": PolicyTrainer.save_checkpoint,
+    "written_checkpoints": PolicyTrainer.written_checkpoints,
 }

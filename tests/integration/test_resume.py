@@ -132,16 +132,17 @@ def test_a_run_checkpointed_every_other_step_resumes_from_its_last_checkpoint(
 
 
 @pytest.mark.parametrize(
-    ("fault", "message", "checkpoint"),
+    ("fault", "message", "stored"),
     [
-        # v2's files are written, its manifest is not: step 2's checkpoint (written before it) is complete
-        ("publish:2", r"adapter version inflight-v000002 .*InjectedFault", 2),
-        # step 2's checkpoint files are written, its manifest is not: v2 (queued behind it) is never written
-        ("checkpoint:2", r"the checkpoint of step 2 of run inflight .*InjectedFault", 1),
+        # v2's files are written, its manifest is not; step 2's checkpoint (its manifest written after v2, when
+        # its ranks are done) is never completed: the writer stops at the failure
+        ("publish:2", r"adapter version inflight-v000002 .*InjectedFault", [0, 1]),
+        # step 2's checkpoint files are written, its manifest is not: v2 (published before it) is kept
+        ("checkpoint:2", r"the checkpoint of step 2 of run inflight .*InjectedFault", [0, 1, 2]),
     ],
 )
 def test_a_background_write_that_fails_in_flight_fails_the_run_and_resume_redoes_it(
-    tmp_path, tiny_model_dir, straight, executed, monkeypatch, fault, message, checkpoint
+    tmp_path, tiny_model_dir, straight, executed, monkeypatch, fault, message, stored
 ):
     from flows.grpo_lora import train
 
@@ -150,7 +151,8 @@ def test_a_background_write_that_fails_in_flight_fails_the_run_and_resume_redoes
     with pytest.raises(BackgroundWriteError, match=message):
         train(config_path=config)
     store = AdapterStore(f"file://{tmp_path / 'store'}")
-    assert store.versions("inflight") == [0, 1]  # nothing of the failed write is visible, v0 and v1 intact
+    checkpoint = 1
+    assert store.versions("inflight") == stored  # nothing of the failed write is visible, earlier ones intact
     assert CheckpointStore(store.uri).latest("inflight") == checkpoint
     executed.clear()
     train(config_path=config)
@@ -168,7 +170,8 @@ train(config_path=sys.argv[1])
 
 def test_a_run_killed_while_a_version_uploads_resumes_from_its_checkpoint(tmp_path, tiny_model_dir, straight, executed):
     """kill -9 of the flow's process while the background upload of v2 has written its files, not its
-    manifest: v2 is invisible; the resumed run restores step 2's checkpoint and publishes v2 from it."""
+    manifest: v2 is invisible, and so is step 2's checkpoint (its manifest follows v2, once its ranks are done);
+    the resumed run restores step 1's checkpoint and trains steps 2-4 again."""
     from prefect.settings import PREFECT_API_URL
 
     from flows.grpo_lora import train
@@ -184,10 +187,10 @@ def test_a_run_killed_while_a_version_uploads_resumes_from_its_checkpoint(tmp_pa
     done = processes.run([sys.executable, "-c", KILLED, config], env=env, cwd=REPO, timeout=600, capture_output=True)
     assert done.returncode == -signal.SIGKILL, done.stderr.decode(errors="replace")[-3000:]
     store = AdapterStore(f"file://{tmp_path / 'store'}")
-    assert store.versions("killed") == [0, 1] and CheckpointStore(store.uri).latest("killed") == 2
+    assert store.versions("killed") == [0, 1] and CheckpointStore(store.uri).latest("killed") == 1
     half = list((tmp_path / "store" / "killed" / "adapters" / "v000002").glob("*/adapter_model.safetensors"))
     assert half and not (tmp_path / "store" / "killed" / "adapters" / "v000002" / "manifest.json").exists()
 
     train(config_path=config)
-    assert [s for phase, s in executed if phase == "train"] == [3, 4]
+    assert [s for phase, s in executed if phase == "train"] == [2, 3, 4]
     _assert_same_versions(store, "killed", straight)

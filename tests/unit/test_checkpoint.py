@@ -1,11 +1,12 @@
-"""Checkpoints: pickle-free flattening, manifest-last visibility, verification, pruning."""
+"""Checkpoints: pickle-free flattening, manifest-last visibility, verification, pruning, and trainer states
+written in parts by the ranks (`write_shard`) put back together on load."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lora_rl_core.checkpoint import CheckpointStore, flatten_state, unflatten_state
+from lora_rl_core.checkpoint import SHARDED, CheckpointStore, Piece, flatten_state, unflatten_state
 from lora_rl_core.errors import StoreError
 
 STATE = {
@@ -55,3 +56,52 @@ def test_corrupt_or_missing_checkpoint_is_a_clear_error(tmp_path):
         store.load("run", 5)
     with pytest.raises(StoreError, match=r"no checkpoint of run 'run' at step 6 \(have \[5\]\)"):
         store.load("run", 6)
+
+
+def _two_ranks(store: CheckpointStore, step: int) -> dict[str, dict]:
+    """A [5, 3] weight split 3 + 2 rows over two ranks (FSDP2's Shard(0)), a scalar only rank 0 writes, each
+    rank's RNG; rank 0 holds the meta. Returns the manifest entries of the four files."""
+    w = torch.arange(15.0).view(5, 3)
+    rank0 = {
+        "params/w": Piece(w[:3].clone(), [5, 3], [0, 0]),
+        "optimizer/w/step": Piece(torch.tensor(4.0), [], []),
+        "rng/rank0/cpu": Piece(torch.tensor([1, 2], dtype=torch.uint8), [2], [0]),
+    }
+    rank1 = {
+        "params/w": Piece(w[3:].clone(), [5, 3], [3, 0]),
+        "rng/rank1/cpu": Piece(torch.tensor([3], dtype=torch.uint8), [1], [0]),
+    }
+    files = store.write_shard("run", step, 0, rank0, {"format": "x", "world_size": 2})
+    files.update(store.write_shard("run", step, 1, rank1, None))
+    return files
+
+
+def test_a_trainer_state_written_by_two_ranks_loads_whole(tmp_path):
+    store = CheckpointStore(f"file://{tmp_path}")
+    files = _two_ranks(store, 1)
+    assert store.steps("run") == []  # the ranks' files alone are no checkpoint
+    store.save("run", 1, {"step": 1, "trainer": SHARDED}, shards=files)
+    trainer = store.load("run", 1)["trainer"]
+    assert trainer["meta"] == {"format": "x", "world_size": 2}
+    assert torch.equal(trainer["tensors"]["params/w"], torch.arange(15.0).view(5, 3))
+    assert trainer["tensors"]["optimizer/w/step"].item() == 4.0
+    assert trainer["tensors"]["rng/rank1/cpu"].tolist() == [3]
+
+
+def test_a_rank_file_corrupt_unlisted_or_short_is_named(tmp_path):
+    store = CheckpointStore(f"file://{tmp_path}")
+    files = _two_ranks(store, 1)
+    store.save("run", 1, {"trainer": SHARDED}, shards=files)
+    shard = tmp_path / "run" / "checkpoints" / "step-000001" / "rank-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(StoreError, match="rank-00001.safetensors is corrupt"):
+        store.load("run", 1)
+    files = _two_ranks(store, 2)
+    del files["rank-00001.json"]
+    store.save("run", 2, {"trainer": SHARDED}, shards=files)
+    with pytest.raises(StoreError, match="manifest does not list rank-00001.json"):
+        store.load("run", 2)
+    files = _two_ranks(store, 3)
+    store.save("run", 3, {"trainer": SHARDED}, shards={k: v for k, v in files.items() if "00001" not in k})
+    with pytest.raises(StoreError, match=r"incomplete: its ranks' files \(1\) do not cover \['params/w'\]"):
+        store.load("run", 3)

@@ -24,6 +24,7 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict
 
+from lora_rl_core.checkpoint import SHARDED, CheckpointStore, CheckpointTarget
 from lora_rl_core.config import InProcessBackend, LocalBackend, RunConfig
 from lora_rl_core.distributed import find_decoder_layers
 from lora_rl_core.lora import adapter_state, apply_lora
@@ -253,6 +254,32 @@ def test_checkpoint_round_trip(cfg, initial_state, workers1, workers2):
     fresh.load_state_dict(saved)
     assert_metrics_close(fresh.train_step(BATCHES[2]), want)
     assert_adapters_close(adapter_state(fresh.model)[0], want_adapter, atol=1e-5)
+
+
+@spawn
+def test_each_rank_writes_its_own_checkpoint_part_and_any_world_size_resumes_it(
+    tmp_path, cfg, initial_state, workers1, workers2
+):
+    """`save_checkpoint`: each of two ranks snapshots its part and uploads it itself while the next step
+    trains; the parts load whole (the gathered state, to the bit) and resume on one rank."""
+    workers2.load_state_dict(initial_state)
+    workers2.train_step(BATCHES[0])
+    gathered = workers2.state_dict()
+    store = CheckpointStore(f"file://{tmp_path}")
+    workers2.save_checkpoint(CheckpointTarget(f"file://{tmp_path}", "parts", 1))
+    want = workers2.train_step(BATCHES[1])  # trains while the parts upload: the snapshot is of before it
+    reports = workers2.written_checkpoints(wait=True)
+    assert sorted((r.step, r.rank, r.error) for r in reports) == [(1, 0, None), (1, 1, None)]
+    files = {name: entry for r in reports for name, entry in r.files.items()}
+    assert sorted(files) == [f"rank-0000{r}.{ext}" for r in (0, 1) for ext in ("json", "safetensors")]
+    assert workers2.written_checkpoints() == []  # each write is reported once
+    store.save("parts", 1, {"trainer": SHARDED}, shards=files)
+    loaded = store.load("parts", 1)["trainer"]
+    assert loaded["meta"] == json.loads(json.dumps(gathered["meta"]))
+    assert loaded["tensors"].keys() == gathered["tensors"].keys()
+    assert all(torch.equal(loaded["tensors"][k], v) for k, v in gathered["tensors"].items())
+    workers1.load_state_dict(loaded)
+    assert_metrics_close(workers1.train_step(BATCHES[1]), want)
 
 
 @spawn

@@ -17,14 +17,16 @@ import pytest
 import torch
 
 from lora_rl_core.adapters import safetensors_bytes
+from lora_rl_core.checkpoint import CheckpointStore
 from lora_rl_core.config import load_config
 from lora_rl_core.engines.registry import sync_reads_folder
-from lora_rl_core.errors import BackgroundWriteError, StoreError
+from lora_rl_core.errors import BackgroundWriteError, ConfigError, StoreError
 from lora_rl_core.faults import InjectedFault
 from lora_rl_core.records import TrainStats
 from lora_rl_core.run import open_run, phases, versions
+from lora_rl_core.run.checkpoints import commit_checkpoints, start_checkpoint
 from lora_rl_core.run.components import Restored
-from lora_rl_core.run.resume import checkpoint_state, restore, write_checkpoint
+from lora_rl_core.run.resume import restore
 from lora_rl_core.subscriber import SyncResult
 from tests.integration.tiny_run import write_tiny_config
 
@@ -220,17 +222,33 @@ def test_without_background_publish_the_upload_happens_inside_publish(make_run, 
     assert run.store.versions("fg") == [0]
 
 
-def test_snapshots_do_not_change_when_the_trainer_moves_on(make_run):
+def _checkpoint(run, step: int) -> None:
+    """The checkpoint of `step`, complete: the ranks' parts, then the run's part and the manifest."""
+    start_checkpoint(run, step)
+    commit_checkpoints(run, wait=True)
+    run.writer.flush()
+
+
+def test_snapshots_do_not_change_when_the_trainer_moves_on(make_run, monkeypatch):
+    """The checkpoint and the version hold the weights of when they were taken, although the trainer's next
+    update (in place) runs before the checkpoint's upload does."""
     run = make_run()
-    state = checkpoint_state(run, 1)
+    before = run.trainer.state_dict()["tensors"]
+    gate, upload = threading.Event(), CheckpointStore.write_shard
+    monkeypatch.setattr(CheckpointStore, "write_shard", lambda self, *a: (gate.wait(30), upload(self, *a))[1])
+    start_checkpoint(run, 1)
     tensors, _ = run.trainer.adapter_state()
-    before = copy.deepcopy((state, tensors))
+    adapter_before = copy.deepcopy(tensors)
     with torch.no_grad():
         for p in run.trainer.params:  # what the next optimizer step does: in place
             p.add_(1.0)
-    for key, value in state["trainer"]["tensors"].items():
-        assert torch.equal(value, before[0]["trainer"]["tensors"][key]), key
-    assert all(torch.equal(tensors[k], before[1][k]) for k in tensors)
+    gate.set()
+    versions.flush(run)
+    saved = run.checkpoints.load(run.run_id, 1)["trainer"]["tensors"]
+    assert saved.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(saved[key], value), key
+    assert all(torch.equal(tensors[k], adapter_before[k]) for k in tensors)
 
 
 def test_a_resumed_run_republishes_a_lost_version_from_the_restored_trainer_and_replays_its_step(make_run, monkeypatch):
@@ -245,7 +263,7 @@ def test_a_resumed_run_republishes_a_lost_version_from_the_restored_trainer_and_
         trainer={"loss": -1.5}, trained_rows=8, stale_rejected=0, uniform_skipped=0, checkpointed=True
     )
     first.run_dir.write_phase("trained", 1, recorded)
-    write_checkpoint(first, 1, checkpoint_state(first, 1))
+    _checkpoint(first, 1)
     expected, _ = first.trainer.adapter_state()
     monkeypatch.setenv("LORA_RL_FAULT", "publish:1")
     versions.publish(first, 1)
@@ -324,7 +342,7 @@ def test_a_run_resumed_in_another_rollout_mode_says_so(make_run, caplog):
     another setting) warns, naming the setting that keeps the old one."""
     first = make_run("modes")
     assert first.plan.rollout_mode == "sync"  # a CPU: auto is sync
-    write_checkpoint(first, 1, checkpoint_state(first, 1))
+    _checkpoint(first, 1)
     first.close()
     second = make_run("modes", "rollout.mode=async")
     with caplog.at_level("WARNING", logger="lora_rl_core.run.resume"):
@@ -337,3 +355,26 @@ def test_a_run_resumed_in_another_rollout_mode_says_so(make_run, caplog):
     with caplog.at_level("WARNING", logger="lora_rl_core.run.resume"):
         restore(third)
     assert "resumes in rollout.mode" not in caplog.text
+
+
+def test_a_rank_that_cannot_write_its_checkpoint_part_fails_the_run_naming_it(make_run, monkeypatch):
+    run = make_run("lostpart")
+
+    def refuse(self, *args):
+        raise StoreError("disk full")
+
+    monkeypatch.setattr(CheckpointStore, "write_shard", refuse)
+    start_checkpoint(run, 1)
+    with pytest.raises(
+        BackgroundWriteError,
+        match=r"trainer rank 0 could not write its part of the checkpoint of step 1 of run lostpart: "
+        r"StoreError: disk full",
+    ):
+        versions.flush(run)
+    assert run.checkpoints.latest("lostpart") is None and run.pending_checkpoints == {}
+
+
+def test_ranks_in_other_processes_need_a_store_they_reach():
+    with pytest.raises(ConfigError, match=r"store.uri=memory://x lives in this process's memory.*file:// or s3://"):
+        load_config(None, ["store.uri=memory://x", "trainer.backend=local"])
+    assert load_config(None, ["store.uri=memory://x"]).trainer.backend.type == "in-process"
