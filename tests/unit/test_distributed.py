@@ -403,6 +403,28 @@ def test_summed_gradients_leave_a_parameter_no_rank_trained_without_one():
         distributed.destroy_process_group()
 
 
+def test_a_checkpoint_part_is_a_shard_in_its_place_or_a_whole_tensor_of_its_owner_rank():
+    """`local_part`: a DTensor shard goes with its offset whichever rank owns whole tensors; a replicated or
+    plain tensor (the LoRA weights) only from its owner rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lora_rl_core import distributed
+
+    distributed.init_process_group("cpu", rank=0, world_size=1, port=distributed.free_port())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.arange(12.0).view(4, 3)
+        part = distributed.local_part(distribute_tensor(full, mesh, [Shard(0)]), rank=0, owner=1)
+        assert part is not None and torch.equal(part[0], full) and part[1:] == ([4, 3], [0, 0])
+        assert distributed.local_part(distribute_tensor(full, mesh, [Replicate()]), rank=0, owner=1) is None
+        assert distributed.local_part(full, rank=0, owner=1) is None
+        whole = distributed.local_part(full, rank=1, owner=1)
+        assert whole is not None and whole[0] is full and whole[1:] == ([4, 3], [0, 0])
+    finally:
+        distributed.destroy_process_group()
+
+
 @spawn
 def test_whole_weights_on_every_rank_train_as_one_process_and_checkpoints_move_to_sharded_ranks(
     cfg, initial_state, workers2
