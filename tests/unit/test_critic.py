@@ -3,6 +3,7 @@ trained beside the policy, checkpointed with it and never published."""
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from lora_rl_core.checkpoint import SHARDED, CheckpointStore, CheckpointTarget
 from lora_rl_core.config import RunConfig
 from lora_rl_core.errors import ConfigError
 from lora_rl_core.models import load_model
@@ -108,13 +110,22 @@ def test_the_critic_is_never_published(tiny_model_dir):
     assert config["r"] == 4 and not config.get("modules_to_save")
 
 
-def test_checkpoint_round_trip_restores_the_critic(tiny_model_dir):
+def test_checkpoint_round_trip_restores_the_critic(tiny_model_dir, tmp_path):
     cfg = ppo_config(tiny_model_dir, critic={"pretrain_steps": 2})
     trainer = build(cfg)
     trainer.train_step(make_batch(6, 1))
     state = trainer.state_dict()
     assert state["meta"]["critic"]["updates"] == 1
     assert [k for k in state["tensors"] if k.startswith("critic/params/") and VALUE_HEAD in k]
+    # the run's path: the trainer writes its part itself; the store gives back the same state
+    trainer.save_checkpoint(CheckpointTarget(f"file://{tmp_path}", "critic", 1))
+    files = {name: entry for report in trainer.written_checkpoints(wait=True) for name, entry in report.files.items()}
+    store = CheckpointStore(f"file://{tmp_path}")
+    store.save("critic", 1, {"trainer": SHARDED}, shards=files)
+    written = store.load("critic", 1)["trainer"]
+    assert written["meta"] == json.loads(json.dumps(state["meta"]))
+    assert written["tensors"].keys() == state["tensors"].keys()
+    assert all(torch.equal(written["tensors"][k], v) for k, v in state["tensors"].items())
 
     other = build(cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": 11})}))  # another init
     other.load_state_dict(state)
