@@ -31,8 +31,9 @@ class ShardWriter:
 
     def submit(self, target: CheckpointTarget, pieces: dict[str, Piece], meta: dict[str, Any] | None) -> None:
         """Queue the write of this rank's `pieces` (CPU copies) and `meta` for the checkpoint `target.step`."""
-        if len(self._pending) >= MAX_PENDING:
-            concurrent.futures.wait([self._pending[0][1]])
+        running = [f for _, f in self._pending if not f.done()]
+        if len(running) >= MAX_PENDING:  # back-pressure: the oldest write ends before another snapshot is kept
+            concurrent.futures.wait(running[: len(running) - MAX_PENDING + 1])
         key = (target.uri, repr(sorted(target.storage_options.items())))
         store = self._stores.get(key) or self._stores.setdefault(
             key, CheckpointStore(target.uri, target.storage_options)

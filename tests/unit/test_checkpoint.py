@@ -3,11 +3,14 @@ written in parts by the ranks (`write_shard`) put back together on load."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
-from lora_rl_core.checkpoint import SHARDED, CheckpointStore, Piece, flatten_state, unflatten_state
+from lora_rl_core.checkpoint import SHARDED, CheckpointStore, CheckpointTarget, Piece, flatten_state, unflatten_state
 from lora_rl_core.errors import StoreError
+from lora_rl_core.trainer.shards import ShardWriter
 
 STATE = {
     "trainer": {"params": {"w": torch.arange(6.0).view(2, 3)}, "optimizer": {0: {"step": torch.tensor(3.0)}}},
@@ -105,3 +108,31 @@ def test_a_rank_file_corrupt_unlisted_or_short_is_named(tmp_path):
     store.save("run", 3, {"trainer": SHARDED}, shards={k: v for k, v in files.items() if "00001" not in k})
     with pytest.raises(StoreError, match=r"incomplete: its ranks' files \(1\) do not cover \['params/w'\]"):
         store.load("run", 3)
+
+
+def test_a_rank_keeps_at_most_two_snapshots_while_the_store_is_slow(tmp_path, monkeypatch):
+    """`ShardWriter`: with two writes running, a third snapshot waits for the oldest (back-pressure); each write
+    is reported once, in order."""
+    gate = threading.Event()
+
+    def slow(self, run_id, step, rank, pieces, meta):
+        gate.wait(10)
+        return {f"rank-{rank:05d}.json": {"sha256": "x", "size": step}}
+
+    monkeypatch.setattr(CheckpointStore, "write_shard", slow)
+    writer = ShardWriter(0)
+    try:
+        for step in (1, 2):
+            writer.submit(CheckpointTarget(f"file://{tmp_path}", "bp", step), {}, None)
+        third = threading.Thread(target=writer.submit, args=(CheckpointTarget(f"file://{tmp_path}", "bp", 3), {}, None))
+        third.start()
+        third.join(0.3)
+        assert third.is_alive() and writer.finished() == []  # waiting for the oldest write
+        gate.set()
+        third.join(10)
+        assert not third.is_alive()
+        assert [(r.step, r.error) for r in writer.finished(wait=True)] == [(1, None), (2, None), (3, None)]
+        assert writer.finished(wait=True) == []
+    finally:
+        gate.set()
+        writer.close()
