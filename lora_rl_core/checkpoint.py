@@ -1,14 +1,14 @@
 """Training checkpoints in the object store, with the adapter store's manifest rule.
 
-Layout (docs/DESIGN.md): `<store>/<run_id>/checkpoints/step-000010/` holding
-`tensors.safetensors` (the tensors of the run's own state: RNG states), `state.json` (everything else:
-step, rollout mode, with tensors replaced by `{"__tensor__": key}`), the trainer's state as one
-`rank-00000.safetensors` per trainer rank (`write_shard`: each rank writes its own part of the LoRA
-weights and AdamW moments, its RNG, and rank 0 the JSON meta in the file's header), and `manifest.json`,
-written LAST with the sha256 and size of each file. A checkpoint exists iff its manifest exists and every
-file matches it, so a writer killed mid-upload leaves nothing a reader would load. No pickle: arbitrary
-nested state is flattened into safetensors + JSON. All I/O goes through the adapter store's `StoreIO`:
-transient errors are retried with backoff, symlinks in local stores are refused, reads are size-capped.
+Layout (docs/DESIGN.md): `<store>/<run_id>/checkpoints/step-000010/` holding `tensors.safetensors` (the
+tensors of the run's own state: RNG states), `state.json` (everything else: step, rollout mode, with tensors
+replaced by `{"__tensor__": key}`), the trainer's state as one `rank-00000.safetensors` + `rank-00000.json`
+per trainer rank (`write_shard`: each rank's part of the LoRA weights and AdamW moments and its RNG; the JSON
+places each piece, and rank 0's holds the trainer's meta), and `manifest.json`, written LAST with the sha256
+and size of each file. A checkpoint exists iff its manifest exists and every file matches it, so a writer
+killed mid-upload leaves nothing a reader would load. No pickle: arbitrary nested state is flattened into
+safetensors + JSON. All I/O goes through the adapter store's `StoreIO`: transient errors are retried with
+backoff, symlinks in local stores are refused, reads are size-capped.
 Checkpoints of older runs hold the whole trainer state in `tensors.safetensors` and still load.
 """
 
@@ -33,7 +33,7 @@ from lora_rl_core.store.io import RetryPolicy, StoreIO
 
 _STEP_DIR = re.compile(r"step-(\d{6})$")
 _FILES = ("tensors.safetensors", "state.json")
-_SHARD_FILE = re.compile(r"rank-(\d{5})\.safetensors$")
+_SHARD_FILE = re.compile(r"rank-\d{5}\.safetensors$")
 SHARDED = "sharded"
 """`state["trainer"]` of a checkpoint whose trainer state is in the ranks' files (`write_shard`)."""
 

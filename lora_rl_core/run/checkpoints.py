@@ -48,7 +48,10 @@ def commit_checkpoints(run: RunComponents, *, wait: bool = False) -> None:
         BackgroundWriteError: a rank could not write its part (naming the rank, the step and the cause); the
             checkpoints already complete are intact and the run resumes from the newest.
     """
-    ranks = max(1, run.plan.trainer.world_size) if run.plan.trainer is not None else 1
+    if not run.pending_checkpoints:  # nothing to ask the ranks: no round trip to them in a step without one
+        return
+    assert run.plan.trainer is not None  # a training run's plan (`build_run` refuses one without)
+    ranks = max(1, run.plan.trainer.world_size)
     for report in run.trainer.written_checkpoints(wait):
         if report.error is not None:
             run.pending_checkpoints.pop(report.step, None)

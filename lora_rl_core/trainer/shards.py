@@ -27,17 +27,13 @@ class ShardWriter:
         self.rank = rank
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-rank{rank}")
         self._pending: list[tuple[int, Future[dict[str, dict[str, Any]]]]] = []
-        self._stores: dict[tuple[str, str], CheckpointStore] = {}
 
     def submit(self, target: CheckpointTarget, pieces: dict[str, Piece], meta: dict[str, Any] | None) -> None:
         """Queue the write of this rank's `pieces` (CPU copies) and `meta` for the checkpoint `target.step`."""
         running = [f for _, f in self._pending if not f.done()]
         if len(running) >= MAX_PENDING:  # back-pressure: the oldest write ends before another snapshot is kept
             concurrent.futures.wait(running[: len(running) - MAX_PENDING + 1])
-        key = (target.uri, repr(sorted(target.storage_options.items())))
-        store = self._stores.get(key) or self._stores.setdefault(
-            key, CheckpointStore(target.uri, target.storage_options)
-        )
+        store = CheckpointStore(target.uri, target.storage_options)  # fsspec reuses its filesystem instances
         write = self._pool.submit(store.write_shard, target.run_id, target.step, self.rank, pieces, meta)
         self._pending.append((target.step, write))
 
