@@ -13,17 +13,16 @@ from lora_rl_core.algorithm.advantages import (
     masked_group_advantages,
     rloo_advantages,
 )
+from lora_rl_core.algorithm.logprobs import selective_log_softmax, token_logprobs
 from lora_rl_core.algorithm.losses import (
     LOSS_AGGREGATIONS,
     OFF_POLICY_MODES,
     aggregate,
-    entropy_from_logits,
     kl_k3,
     m2po_keep_mask,
     m2po_weights,
     off_policy_weights,
     ppo_clip_loss,
-    selective_log_softmax,
 )
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "aggregate",
     "critic_advantages",
     "drgrpo_advantages",
-    "entropy_from_logits",
     "group_has_signal",
     "grpo_advantages",
     "masked_group_advantages",
@@ -44,4 +42,5 @@ __all__ = [
     "ppo_clip_loss",
     "rloo_advantages",
     "selective_log_softmax",
+    "token_logprobs",
 ]

@@ -1,4 +1,4 @@
-"""Token-level policy losses: log-probs from logits, PPO-clip, k3 KL, aggregation.
+"""Token-level policy losses: PPO-clip, k3 KL, aggregation (log-probs from logits: ``algorithm.logprobs``).
 
 Every ``[B, T]`` tensor is over completion tokens: B completions, T the
 padded completion length. ``mask_BT`` is 1.0 on real completion tokens and
@@ -6,10 +6,6 @@ padded completion length. ``mask_BT`` is 1.0 on real completion tokens and
 
 Choices made here:
 
-* Log-probs and entropies are computed in float32 whatever the logits dtype,
-  one batch row at a time, so bf16 logits never need a full float32
-  ``[B, T, V]`` copy under ``torch.no_grad`` (old / reference log-probs).
-  With autograd on, each row's float32 copy is still kept for backward.
 * Padding never leaks: values on padding are replaced by 0 with
   ``torch.where`` (not multiplied by the mask), and the log-ratio is zeroed
   there before ``exp``, so inf / NaN in padded positions reach neither the
@@ -59,58 +55,6 @@ def _check_same_shape(mask_BT: Tensor, **tensors_BT: Tensor) -> None:
                 f"{name} has shape {tuple(tensor.shape)}, expected {tuple(mask_BT.shape)} "
                 "(the shape of mask_BT, [B, T])"
             )
-
-
-def _map_rows_float32(fn: Callable[[Tensor], Tensor], logits_BTV: Tensor) -> Tensor:
-    """Apply ``fn`` (``[T, V]`` float32 -> ``[T]``) to each batch row; returns ``[B, T]`` float32."""
-    if logits_BTV.dim() != 3:
-        raise ValueError(f"logits_BTV must be 3-D [B, T, V], got shape {tuple(logits_BTV.shape)}")
-    return torch.stack([fn(row_TV.float()) for row_TV in logits_BTV])
-
-
-def selective_log_softmax(logits_BTV: Tensor, token_ids_BT: Tensor) -> Tensor:
-    """Log-probability of the chosen token at each position.
-
-    ``log p(y_t) = logits[y_t] - logsumexp(logits)``, equal to
-    ``log_softmax(logits).gather(-1, y)`` without keeping the full
-    ``[B, T, V]`` log-softmax.
-
-    Args:
-        logits_BTV: ``[B, T, V]`` logits, any floating dtype.
-        token_ids_BT: ``[B, T]`` int64 token ids whose log-prob to take.
-
-    Returns:
-        ``[B, T]`` float32 log-probs (nats, <= 0), differentiable in the logits.
-    """
-    if token_ids_BT.shape != logits_BTV.shape[:2]:
-        raise ValueError(
-            f"token_ids_BT has shape {tuple(token_ids_BT.shape)}, expected {tuple(logits_BTV.shape[:2])} "
-            "(the first two dims of logits_BTV)"
-        )
-    logsumexp_BT = _map_rows_float32(lambda row_TV: torch.logsumexp(row_TV, dim=-1), logits_BTV)
-    chosen_BT = logits_BTV.gather(-1, token_ids_BT.unsqueeze(-1)).squeeze(-1).float()
-    return chosen_BT - logsumexp_BT
-
-
-def _entropy_TV(logits_TV: Tensor) -> Tensor:
-    """Entropy ``-sum_v p log p`` of each row of float32 ``[T, V]`` logits -> ``[T]``."""
-    logp_TV = torch.log_softmax(logits_TV, dim=-1)
-    return -(logp_TV.exp() * logp_TV).sum(dim=-1)
-
-
-def entropy_from_logits(logits_BTV: Tensor) -> Tensor:
-    """Entropy of the next-token distribution at each position.
-
-    ``H_t = -sum_v p_v log p_v`` with ``p = softmax(logits_t)``; assumes
-    finite logits (a ``-inf`` logit gives NaN).
-
-    Args:
-        logits_BTV: ``[B, T, V]`` logits, any floating dtype.
-
-    Returns:
-        ``[B, T]`` float32 entropies in nats, in ``[0, log V]``.
-    """
-    return _map_rows_float32(_entropy_TV, logits_BTV)
 
 
 def _mean_over_sequences(per_seq_B: Tensor, mask_BT: Tensor) -> Tensor:

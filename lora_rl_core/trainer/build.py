@@ -8,6 +8,7 @@ from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
 from lora_rl_core.models import load_model
+from lora_rl_core.runtime import configure_allocator
 from lora_rl_core.trainer.critic import with_adapters
 from lora_rl_core.trainer.kernels import apply_kernels
 from lora_rl_core.trainer.plan import TrainerPlan
@@ -30,9 +31,13 @@ def policy_model(
     Returns:
         The model and the tokenizer's pad token id.
 
+    A trainer on the CPU also makes glibc keep the memory each step frees (`runtime.configure_allocator`).
+
     Raises:
         ModelError: the model cannot be loaded. ConfigError: a LoRA's target modules match no linear module.
     """
+    if torch.device(plan.device).type == "cpu":
+        configure_allocator()  # process-wide: this process trains on the CPU
     model, tokenizer = load_model(plan.model, device=device, dtype=plan.dtype, tokenizer=tokenizer)
     apply_kernels(model, plan.liger_kernels)
     if seed is not None:

@@ -57,11 +57,10 @@ from peft import PeftModel
 
 from lora_rl_core import distributed
 from lora_rl_core.algorithm import (
-    entropy_from_logits,
     m2po_weights,
     off_policy_weights,
     ppo_clip_loss,
-    selective_log_softmax,
+    token_logprobs,
 )
 from lora_rl_core.checkpoint import CheckpointTarget, ShardReport
 from lora_rl_core.config import M2POCorrection
@@ -347,8 +346,7 @@ class PolicyTrainer:
         of its rows, `m2po_batch_keep`; `advantages`: its rows' per-token GAE advantages, None = the batch's one
         per row; `rows_mask`: False on a row the loss leaves out, a critic's `value_only` row); its metrics as
         0-dim tensors on the device (read once per minibatch)."""
-        logits = self._logits(packed)  # [b, F, V]
-        logprobs_BT = selective_log_softmax(logits, packed.targets_BT)
+        logprobs_BT, entropy_BT = self._logprobs(packed, entropy=True)
         old_BT = logprobs_BT.detach() if old is None else frame(old, packed.mask_BT)
         mask_BT = packed.mask_BT
         if rows_mask is not None:
@@ -379,23 +377,23 @@ class PolicyTrainer:
         (loss * weight).backward()
         with torch.no_grad():
             n = mask_BT.sum().clamp(min=1)
-            m["entropy"] = (entropy_from_logits(logits.detach()) * mask_BT).sum() / n
+            if entropy_BT is not None:
+                m["entropy"] = (entropy_BT * mask_BT).sum() / n
             diff = (logprobs_BT.detach() - packed.inference_logprobs_BT).abs() * mask_BT
             m["logprob_mismatch"] = diff.sum() / n
             m.update(is_metrics)
             m["loss"] = loss.detach()
         return m
 
-    def _logits(self, packed: PackedBatch) -> torch.Tensor:
-        """Tempered float32 logits `[b, F, V]` of the frame's positions (no logits for the prompt before it)."""
+    def _logprobs(self, packed: PackedBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The frame's `[b, F]` float32 logprobs of its targets at the sampling temperature, and the entropy
+        there if asked (`algorithm.logprobs.token_logprobs`; no logits for the prompt before the frame)."""
         keep = packed.input_ids.shape[1] - packed.frame_start  # positions frame_start .. L-1
         with self._autocast():
             out = self.model(
                 input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False, logits_to_keep=keep
             )
-        logits = out.logits[:, :-1].float()
-        # at temperature 1 a division would only copy the [b, F, V] logits again (twice, with its backward)
-        return logits if self.temperature == 1.0 else logits / self.temperature
+        return token_logprobs(out.logits[:, :-1], packed.targets_BT, temperature=self.temperature, entropy=entropy)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """`torch.autocast` to the LoRA compute dtype (module docstring); nothing when it is float32."""
@@ -406,7 +404,7 @@ class PolicyTrainer:
     @torch.no_grad()
     def _ref_logprobs(self, packed: PackedBatch) -> torch.Tensor:
         with self.model.disable_adapter():
-            return selective_log_softmax(self._logits(packed), packed.targets_BT)
+            return self._logprobs(packed)[0]
 
     @torch.no_grad()
     def _old_logprobs(self, batch: TrainBatch, schedules: list[list[list[int]]]) -> dict[int, torch.Tensor]:
@@ -414,7 +412,7 @@ class PolicyTrainer:
         result: dict[int, torch.Tensor] = {}
         for micro in (m for micros in schedules for m in micros):
             packed = self._pack(batch, micro)
-            lp = selective_log_softmax(self._logits(packed), packed.targets_BT)
+            lp = self._logprobs(packed)[0]
             for j, row in enumerate(micro):
                 result[row] = lp[j][packed.mask_BT[j].bool()].cpu()
         return result

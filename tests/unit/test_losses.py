@@ -11,11 +11,11 @@ from pydantic import ValidationError
 from lora_rl_core.algorithm import (
     LOSS_AGGREGATIONS,
     aggregate,
-    entropy_from_logits,
     kl_k3,
     off_policy_weights,
     ppo_clip_loss,
     selective_log_softmax,
+    token_logprobs,
 )
 from lora_rl_core.config import AlgorithmConfig
 
@@ -73,13 +73,43 @@ def test_selective_log_softmax_bad_ids_shape():
         selective_log_softmax(torch.zeros(1, 3, 4), torch.zeros(2, 3, dtype=torch.long))
 
 
+def _entropy(logits_BTV: torch.Tensor) -> torch.Tensor:
+    entropy_BT = token_logprobs(logits_BTV, torch.zeros(logits_BTV.shape[:2], dtype=torch.long), entropy=True)[1]
+    assert entropy_BT is not None
+    return entropy_BT
+
+
 def test_entropy_uniform_and_two_point():
-    entropy_BT = entropy_from_logits(torch.zeros(2, 3, 4, dtype=torch.bfloat16))
+    entropy_BT = _entropy(torch.zeros(2, 3, 4, dtype=torch.bfloat16))
     assert entropy_BT.dtype == torch.float32
     torch.testing.assert_close(entropy_BT, torch.full((2, 3), 1.3862944))  # log 4
     # p = [0.25, 0.75]: -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.5623351
-    two_point = entropy_from_logits(torch.tensor([[[0.0, math.log(3.0)]]]))
+    two_point = _entropy(torch.tensor([[[0.0, math.log(3.0)]]]))
     torch.testing.assert_close(two_point, torch.tensor([[0.5623351]]))
+    assert token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long))[1] is None  # not asked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_and_gradient_match_autograd_of_log_softmax(dtype, temperature):
+    """The written-out backward equals autograd through log_softmax / temperature, on float32 and bf16 logits,
+    and leaves the logits as they were."""
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(3, 5, 11, generator=gen) * 4).to(dtype)
+    ids_BT = torch.randint(0, 11, (3, 5), generator=gen)
+    weights_BT = torch.randn(3, 5, generator=gen)
+    ours_in = logits.clone().requires_grad_(True)
+    ref_in = logits.clone().requires_grad_(True)
+    logprobs_BT, entropy_BT = token_logprobs(ours_in, ids_BT, temperature=temperature, entropy=True)
+    (logprobs_BT * weights_BT).sum().backward()
+    ref_logp_BTV = torch.log_softmax(ref_in.float() / temperature, dim=-1)
+    ref_BT = ref_logp_BTV.gather(-1, ids_BT.unsqueeze(-1)).squeeze(-1)
+    (ref_BT * weights_BT).sum().backward()
+    torch.testing.assert_close(logprobs_BT, ref_BT.detach())
+    torch.testing.assert_close(entropy_BT, -(ref_logp_BTV.exp() * ref_logp_BTV).sum(-1).detach())
+    assert ours_in.grad is not None and ours_in.grad.dtype == dtype
+    torch.testing.assert_close(ours_in.grad, ref_in.grad)
+    torch.testing.assert_close(ours_in.detach(), logits, rtol=0, atol=0)  # not changed in place
 
 
 # --- aggregation ---------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -94,6 +95,20 @@ def test_configure_threads_sets_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+def test_configure_allocator_sets_glibc_malloc_unless_the_environment_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("GLIBC_TUNABLES", *runtime._MALLOC_ENV):
+        monkeypatch.delenv(var, raising=False)
+    assert runtime.configure_allocator() is True  # mallopt accepted every setting
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")
+    assert runtime.configure_allocator() is False  # the user's tunables win
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.hwcaps=-AVX2")  # not malloc's: ours apply
+    assert runtime.configure_allocator() is True
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert runtime.configure_allocator() is False
 
 
 def _last_line_of(code: str, omp_wait_policy: str | None) -> str:

@@ -66,7 +66,7 @@ def random_batch(advantages: list[float], seed: int = 0) -> TrainBatch:
 def completion_logprob(trainer: PolicyTrainer, batch: TrainBatch) -> float:
     packed = pack(batch, trainer.pad_id, trainer.device)
     with torch.no_grad():
-        logprobs = selective_log_softmax(trainer._logits(packed), packed.targets_BT)
+        logprobs = trainer._logprobs(packed)[0]
     return float((logprobs * packed.mask_BT).sum())
 
 
@@ -106,7 +106,7 @@ def test_frame_logprobs_equal_each_row_alone(make_trainer):
     packed = pack(batch, trainer.pad_id, trainer.device)
     assert packed.frame_start > 0 and (packed.input_ids == trainer.pad_id).any()
     with torch.no_grad():
-        cut = selective_log_softmax(trainer._logits(packed), packed.targets_BT)
+        cut = trainer._logprobs(packed)[0]
         for i, (p, c) in enumerate(zip(batch.prompt_ids, batch.completion_ids, strict=True)):
             ids = torch.tensor([p + c])
             alone = selective_log_softmax(trainer.model(input_ids=ids).logits[:, :-1].float(), ids[:, 1:])[0]
@@ -294,7 +294,7 @@ def test_bf16_lora_compute_keeps_float32_master_weights_and_matches_float32(tiny
         seen = lora_input_dtypes(trainer)
         packed = pack(batch, trainer.pad_id, trainer.device)
         with torch.no_grad():
-            logprobs = selective_log_softmax(trainer._logits(packed), packed.targets_BT)
+            logprobs = trainer._logprobs(packed)[0]
         metrics = trainer.train_step(batch)
         lora = [m for m in trainer.model.modules() if isinstance(m, LoraLayer)]
         assert lora and all(m.cast_input_dtype_enabled == (compute == "float32") for m in lora)
