@@ -11,7 +11,7 @@ backward does not make. The entropy ``H = logsumexp - sum_v p_v x_v`` comes from
 tempered copy is made either.
 
 Measured on the default job's micro-batch ``[16, 48, 49152]`` (2-core AMD EPYC, AVX512-BF16): 0.282 -> 0.111 s
-forward and backward, the same gradients (``benchmarks/cpu_logprobs.py``, ``benchmarks/results/cpu-logprobs/``).
+forward and backward, the same gradients (``benchmarks/token_logprobs.py``, ``benchmarks/results/cpu-logprobs/``).
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ The default shape is one micro-batch of the default job on the CPU: 16 rows x 48
 SmolLM2's 49,152-token vocabulary, bfloat16 logits (the model's output dtype). Each repeat times both: the
 forward (logprobs and the entropy metric) and the backward of a weighted sum of the logprobs.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/cpu_logprobs.py                  # the default job's micro-batch
-    PYTHONPATH=. .venv/bin/python benchmarks/cpu_logprobs.py --device cuda --rows 4 --tokens 256 --vocab 152064
+    PYTHONPATH=. .venv/bin/python benchmarks/token_logprobs.py                  # the default job's micro-batch
+    PYTHONPATH=. .venv/bin/python benchmarks/token_logprobs.py --device cuda --rows 4 --tokens 256 --vocab 152064
 
-Writes `benchmarks/results/cpu_logprobs.json` (or `--out`) and prints a table naming the machine.
+Writes `benchmarks/results/token_logprobs-<device>.json` (or `--out`) and prints a table naming the machine.
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", type=Path, default=RESULTS / "cpu_logprobs.json")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/token_logprobs-<device>.json")
     args = parser.parse_args()
+    out = args.out or RESULTS / f"token_logprobs-{args.device.split(':')[0]}.json"
 
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(args.rows, args.tokens, args.vocab, generator=gen) * 3).to(args.device, torch.bfloat16)
@@ -112,7 +113,7 @@ def main() -> None:
     print(f"token_logprobs: {speedup:.2f}x the baseline; largest gradient difference {max_grad_diff:.2e}")
     write_json(
         {
-            "benchmark": "cpu_logprobs",
+            "benchmark": "token_logprobs",
             "shape": {"rows": args.rows, "tokens": args.tokens, "vocab": args.vocab, "dtype": "bfloat16"},
             "temperature": args.temperature,
             "repeats": args.repeats,
@@ -122,7 +123,7 @@ def main() -> None:
             "max_grad_abs_diff": max_grad_diff,
             "machine": machine,
         },
-        args.out,
+        out,
     )
 
 
