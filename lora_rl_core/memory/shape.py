@@ -9,7 +9,9 @@ The estimates (bytes) are deliberately simple:
         for the method; the coefficients counted for PEFT LoRA on Llama/Qwen2 blocks with frozen bases)
     with gradient checkpointing per decoder layer: 2 h bytes per token and layer, plus one layer's set
     logits of the completion positions: 20 V bytes per token (bf16 head output, float32 copy, log-softmax,
-        entropy, their gradient), V = vocabulary size
+        entropy, their gradient), V = vocabulary size; an upper bound since `algorithm.logprobs.token_logprobs`
+        keeps only the bf16 output (2 V) and makes its bf16 gradient (2 V) plus one row's float32
+        temporaries (not re-measured on a GPU, so the plan keeps the margin)
     the activations times ACTIVATION_CALIBRATION (1.15, measured on an H100 at 7B with float32 LoRA compute,
         where PEFT keeps a float32 copy of every adapted layer's input for the backward pass; in bfloat16,
         `trainer.lora_compute_dtype`'s `auto` on CUDA, the LoRA branch keeps the bf16 input the base layer

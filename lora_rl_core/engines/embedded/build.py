@@ -23,7 +23,8 @@ def build_embedded_engine(
 ) -> EmbeddedEngine:
     """An `EmbeddedEngine` on a fresh copy of `model_cfg`'s model with every limit of `engine_cfg`
     (`max_batch_size`, `max_loras_per_batch`, `max_loaded_loras`, `eviction_policy`, `max_lora_rank`,
-    `timeout_s`), whatever `engine_cfg.type` says (`lora-rl serve` serves a remote engine's settings).
+    `timeout_s`), whatever `engine_cfg.type` says (`lora-rl serve` serves a remote engine's settings). On a CPU
+    its decode steps' attention is `attention.decode_attention`.
 
     Args:
         store: the adapter store, for `store://` adapter names and paths.
@@ -33,11 +34,14 @@ def build_embedded_engine(
         ModelError: the model cannot be loaded.
     """
     from lora_rl_core.config import ENGINE_DEFAULTS, EmbeddedEngineConfig
+    from lora_rl_core.engines.embedded.attention import use_decode_attention
     from lora_rl_core.engines.embedded.engine import EmbeddedEngine
     from lora_rl_core.models import load_model
 
     # its device and dtype as the section says (the plan's); the run's tokenizer where it has one
     model, tokenizer = load_model(model_cfg, tokenizer=tokenizer)
+    if model.device.type == "cpu":  # SDPA's CPU kernel is slow for one query position (attention.py)
+        use_decode_attention(model)
     return EmbeddedEngine(
         model,
         tokenizer,
