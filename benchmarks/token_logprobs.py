@@ -24,7 +24,7 @@ import torch
 from _common import RESULTS, machine_info, print_table, write_json
 from torch import Tensor
 
-from lora_rl_core.algorithm import token_logprobs
+from lora_rl_core.algorithm import token_logprobs_and_entropy
 from lora_rl_core.runtime import cpu_description
 
 
@@ -36,17 +36,14 @@ def trl_formula(logits_BTV: Tensor, ids_BT: Tensor, temperature: float) -> tuple
         logits = logits / temperature
     lse_BT = torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])
     logprobs_BT = logits.gather(-1, ids_BT.unsqueeze(-1)).squeeze(-1).float() - lse_BT
-    with torch.no_grad():
-        entropy_BT = torch.stack(
-            [-(torch.log_softmax(r, -1).exp() * torch.log_softmax(r, -1)).sum(-1) for r in logits.detach()]
-        )
+    with torch.no_grad():  # as the trainer's `entropy_from_logits` did: one log_softmax per row
+        logp_rows = [torch.log_softmax(r, -1) for r in logits.detach()]
+        entropy_BT = torch.stack([-(logp.exp() * logp).sum(-1) for logp in logp_rows])
     return logprobs_BT, entropy_BT
 
 
 def ours(logits_BTV: Tensor, ids_BT: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    logprobs_BT, entropy_BT = token_logprobs(logits_BTV, ids_BT, temperature=temperature, entropy=True)
-    assert entropy_BT is not None
-    return logprobs_BT, entropy_BT
+    return token_logprobs_and_entropy(logits_BTV, ids_BT, temperature=temperature)
 
 
 def time_once(

@@ -57,7 +57,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from _common import TINY_CONFIG  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from lora_rl_core import distributed  # noqa: E402
-from lora_rl_core.algorithm import ppo_clip_loss, selective_log_softmax  # noqa: E402
+from lora_rl_core.algorithm import ppo_clip_loss, token_logprobs  # noqa: E402
 from lora_rl_core.lora import cpu_copies  # noqa: E402
 from lora_rl_testing.plans import trainer_plan  # noqa: E402
 
@@ -139,7 +139,7 @@ def train_step(model, optimizer, params, batch: tuple, settings: Settings) -> No
     for lo in range(0, ids_BL.shape[0], settings.micro_batch_size):
         ids, mask, adv = (t[lo : lo + settings.micro_batch_size] for t in (ids_BL, mask_BT, advantages_B))
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [b, L-1, V]
-        logprobs_BT = selective_log_softmax(logits, ids[:, 1:])
+        logprobs_BT = token_logprobs(logits, ids[:, 1:])
         loss, _ = ppo_clip_loss(logprobs_BT, logprobs_BT.detach(), adv, mask, **LOSS_ARGS)
         (loss * (float(mask.sum()) / total_tokens)).backward()
     distributed.sum_gradients(params)  # LoRA weights are replicated over ranks (lora_rl_core.distributed)

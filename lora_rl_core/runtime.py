@@ -183,7 +183,7 @@ _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_P
 
 def configure_allocator() -> bool:
     """Make glibc's malloc keep the memory a CPU train step frees for the next one (`mallopt`, idempotent).
-    Returns whether it changed the settings.
+    Returns whether glibc now has these settings (False: left as they were, see below).
 
     Why: a train step on the CPU allocates and frees activations and gradients of tens of MB each. glibc
     serves a block from 128 KiB up with a fresh `mmap` (its threshold rises only as such blocks are freed)

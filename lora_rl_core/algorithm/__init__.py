@@ -13,7 +13,7 @@ from lora_rl_core.algorithm.advantages import (
     masked_group_advantages,
     rloo_advantages,
 )
-from lora_rl_core.algorithm.logprobs import selective_log_softmax, token_logprobs
+from lora_rl_core.algorithm.logprobs import token_logprobs, token_logprobs_and_entropy
 from lora_rl_core.algorithm.losses import (
     LOSS_AGGREGATIONS,
     OFF_POLICY_MODES,
@@ -41,6 +41,6 @@ __all__ = [
     "off_policy_weights",
     "ppo_clip_loss",
     "rloo_advantages",
-    "selective_log_softmax",
     "token_logprobs",
+    "token_logprobs_and_entropy",
 ]

@@ -61,6 +61,7 @@ from lora_rl_core.algorithm import (
     off_policy_weights,
     ppo_clip_loss,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 from lora_rl_core.checkpoint import CheckpointTarget, ShardReport
 from lora_rl_core.config import M2POCorrection
@@ -346,7 +347,9 @@ class PolicyTrainer:
         of its rows, `m2po_batch_keep`; `advantages`: its rows' per-token GAE advantages, None = the batch's one
         per row; `rows_mask`: False on a row the loss leaves out, a critic's `value_only` row); its metrics as
         0-dim tensors on the device (read once per minibatch)."""
-        logprobs_BT, entropy_BT = self._logprobs(packed, entropy=True)
+        logprobs_BT, entropy_BT = token_logprobs_and_entropy(
+            self._logits(packed), packed.targets_BT, temperature=self.temperature
+        )
         old_BT = logprobs_BT.detach() if old is None else frame(old, packed.mask_BT)
         mask_BT = packed.mask_BT
         if rows_mask is not None:
@@ -377,23 +380,26 @@ class PolicyTrainer:
         (loss * weight).backward()
         with torch.no_grad():
             n = mask_BT.sum().clamp(min=1)
-            if entropy_BT is not None:
-                m["entropy"] = (entropy_BT * mask_BT).sum() / n
+            m["entropy"] = (entropy_BT * mask_BT).sum() / n
             diff = (logprobs_BT.detach() - packed.inference_logprobs_BT).abs() * mask_BT
             m["logprob_mismatch"] = diff.sum() / n
             m.update(is_metrics)
             m["loss"] = loss.detach()
         return m
 
-    def _logprobs(self, packed: PackedBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The frame's `[b, F]` float32 logprobs of its targets at the sampling temperature, and the entropy
-        there if asked (`algorithm.logprobs.token_logprobs`; no logits for the prompt before the frame)."""
+    def _logits(self, packed: PackedBatch) -> torch.Tensor:
+        """The model's logits `[b, F, V]` (its output dtype, not tempered) of the frame's positions: none for the
+        prompt before the frame."""
         keep = packed.input_ids.shape[1] - packed.frame_start  # positions frame_start .. L-1
         with self._autocast():
             out = self.model(
                 input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False, logits_to_keep=keep
             )
-        return token_logprobs(out.logits[:, :-1], packed.targets_BT, temperature=self.temperature, entropy=entropy)
+        return out.logits[:, :-1]
+
+    def _logprobs(self, packed: PackedBatch) -> torch.Tensor:
+        """The frame's `[b, F]` float32 logprobs of its targets at the sampling temperature (`token_logprobs`)."""
+        return token_logprobs(self._logits(packed), packed.targets_BT, temperature=self.temperature)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """`torch.autocast` to the LoRA compute dtype (module docstring); nothing when it is float32."""
@@ -404,7 +410,7 @@ class PolicyTrainer:
     @torch.no_grad()
     def _ref_logprobs(self, packed: PackedBatch) -> torch.Tensor:
         with self.model.disable_adapter():
-            return self._logprobs(packed)[0]
+            return self._logprobs(packed)
 
     @torch.no_grad()
     def _old_logprobs(self, batch: TrainBatch, schedules: list[list[list[int]]]) -> dict[int, torch.Tensor]:
@@ -412,7 +418,7 @@ class PolicyTrainer:
         result: dict[int, torch.Tensor] = {}
         for micro in (m for micros in schedules for m in micros):
             packed = self._pack(batch, micro)
-            lp = self._logprobs(packed)[0]
+            lp = self._logprobs(packed)
             for j, row in enumerate(micro):
                 result[row] = lp[j][packed.mask_BT[j].bool()].cpu()
         return result

@@ -14,8 +14,8 @@ from lora_rl_core.algorithm import (
     kl_k3,
     off_policy_weights,
     ppo_clip_loss,
-    selective_log_softmax,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 from lora_rl_core.config import AlgorithmConfig
 
@@ -38,45 +38,43 @@ def _ppo(logprobs, old_logprobs, advantages, mask, **kwargs):
 # --- log-probs and entropy ---------------------------------------------------
 
 
-def test_selective_log_softmax_hand_value():
+def test_token_logprobs_hand_value():
     # softmax([0, ln 3]) = [0.25, 0.75]
     logits_BTV = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
-    logp_BT = selective_log_softmax(logits_BTV, torch.tensor([[1, 0]]))
+    logp_BT = token_logprobs(logits_BTV, torch.tensor([[1, 0]]))
     torch.testing.assert_close(logp_BT, torch.tensor([[-0.2876821, -1.3862944]]))
 
 
-def test_selective_log_softmax_matches_log_softmax_gather():
+def test_token_logprobs_matches_log_softmax_gather():
     gen = torch.Generator().manual_seed(0)
     logits_BTV = torch.randn(3, 5, 11, generator=gen) * 4
     ids_BT = torch.randint(0, 11, (3, 5), generator=gen)
     expected_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, ids_BT.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(selective_log_softmax(logits_BTV, ids_BT), expected_BT)
+    torch.testing.assert_close(token_logprobs(logits_BTV, ids_BT), expected_BT)
     # bf16 logits: float32 result, equal to the float32 computation on the same (rounded) logits
     bf16_BTV = logits_BTV.bfloat16()
-    out_BT = selective_log_softmax(bf16_BTV, ids_BT)
+    out_BT = token_logprobs(bf16_BTV, ids_BT)
     assert out_BT.dtype == torch.float32
     expected_bf16_BT = torch.log_softmax(bf16_BTV.float(), dim=-1).gather(-1, ids_BT.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(out_BT, expected_bf16_BT)
 
 
-def test_selective_log_softmax_gradient_matches_log_softmax():
+def test_token_logprobs_gradient_matches_log_softmax():
     logits_a = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(1), requires_grad=True)
     logits_b = logits_a.detach().clone().requires_grad_(True)
     ids_BT = torch.tensor([[0, 6, 3], [2, 2, 5]])
-    selective_log_softmax(logits_a, ids_BT).sum().backward()
+    token_logprobs(logits_a, ids_BT).sum().backward()
     torch.log_softmax(logits_b, -1).gather(-1, ids_BT.unsqueeze(-1)).sum().backward()
     torch.testing.assert_close(logits_a.grad, logits_b.grad)
 
 
-def test_selective_log_softmax_bad_ids_shape():
+def test_token_logprobs_bad_ids_shape():
     with pytest.raises(ValueError, match=r"token_ids_BT has shape \(2, 3\)"):
-        selective_log_softmax(torch.zeros(1, 3, 4), torch.zeros(2, 3, dtype=torch.long))
+        token_logprobs(torch.zeros(1, 3, 4), torch.zeros(2, 3, dtype=torch.long))
 
 
 def _entropy(logits_BTV: torch.Tensor) -> torch.Tensor:
-    entropy_BT = token_logprobs(logits_BTV, torch.zeros(logits_BTV.shape[:2], dtype=torch.long), entropy=True)[1]
-    assert entropy_BT is not None
-    return entropy_BT
+    return token_logprobs_and_entropy(logits_BTV, torch.zeros(logits_BTV.shape[:2], dtype=torch.long))[1]
 
 
 def test_entropy_uniform_and_two_point():
@@ -86,7 +84,6 @@ def test_entropy_uniform_and_two_point():
     # p = [0.25, 0.75]: -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.5623351
     two_point = _entropy(torch.tensor([[[0.0, math.log(3.0)]]]))
     torch.testing.assert_close(two_point, torch.tensor([[0.5623351]]))
-    assert token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long))[1] is None  # not asked
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -100,7 +97,7 @@ def test_token_logprobs_and_gradient_match_autograd_of_log_softmax(dtype, temper
     weights_BT = torch.randn(3, 5, generator=gen)
     ours_in = logits.clone().requires_grad_(True)
     ref_in = logits.clone().requires_grad_(True)
-    logprobs_BT, entropy_BT = token_logprobs(ours_in, ids_BT, temperature=temperature, entropy=True)
+    logprobs_BT, entropy_BT = token_logprobs_and_entropy(ours_in, ids_BT, temperature=temperature)
     (logprobs_BT * weights_BT).sum().backward()
     ref_logp_BTV = torch.log_softmax(ref_in.float() / temperature, dim=-1)
     ref_BT = ref_logp_BTV.gather(-1, ids_BT.unsqueeze(-1)).squeeze(-1)

@@ -11,7 +11,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lora_rl_core.algorithm import selective_log_softmax
+from lora_rl_core.algorithm import token_logprobs
 from lora_rl_core.config import AlgorithmConfig, LoRAConfig, ModelConfig, TrainerConfig
 from lora_rl_core.errors import ConfigError
 from lora_rl_core.lora import adapter_state, apply_lora
@@ -66,7 +66,7 @@ def random_batch(advantages: list[float], seed: int = 0) -> TrainBatch:
 def completion_logprob(trainer: PolicyTrainer, batch: TrainBatch) -> float:
     packed = pack(batch, trainer.pad_id, trainer.device)
     with torch.no_grad():
-        logprobs = trainer._logprobs(packed)[0]
+        logprobs = trainer._logprobs(packed)
     return float((logprobs * packed.mask_BT).sum())
 
 
@@ -106,10 +106,10 @@ def test_frame_logprobs_equal_each_row_alone(make_trainer):
     packed = pack(batch, trainer.pad_id, trainer.device)
     assert packed.frame_start > 0 and (packed.input_ids == trainer.pad_id).any()
     with torch.no_grad():
-        cut = trainer._logprobs(packed)[0]
+        cut = trainer._logprobs(packed)
         for i, (p, c) in enumerate(zip(batch.prompt_ids, batch.completion_ids, strict=True)):
             ids = torch.tensor([p + c])
-            alone = selective_log_softmax(trainer.model(input_ids=ids).logits[:, :-1].float(), ids[:, 1:])[0]
+            alone = token_logprobs(trainer.model(input_ids=ids).logits[:, :-1].float(), ids[:, 1:])[0]
             want = alone[len(p) - 1 :]
             torch.testing.assert_close(cut[i][packed.mask_BT[i].bool()], want, rtol=1e-5, atol=1e-5)
 
@@ -294,7 +294,7 @@ def test_bf16_lora_compute_keeps_float32_master_weights_and_matches_float32(tiny
         seen = lora_input_dtypes(trainer)
         packed = pack(batch, trainer.pad_id, trainer.device)
         with torch.no_grad():
-            logprobs = trainer._logprobs(packed)[0]
+            logprobs = trainer._logprobs(packed)
         metrics = trainer.train_step(batch)
         lora = [m for m in trainer.model.modules() if isinstance(m, LoraLayer)]
         assert lora and all(m.cast_input_dtype_enabled == (compute == "float32") for m in lora)

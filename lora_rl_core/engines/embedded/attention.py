@@ -55,13 +55,15 @@ def decode_attention(
     return out_bkgd.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
+AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the mask SDPA gets, for the prefill too
+
+
 def use_decode_attention(model: PreTrainedModel) -> bool:
-    """Give `model` `decode_attention` where it runs SDPA (registered once per process); returns whether it
-    now does. A model that does not dispatch through `AttentionInterface`, or runs another implementation
-    (eager, flash attention), keeps its own."""
+    """Give `model` `decode_attention` where it runs SDPA; returns whether it now does. A model that does not
+    dispatch through `AttentionInterface`, or runs another implementation (eager, flash attention), keeps its
+    own."""
     if model.config._attn_implementation != "sdpa":
         return False
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the mask SDPA gets, for the prefill too
     model.set_attn_implementation(DECODE_ATTENTION)
     return bool(model.config._attn_implementation == DECODE_ATTENTION)
