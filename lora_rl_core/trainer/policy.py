@@ -347,9 +347,8 @@ class PolicyTrainer:
         of its rows, `m2po_batch_keep`; `advantages`: its rows' per-token GAE advantages, None = the batch's one
         per row; `rows_mask`: False on a row the loss leaves out, a critic's `value_only` row); its metrics as
         0-dim tensors on the device (read once per minibatch)."""
-        logprobs_BT, entropy_BT = token_logprobs_and_entropy(
-            self._logits(packed), packed.targets_BT, temperature=self.temperature
-        )
+        tau, logits = self.temperature, self._logits(packed)
+        logprobs_BT, entropy_BT = token_logprobs_and_entropy(logits, packed.targets_BT, temperature=tau)
         old_BT = logprobs_BT.detach() if old is None else frame(old, packed.mask_BT)
         mask_BT = packed.mask_BT
         if rows_mask is not None:
@@ -388,14 +387,11 @@ class PolicyTrainer:
         return m
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
-        """The model's logits `[b, F, V]` (its output dtype, not tempered) of the frame's positions: none for the
-        prompt before the frame."""
+        """The model's logits `[b, F, V]` (its dtype, not tempered) of the frame: none for the prompt before it."""
         keep = packed.input_ids.shape[1] - packed.frame_start  # positions frame_start .. L-1
         with self._autocast():
-            out = self.model(
-                input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False, logits_to_keep=keep
-            )
-        return out.logits[:, :-1]
+            ids, mask = packed.input_ids, packed.attention_mask
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=keep).logits[:, :-1]
 
     def _logprobs(self, packed: PackedBatch) -> torch.Tensor:
         """The frame's `[b, F]` float32 logprobs of its targets at the sampling temperature (`token_logprobs`)."""
