@@ -24,8 +24,7 @@ def build_embedded_engine(
     """An `EmbeddedEngine` on a fresh copy of `model_cfg`'s model with every limit of `engine_cfg`
     (`max_batch_size`, `max_loras_per_batch`, `max_loaded_loras`, `eviction_policy`, `max_lora_rank`,
     `timeout_s`), whatever `engine_cfg.type` says (`lora-rl serve` serves a remote engine's settings). On a CPU
-    its decode steps' attention is `attention.decode_attention`, and a batch of one adapter runs on that
-    adapter's merged weights (`merged.py`).
+    its decode steps' attention is `attention.decode_attention`.
 
     Args:
         store: the adapter store, for `store://` adapter names and paths.
@@ -41,8 +40,7 @@ def build_embedded_engine(
 
     # its device and dtype as the section says (the plan's); the run's tokenizer where it has one
     model, tokenizer = load_model(model_cfg, tokenizer=tokenizer)
-    on_cpu = model.device.type == "cpu"
-    if on_cpu:  # SDPA's CPU kernel is slow for one query position (attention.py)
+    if model.device.type == "cpu":  # SDPA's CPU kernel is slow for one query position (attention.py)
         use_decode_attention(model)
     return EmbeddedEngine(
         model,
@@ -56,7 +54,6 @@ def build_embedded_engine(
         max_lora_rank=engine_cfg.max_lora_rank,
         store=store,
         default_timeout_s=engine_cfg.timeout_s,
-        merge_single_adapter=on_cpu,  # a LoRA layer's two small matmuls cost more than the base's on a CPU
     )
 
 

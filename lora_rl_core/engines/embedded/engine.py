@@ -83,8 +83,6 @@ class EmbeddedEngine:
         max_lora_rank: reject adapters of a larger rank (SGLang `--max-lora-rank`); None = any.
         store: an `AdapterStore` for `store://` adapter names and paths.
         default_timeout_s: deadline (s) of `generate` and of `load_adapter`'s wait for the running batch.
-        merge_single_adapter: run a batch of one adapter on its merged weights (`merged.py`; the builder turns
-            it on for a model on a CPU).
 
     Raises:
         ValueError: a limit below 1 or an unknown eviction policy.
@@ -102,7 +100,6 @@ class EmbeddedEngine:
         max_lora_rank: int | None = ENGINE_DEFAULTS.max_lora_rank,
         store: Any = None,
         default_timeout_s: float = ENGINE_DEFAULTS.timeout_s,
-        merge_single_adapter: bool = False,
     ) -> None:
         if min(max_batch_size, max_loras_per_batch) < 1:
             raise ValueError("max_batch_size and max_loras_per_batch must be >= 1")
@@ -111,9 +108,7 @@ class EmbeddedEngine:
         self._pool = AdapterPool(
             max_loaded=max_loaded_loras, policy=eviction_policy, max_pinned=max_loras_per_batch - 1
         )
-        self._model = PeftAdapterModel(
-            model, tokenizer, self._pool, max_lora_rank=max_lora_rank, merge_single_adapter=merge_single_adapter
-        )
+        self._model = PeftAdapterModel(model, tokenizer, self._pool, max_lora_rank=max_lora_rank)
         self._requests = RequestQueue(
             self._pool, max_batch_size=max_batch_size, max_loras_per_batch=max_loras_per_batch
         )

@@ -38,7 +38,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lora_rl_core.adapters import STORE_URI_PREFIX, AdapterRules, TensorsAndConfig
 from lora_rl_core.engines.base import Completion, FinishReason, GenerationRequest
 from lora_rl_core.engines.embedded.generation import BASE_ADAPTER, StopMatch, StopStrings, generate_batch, stop_match
-from lora_rl_core.engines.embedded.merged import MIN_NEW_TOKENS, MergedAdapter
 from lora_rl_core.engines.embedded.pool import AdapterPool
 from lora_rl_core.errors import EngineError, StoreError
 from lora_rl_core.store.sources import read_adapter_folder, read_store_uri
@@ -58,8 +57,6 @@ class PeftAdapterModel:
         tokenizer: its tokenizer (pad and EOS ids are read from it; stop strings are matched with it).
         pool: the engine's adapter pool (residency, eviction policy, loaders of evicted adapters).
         max_lora_rank: reject adapters of a larger rank (SGLang `--max-lora-rank`); None = any.
-        merge_single_adapter: run a batch whose rows all name one adapter on that adapter's merged weights
-            (`merged.MergedAdapter`: faster on a CPU, one more copy of the adapted weights).
     """
 
     def __init__(
@@ -69,7 +66,6 @@ class PeftAdapterModel:
         pool: AdapterPool,
         *,
         max_lora_rank: int | None = None,
-        merge_single_adapter: bool = False,
     ) -> None:
         self._model: PreTrainedModel | PeftModel = model
         self.eos_ids = eos_ids(model, tokenizer)
@@ -81,7 +77,6 @@ class PeftAdapterModel:
         self._lock = threading.Lock()
         self._tokenizer = tokenizer
         self._stop_matches: dict[tuple[str, ...], StopMatch] = {}  # built under the model lock
-        self._merged = MergedAdapter() if merge_single_adapter else None
 
     @contextmanager
     def locked(self, timeout_s: float, what: str) -> Iterator[None]:
@@ -137,7 +132,6 @@ class PeftAdapterModel:
 
     def _inject(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
         lora_config = _lora_config(name, config)
-        self._forget_merged(name)
         try:
             # the adapter in the base weights' dtype, as SGLang holds it: PEFT's default float32 copy of a
             # bfloat16 model's adapter cast every adapted layer's input up and back at every decode step
@@ -156,7 +150,6 @@ class PeftAdapterModel:
     def drop(self, names: list[str]) -> None:
         """Delete adapters from the model and forget those that are fully unloaded."""
         for name in names:
-            self._forget_merged(name)  # before its layers may go (the last adapter unwraps the model)
             if isinstance(self._model, PeftModel) and name in self._model.peft_config:
                 self._delete_adapter(name)
             self._pool.forget(name)
@@ -225,28 +218,11 @@ class PeftAdapterModel:
         params = requests[0].sampling
         prompts = [r.prompt_ids for r in requests]
         stops = StopStrings(self._stop_match(params.stop), len(prompts)) if params.stop else None
-        with self._merged_weights(adapters, params.max_new_tokens) as row_adapters:
-            tokens_BT, logprobs_BT = generate_batch(
-                self._model, prompts, row_adapters, params, pad_id=self._pad_id, eos_ids=self.eos_ids, stops=stops
-            )
+        tokens_BT, logprobs_BT = generate_batch(
+            self._model, prompts, adapters, params, pad_id=self._pad_id, eos_ids=self.eos_ids, stops=stops
+        )
         first_B = stops.first_B.cpu() if stops is not None else None
         return tokens_BT, logprobs_BT, first_B
-
-    @contextmanager
-    def _merged_weights(self, adapters: list[str] | None, max_new_tokens: int) -> Iterator[list[str] | None]:
-        """Where merging is on and every row names the same adapter, run the block on its merged weights and
-        yield None (no per-row adapters); otherwise yield `adapters` unchanged."""
-        one = adapters[0] if adapters and len(set(adapters)) == 1 and adapters[0] != BASE_ADAPTER else None
-        if self._merged is None or one is None or max_new_tokens < MIN_NEW_TOKENS:
-            yield adapters
-            return
-        assert isinstance(self._model, PeftModel)  # adapters are named only on a PeftModel
-        with self._merged.applied(self._model, one) as merged:
-            yield None if merged else adapters
-
-    def _forget_merged(self, name: str) -> None:
-        if self._merged is not None:
-            self._merged.forget(name)
 
     def _stop_match(self, stops: tuple[str, ...]) -> StopMatch:
         """The matcher of `stops`, built once (it reads the vocabulary) and kept for the last few sets."""
