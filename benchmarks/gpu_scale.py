@@ -163,10 +163,17 @@ def main() -> None:
     if args.serialise_in_memory:
         serialise_holding_the_lock()
 
+    from cli import reaper, shutdown
     from lora_rl_core.config import load_config
     from lora_rl_core.records import RolloutBatch
     from lora_rl_core.run import open_run
     from lora_rl_core.run.loop import RunPhases, run_steps
+
+    # as `lora-rl train` does: SIGTERM (a `timeout`) unwinds through `run.close()`, which stops SGLang, and the
+    # reaper ends whatever the run started if this process is SIGKILLed (a GPU left holding a server otherwise)
+    shutdown.install()
+    with reaper.enabled():  # the reaper starts in this process's own command, not in a test's
+        reaper.watch()
 
     model_dir = build_model(args.shape, args.tokenizer, args.models / f"qwen2.5-{args.shape}-random")
     work = Path(tempfile.mkdtemp(prefix="gpu-scale-"))
