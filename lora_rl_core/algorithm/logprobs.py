@@ -64,8 +64,7 @@ def _apply(
             f"token_ids_BT has shape {tuple(token_ids_BT.shape)}, expected {tuple(logits_BTV.shape[:2])} "
             "(the first two dims of logits_BTV)"
         )
-    logprobs_BT, entropy_BT = _TokenLogprobs.apply(logits_BTV, token_ids_BT, float(temperature), with_entropy)
-    return logprobs_BT, entropy_BT
+    return _TokenLogprobs.apply(logits_BTV, token_ids_BT, float(temperature), with_entropy)
 
 
 def _tempered_TV(logits_TV: Tensor, temperature: float) -> tuple[Tensor, bool]:
