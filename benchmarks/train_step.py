@@ -59,10 +59,10 @@ from _common import TINY_CONFIG  # noqa: E402  (benchmarks/ is on sys.path when 
 from lora_rl_core import distributed  # noqa: E402
 from lora_rl_core.algorithm import ppo_clip_loss, token_logprobs  # noqa: E402
 from lora_rl_core.lora import cpu_copies  # noqa: E402
-from lora_rl_testing.plans import trainer_plan  # noqa: E402
+from lora_rl_testing.plans import loss_kwargs  # noqa: E402
 
 GIB = 1024**3
-LOSS_ARGS = trainer_plan().loss.loss_args()  # the run's defaults, as its plan makes them: clip ranges, aggregation
+LOSS_ARGS = loss_kwargs()  # the run's defaults, as its plan makes them: clip ranges, aggregation
 
 
 @dataclass(frozen=True)

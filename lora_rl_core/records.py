@@ -97,6 +97,24 @@ class ScoredBatch(Record):
     """The rollout rows in the same order, with rewards and advantages."""
 
 
+@dataclass(frozen=True)
+class BatchRules:
+    """Which scored rows a train step uses (`TrainBatch.from_scored`): the `algorithm` section's rules, made once
+    by the run's plan (`RunPlan.batch`), so the train phase reads these and not the section.
+
+    Attributes:
+        max_staleness: the most versions a row's policy may lag the trainer's (`algorithm.max_staleness`).
+        skip_uniform: leave out groups whose rewards are all equal (`algorithm.skip_uniform_groups`).
+        mask_truncated: completions cut at the token limit add no policy loss (`algorithm.truncation: mask`).
+        critic_sees_truncated: such completions stay in the batch for the critic (`algorithm.advantage: gae`).
+    """
+
+    max_staleness: int
+    skip_uniform: bool
+    mask_truncated: bool = False
+    critic_sees_truncated: bool = False
+
+
 @dataclass
 class TrainBatch:
     """Sequences to train on, one row per completion (what the trainer and its FSDP workers receive).
@@ -158,17 +176,8 @@ class TrainBatch:
         )
 
     @classmethod
-    def from_scored(
-        cls,
-        rows: list[ScoredRollout],
-        *,
-        step: int,
-        max_staleness: int,
-        skip_uniform: bool,
-        mask_truncated: bool = False,
-        critic_sees_truncated: bool = False,
-    ) -> TrainBatch:
-        """The rows of step `step` that the update may use.
+    def from_scored(cls, rows: list[ScoredRollout], *, step: int, rules: BatchRules) -> TrainBatch:
+        """The rows of step `step` that the update may use, by `rules`.
 
         The trainer holds version `step - 1` when it trains step `step`. A row is stale, and rejected, when its
         policy version is more than `max_staleness` behind that (`step - 1 - adapter_version > max_staleness`),
@@ -183,10 +192,10 @@ class TrainBatch:
         ended would not hide that ending is worth more than being cut (docs/DESIGN.md, "PPO").
         """
         lagged = [(r, step - 1 - r.adapter_version) for r in rows if r.adapter_version is not None]
-        fresh = [r for r, lag in lagged if lag <= max_staleness]
-        signal = [r for r in fresh if not r.skipped and (r.has_signal or not skip_uniform)]
-        cut = [mask_truncated and r.finish_reason == "length" for r in signal]
-        used = [r for r, c in zip(signal, cut, strict=True) if critic_sees_truncated or not c]
+        fresh = [r for r, lag in lagged if lag <= rules.max_staleness]
+        signal = [r for r in fresh if not r.skipped and (r.has_signal or not rules.skip_uniform)]
+        cut = [rules.mask_truncated and r.finish_reason == "length" for r in signal]
+        used = [r for r, c in zip(signal, cut, strict=True) if rules.critic_sees_truncated or not c]
         lags = Counter(lag for _, lag in lagged)
         return cls(
             [r.prompt_ids for r in used],
@@ -199,7 +208,7 @@ class TrainBatch:
             truncated_masked=sum(cut),
             version_lag=dict(sorted(lags.items())),
             rewards=[r.reward for r in used],
-            value_only=cut if critic_sees_truncated and any(cut) else [],
+            value_only=cut if rules.critic_sees_truncated and any(cut) else [],
         )
 
 

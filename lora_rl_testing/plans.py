@@ -31,3 +31,15 @@ def trainer_plan(
     plan = make_plan(cfg).trainer
     assert plan is not None
     return plan
+
+
+def loss_kwargs(algorithm: AlgorithmConfig | None = None) -> dict[str, Any]:
+    """`ppo_clip_loss`'s keyword arguments as the run's plan sets them (`TrainerPlan.loss`) for `algorithm`,
+    for tests and benchmarks that call the loss on their own tensors."""
+    loss = trainer_plan(algorithm=algorithm).loss
+    return {
+        "clip_eps_low": loss.clip_eps_low,
+        "clip_eps_high": loss.clip_eps_high,
+        "aggregation": loss.aggregation,
+        "kl_coef": loss.kl_coef,
+    }

@@ -61,6 +61,7 @@ from lora_rl_core.plan.placement import (
     rollout_mode,
 )
 from lora_rl_core.plan.record import Choice, EnginePlan, RunPlan
+from lora_rl_core.records import BatchRules
 from lora_rl_core.runtime import DtypeChoice, choose_dtype, choose_lora_compute_dtype, cpu_threads
 from lora_rl_core.trainer.kernels import choose_compile, choose_kernels
 from lora_rl_core.trainer.plan import CriticSettings, OptimizerSettings, PolicyLoss, TrainerPlan
@@ -144,6 +145,12 @@ def make_plan(
         engine=engine,
         memory=memory if memory is not None and memory.gpu_total else None,
         cpu_threads=cpu_threads(),
+        batch=BatchRules(
+            max_staleness=cfg.algorithm.max_staleness,
+            skip_uniform=cfg.algorithm.skip_uniform_groups,
+            mask_truncated=cfg.algorithm.truncation.type == "mask",
+            critic_sees_truncated=cfg.algorithm.advantage == "gae",
+        ),
         choices=choices,
         rollout_mode=mode,
     )

@@ -14,6 +14,7 @@ from lora_rl_core.config import RolloutMode, RunConfig, TensorTransport
 from lora_rl_core.engines.launch.process import LaunchBudget
 from lora_rl_core.engines.launch.resolve import ResolvedLaunch
 from lora_rl_core.memory import MemoryPlan
+from lora_rl_core.records import BatchRules
 from lora_rl_core.trainer.plan import TrainerPlan
 
 
@@ -67,6 +68,7 @@ class RunPlan:
         engine: the engine's build plan.
         memory: the GPU memory plan (None on a CPU).
         cpu_threads: torch's intra-op threads in this process.
+        batch: which scored rows a train step uses (the `algorithm` section's rules: `BatchRules`).
         choices: every resolved setting by its dotted config name, with the reason (read-only).
         rollout_mode: `rollout.mode` resolved (`sync` or `async`; `plan.placement.rollout_mode`).
 
@@ -79,6 +81,7 @@ class RunPlan:
     engine: EnginePlan
     memory: MemoryPlan | None
     cpu_threads: int
+    batch: BatchRules
     choices: Mapping[str, Choice] = field(default_factory=dict)
     rollout_mode: RolloutMode = "sync"
 

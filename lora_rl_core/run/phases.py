@@ -121,16 +121,8 @@ def train(run: RunComponents, step: int) -> TrainStats:
     run.writer.check()  # a failed write fails the run before another update is computed
     commit_checkpoints(run)  # the checkpoints whose ranks are done: their manifests go to the writer
     maybe_fail("train", step, run.run_dir)
-    algo = run.cfg.algorithm
     rows = run.run_dir.read_phase("scored", step, ScoredBatch).rows
-    batch = TrainBatch.from_scored(
-        rows,
-        step=step,
-        max_staleness=algo.max_staleness,
-        skip_uniform=algo.skip_uniform_groups,
-        mask_truncated=algo.truncation.type == "mask",
-        critic_sees_truncated=algo.advantage == "gae",
-    )
+    batch = TrainBatch.from_scored(rows, step=step, rules=run.plan.batch)
     if batch.truncated_masked and not batch.policy_rows():  # a policy that never ends in time would otherwise not learn
         log.warning(
             "step %d trains on nothing: all %d completions with a learning signal were cut at "

@@ -6,7 +6,7 @@ write their output, so retries and resumes work on what the store holds.
     completions = engine.generate(requests)
     rollouts   = rollout_batch(step, problems, completions, group_size, cursor)        -> RolloutBatch
     scored     = score_batch(rollouts, texts, problems, rewards, estimator)            -> ScoredBatch
-    batch      = TrainBatch.from_scored(scored.rows, step, max_staleness, skip_uniform) -> TrainBatch
+    batch      = TrainBatch.from_scored(scored.rows, step, plan.batch)                 -> TrainBatch
     metrics    = trainer.train_step(batch)                                            -> PPO-clip update
 """
 

@@ -5,7 +5,7 @@ travel to FSDP2 ranks (spawned processes, Ray actors) pickled, as made, and are 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from lora_rl_core.config import LoRAConfig, ModelConfig, ResolvedCorrection
 
@@ -34,15 +34,6 @@ class PolicyLoss:
     aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
     num_minibatches: int
     off_policy_correction: ResolvedCorrection
-
-    def loss_args(self) -> dict[str, Any]:
-        """The keyword arguments `algorithm.losses.ppo_clip_loss` takes from these settings."""
-        return {
-            "clip_eps_low": self.clip_eps_low,
-            "clip_eps_high": self.clip_eps_high,
-            "aggregation": self.aggregation,
-            "kl_coef": self.kl_coef,
-        }
 
 
 @dataclass(frozen=True)

@@ -1,46 +1,36 @@
 """Policy trainer: one PPO-clip update of the LoRA parameters per training step.
 
-Choices: the reference policy is the same model with the adapter disabled
-(no second copy); `old_logprobs` are recomputed by the trainer (with one
-minibatch per step they equal the current logprobs, so the ratio is 1 and the
-update is the on-policy policy gradient); engine `inference_logprobs` are kept
-apart and only used for the truncated importance-sampling correction and the
-mismatch metric. AdamW on LoRA parameters only, global-norm gradient clipping,
-linear warmup. Micro-batches accumulate gradients with weights chosen so the
-loss equals the full-batch aggregate (token-mean: tokens / total tokens).
+Choices: the reference policy is the same model with the adapter disabled (no second copy); `old_logprobs` are
+recomputed by the trainer (with one minibatch per step they equal the current logprobs, so the ratio is 1 and the
+update is the on-policy policy gradient); engine `inference_logprobs` are kept apart and only used for the truncated
+importance-sampling correction and the mismatch metric. AdamW on LoRA parameters only, global-norm gradient
+clipping, linear warmup. Micro-batches accumulate gradients with weights chosen so the loss equals the full-batch
+aggregate (token-mean: tokens / total tokens).
 
-Mixed precision (`trainer.lora_compute_dtype`): the LoRA weights, their
-gradients and the AdamW state are float32 (master weights). In `bfloat16`
-the model's forward passes (policy, reference, old logprobs) run under
-`torch.autocast` and PEFT's input cast to float32 is off
-(`lora.set_input_dtype_casting`), so the LoRA matmuls run in bfloat16 on the
-base model's activations; the logits are turned to float32 before the
-log-softmax, and the loss and the backward call are outside autocast.
+Mixed precision (`trainer.lora_compute_dtype`): the LoRA weights, their gradients and the AdamW state are float32
+(master weights). In `bfloat16` the model's forward passes (policy, reference, old logprobs) run under
+`torch.autocast` and PEFT's input cast to float32 is off (`lora.set_input_dtype_casting`), so the LoRA matmuls run
+in bfloat16 on the base model's activations; the logits are turned to float32 before the log-softmax, and the loss
+and the backward call are outside autocast.
 
-Sharded training (FSDP2, `lora_rl_core.distributed`): when a process group is
-up, build the trainer after `shard_model`; every rank then calls `train_step`
-with the SAME whole batch and trains on its share. Within each minibatch the
-rows, sorted by length, are dealt round-robin to the ranks (balanced tokens;
-`rank_micro_batches`), and each rank cuts its rows into micro-batches. Loss
-weights use the whole minibatch's token / sequence counts, which every rank
-knows without an all-reduce because it holds the whole batch; the LoRA
-gradients are summed over ranks once per minibatch (`distributed.sum_gradients`:
-the LoRA weights are replicated, only the base weights sharded), so the update
-equals the single-process one. A rank with
-fewer micro-batches runs zero-weight dummy passes so that FSDP's collectives
-stay matched. Metrics are all-reduced: every rank returns the global values.
-Sending the whole batch (token-id lists) to every rank costs little and keeps
-minibatch boundaries identical to a single process.
+Sharded training (FSDP2, `lora_rl_core.distributed`): when a process group is up, build the trainer after
+`shard_model`; every rank then calls `train_step` with the SAME whole batch and trains on its share. Within each
+minibatch the rows, sorted by length, are dealt round-robin to the ranks (balanced tokens; `rank_micro_batches`),
+and each rank cuts its rows into micro-batches. Loss weights use the whole minibatch's token / sequence counts,
+which every rank knows without an all-reduce because it holds the whole batch; the LoRA gradients are summed over
+ranks once per minibatch (`distributed.sum_gradients`: the LoRA weights are replicated, only the base weights
+sharded), so the update equals the single-process one. A rank with fewer micro-batches runs zero-weight dummy passes
+so that FSDP's collectives stay matched. Metrics are all-reduced: every rank returns the global values. Sending the
+whole batch (token-id lists) to every rank costs little and keeps minibatch boundaries identical to a single
+process.
 
-Checkpoints: each rank writes its own part (`save_checkpoint`); loaded whole (`load_state_dict`), keyed by
-parameter FQN, so a state saved at one world size loads at any other (`trainer.state`).
+Checkpoints: each rank writes its own part (`save_checkpoint`); loaded whole (`load_state_dict`), keyed by parameter
+FQN, so a state saved at one world size loads at any other (`trainer.state`).
 
-PPO (`algorithm.advantage: gae`): a critic adapter and value head on the same
-base (`trainer.critic`). Before the update, one pass computes its values (and
-the reference's log-probs when the KL goes in the reward); GAE makes per-token
-advantages, whitened over the batch; each micro-batch then takes the policy's
-backward and the critic's, and each its own optimizer step. For
-`critic.pretrain_steps` steps only the critic trains.
+PPO (`algorithm.advantage: gae`): a critic adapter and value head on the same base (`trainer.critic`). Before the
+update, one pass computes its values (and the reference's log-probs when the KL goes in the reward); GAE makes
+per-token advantages, whitened over the batch; each micro-batch then takes the policy's backward and the critic's,
+and each its own optimizer step. For `critic.pretrain_steps` steps only the critic trains.
 """
 
 from __future__ import annotations
@@ -374,7 +364,10 @@ class PolicyTrainer:
             mask_BT,
             importance_weights_BT=weights_BT,
             ref_logprobs_BT=ref_BT,
-            **self.loss.loss_args(),
+            clip_eps_low=self.loss.clip_eps_low,
+            clip_eps_high=self.loss.clip_eps_high,
+            aggregation=self.loss.aggregation,
+            kl_coef=self.loss.kl_coef,
         )
         (loss * weight).backward()
         with torch.no_grad():

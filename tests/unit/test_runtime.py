@@ -217,3 +217,24 @@ def test_the_plan_is_deeply_frozen_and_its_trainer_section_holds_resolved_values
         plan.choices["model.dtype"] = None  # type: ignore[index]
     with pytest.raises(pydantic.ValidationError, match="frozen"):
         plan.config.algorithm.clip_eps_high = 0.5  # type: ignore[misc]
+
+
+def test_the_plan_makes_the_train_phase_batch_rules_from_the_algorithm_section() -> None:
+    """The train phase reads `RunPlan.batch`, never the `algorithm` section (issue 44's trace)."""
+    from lora_rl_core.records import BatchRules
+
+    default = make_plan(load_config(None, ["model.device=cpu"]), train=False).batch
+    assert default == BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=True, critic_sees_truncated=False)
+    ppo = make_plan(
+        load_config(
+            None,
+            [
+                "model.device=cpu",
+                "algorithm.advantage=gae",
+                "algorithm.truncation=keep",
+                "algorithm.skip_uniform_groups=false",
+            ],
+        ),
+        train=False,
+    ).batch
+    assert ppo == BatchRules(max_staleness=1, skip_uniform=False, mask_truncated=False, critic_sees_truncated=True)

@@ -13,12 +13,12 @@ from lora_rl_core.algorithm.truncation import overlong_penalty, truncated_mask
 from lora_rl_core.config import AlgorithmConfig, RunConfig
 from lora_rl_core.config.algorithm import KeepTruncated, MaskTruncated, OverlongPenalty
 from lora_rl_core.data import Problem
-from lora_rl_core.records import Rollout, RolloutBatch, TrainBatch
+from lora_rl_core.records import BatchRules, Rollout, RolloutBatch, TrainBatch
 from lora_rl_core.rewards import RewardSet
 from lora_rl_core.rewards.score import RewardTerm
 from lora_rl_core.rewards.verify import MathVerifier
 from lora_rl_core.run.step import OVERLONG_TERM, score_batch, score_stats
-from lora_rl_testing.plans import trainer_plan
+from lora_rl_testing.plans import loss_kwargs
 
 LIMIT = 48
 
@@ -94,7 +94,7 @@ def _loss(batch: TrainBatch) -> float:
     logprobs = torch.full(mask.shape, -0.5)
     algo = AlgorithmConfig()  # on-policy, ratio 1: the clip range does not matter
     advantages = torch.tensor(batch.advantages)
-    loss, _ = ppo_clip_loss(logprobs, logprobs, advantages, mask, **trainer_plan(algorithm=algo).loss.loss_args())
+    loss, _ = ppo_clip_loss(logprobs, logprobs, advantages, mask, **loss_kwargs(algo))
     return float(loss)
 
 
@@ -102,7 +102,7 @@ def test_keep_trains_on_every_row_with_its_reward():
     scored = _score(KeepTruncated())
     a = 1 / math.sqrt(1 / 3)  # GRPO of [1, 1, 0, 0]: mean 0.5, unbiased std sqrt(1/3)
     assert [r.advantage for r in scored.rows] == pytest.approx([a / 2, a / 2, -a / 2, -a / 2], rel=1e-5)
-    batch = TrainBatch.from_scored(scored.rows, step=2, max_staleness=1, skip_uniform=True)
+    batch = TrainBatch.from_scored(scored.rows, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True))
     assert len(batch) == 4 and batch.truncated_masked == 0
     # token-mean: the cut row's 48 tokens dominate: -(0.866 * 48 + 0.866 * 20 - 0.866 * 40 - 0.866 * 10) / 118
     assert _loss(batch) == pytest.approx(-(a / 2) * (48 + 20 - 40 - 10) / 118, rel=1e-5)
@@ -113,25 +113,33 @@ def test_mask_keeps_the_cut_row_in_its_group_statistics_and_out_of_the_loss():
     a = 1 / math.sqrt(1 / 3)
     # advantages first, over the whole group (TRL): the same numbers as `keep`, the cut row included
     assert [r.advantage for r in scored.rows] == pytest.approx([a / 2, a / 2, -a / 2, -a / 2], rel=1e-5)
-    batch = TrainBatch.from_scored(scored.rows, step=2, max_staleness=1, skip_uniform=True, mask_truncated=True)
+    batch = TrainBatch.from_scored(
+        scored.rows, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=True)
+    )
     assert batch.truncated_masked == 1 and [len(c) for c in batch.completion_ids] == [20, 40, 10]
     # the token mean runs over the other rows' 70 tokens alone
     assert _loss(batch) == pytest.approx(-(a / 2) * (20 - 40 - 10) / 70, rel=1e-5)
     # a truncated row of a group without signal is counted as uniform, not as masked
     flat = [r.model_copy(update={"has_signal": False}) for r in scored.rows]
-    none = TrainBatch.from_scored(flat, step=2, max_staleness=1, skip_uniform=True, mask_truncated=True)
+    none = TrainBatch.from_scored(
+        flat, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=True)
+    )
     assert len(none) == 0 and none.uniform_skipped == 4 and none.truncated_masked == 0
 
 
 def test_under_gae_the_cut_row_stays_for_the_critic_alone():
     scored = _score(MaskTruncated())
     batch = TrainBatch.from_scored(
-        scored.rows, step=2, max_staleness=1, skip_uniform=True, mask_truncated=True, critic_sees_truncated=True
+        scored.rows,
+        step=2,
+        rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=True, critic_sees_truncated=True),
     )
     assert [len(c) for c in batch.completion_ids] == [48, 20, 40, 10] and batch.value_only == [True] + [False] * 3
     assert batch.truncated_masked == 1 and batch.policy_rows() == 3 and not batch.trains_policy(0)
     assert batch.select([2, 0]).value_only == [False, True]
-    kept = TrainBatch.from_scored(scored.rows, step=2, max_staleness=1, skip_uniform=True, critic_sees_truncated=True)
+    kept = TrainBatch.from_scored(
+        scored.rows, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True, critic_sees_truncated=True)
+    )
     assert kept.value_only == [] and kept.policy_rows() == 4  # `keep`: nothing is the critic's alone
 
 
@@ -146,7 +154,7 @@ def test_overlong_penalty_moves_rewards_and_advantages():
     assert scored.rows[0].advantage < scored.rows[1].advantage
     assert scored.rows[0].advantage == pytest.approx(scored.rows[3].advantage)
     # every row is still trained on; the rollout accuracy grades the task, not the length
-    batch = TrainBatch.from_scored(scored.rows, step=2, max_staleness=1, skip_uniform=True)
+    batch = TrainBatch.from_scored(scored.rows, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True))
     assert len(batch) == 4
     stats = score_stats(scored, 1.0, 0.0)
     assert stats.accuracy == 0.5 and stats.reward_terms[OVERLONG_TERM] == pytest.approx(-0.375)

@@ -19,7 +19,7 @@ if os.environ.get("AB_MALLOPT") == "1":
     print("mallopt", configure_allocator())
 
 from lora_rl_core.config import load_config  # noqa: E402
-from lora_rl_core.records import ScoredBatch, TrainBatch  # noqa: E402
+from lora_rl_core.records import BatchRules, ScoredBatch, TrainBatch  # noqa: E402
 from lora_rl_core.run import open_run, phases, versions  # noqa: E402
 
 tmp = tempfile.mkdtemp(prefix="train-ab-")
@@ -35,7 +35,9 @@ try:
     phases.score(run, 1)
     rows = run.run_dir.read_phase("scored", 1, ScoredBatch).rows
     batch = TrainBatch.from_scored(
-        rows, step=1, max_staleness=0, skip_uniform=False, mask_truncated=False, critic_sees_truncated=False
+        rows,
+        step=1,
+        rules=BatchRules(max_staleness=0, skip_uniform=False, mask_truncated=False, critic_sees_truncated=False),
     )
     train_s = []
     for _ in range(3):
