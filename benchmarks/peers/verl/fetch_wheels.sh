@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d "$OUT" \
   verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 cloudpickle==3.1.3 transferqueue==0.1.11 hydra-core==1.3.8 \
-  omegaconf==2.3.0 codetiming==1.4.0 torchdata==0.11.0 pylatexenc==2.11 msgpack==1.2.4
+  omegaconf==2.3.0 codetiming==1.4.0 torchdata==0.11.0 pylatexenc==2.11 msgpack==1.2.4 cachetools==7.3.3
 python3 -m pip wheel -q --no-deps -w "$OUT" antlr4-python3-runtime==4.9.3  # no wheel on PyPI: built from its sdist
 (cd "$OUT" && sha256sum ./*.whl >SHA256SUMS)
 du -sh "$OUT"

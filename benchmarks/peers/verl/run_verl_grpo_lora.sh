@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# verl 0.9.1 GRPO + LoRA + SGLang (colocated, 1 GPU) timing run. NOT RUN YET: every key checked against the
-# 0.9.1 wheel's verl/trainer/config/_generated_ppo_trainer.yaml, but nothing here has been run.
+# verl 0.9.1 GRPO + LoRA + SGLang (colocated, 1 GPU) timing run. No step has run yet (benchmarks/peers/README.md):
+# every key checked against the 0.9.1 wheel's verl/trainer/config/_generated_ppo_trainer.yaml.
 # usage: OUT=/data/verl_q7 STEPS=8 bash run_verl_grpo_lora.sh   (OUT from prep_verl_bench.py --weights)
 set -euo pipefail
 OUT=${OUT:?}; STEPS=${STEPS:-8}
@@ -29,6 +29,7 @@ python3 -m verl.trainer.main_ppo \
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=${MICRO:-8} \
   actor_rollout_ref.rollout.ignore_eos=True \
   "+actor_rollout_ref.rollout.engine_kwargs.sglang.preferred_sampling_params='{\"ignore_eos\": true}'" \
+  +actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=${SGLANG_ATTN:-triton} \
   actor_rollout_ref.rollout.agent.num_workers=2 \
   reward.custom_reward_function.path=${OUT}/reward.py reward.custom_reward_function.name=compute_score \
   reward.num_workers=2 \
@@ -40,5 +41,6 @@ python3 -m verl.trainer.main_ppo \
   "$@"
 # Options: merged-weight sync instead of an SGLang adapter: actor_rollout_ref.model.lora.merge=True
 #          skip the old-logprob recompute (use SGLang's logprobs): algorithm.rollout_correction.bypass_mode=True
-#          SGLang attention backend (verl picks flashinfer on sglang>=0.5.12):
-#            +actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3
+#          SGLang attention backend: triton here, as our runs resolve it without the FA3 carry (verl's own pick,
+#            flashinfer, JIT-compiles its sm90 prefill and the carried site has no cutlass headers); SGLANG_ATTN=fa3
+#            once the FA3 carry is staged
