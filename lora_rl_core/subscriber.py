@@ -28,14 +28,13 @@ persisting the active version (a restarted subscriber re-adopts the newest `keep
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from lora_rl_core.adapters import adapter_name, adapter_run, adapter_version, validate_run_id
 from lora_rl_core.config import REMOTE_ENGINE_KINDS, RemoteEngineKind
@@ -82,10 +81,6 @@ class SyncResult:
             )
         again = "will retry" if self.retryable else "skipped; the previous version stays active"
         return f"{self.name} not synced ({again}): {self.error}"
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict of the fields."""
-        return dataclasses.asdict(self)
 
 
 KEEP_VERSIONS = 2

@@ -3,7 +3,7 @@
 `algorithm.truncation` (docs/DESIGN.md, "Truncated completions") picks one of:
 
 * `keep`: nothing; a cut completion is trained on as sampled.
-* `mask`: a cut completion (`finish_reason == "length"`) adds no loss (`truncated_mask`); TRL's
+* `mask`: a cut completion (`finish_reason == "length"`) adds no loss (`TrainBatch.from_scored`); TRL's
   `mask_truncated_completions` and DAPO's overlong filtering (Yu et al. 2025, sec. 3.4). Its reward still
   counts in its group's advantages, which are computed first (as TRL does).
 * `overlong-penalty`: DAPO's soft overlong punishment (`overlong_penalty`), added to the reward before the
@@ -40,10 +40,3 @@ def overlong_penalty(lengths_B: Tensor, *, max_new_tokens: int, buffer: int, pen
     lengths_B = lengths_B.to(torch.float32).clamp(max=max_new_tokens)
     exceed_B = lengths_B - (max_new_tokens - buffer)  # tokens into the buffer
     return (-penalty * exceed_B / buffer).clamp(max=0.0)
-
-
-def truncated_mask(finish_reasons: list[str]) -> Tensor:
-    """`[B]` bool, True where a completion was cut at the token limit (`finish_reason == "length"`): the rows
-    `truncation: mask` leaves out of the loss. A completion that ended at end-of-sequence or a stop sequence
-    (`eos`, `stop`) is never truncated."""
-    return torch.tensor([reason == "length" for reason in finish_reasons], dtype=torch.bool)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lora_rl_core.algorithm import grpo_advantages, ppo_clip_loss
-from lora_rl_core.algorithm.truncation import overlong_penalty, truncated_mask
+from lora_rl_core.algorithm.truncation import overlong_penalty
 from lora_rl_core.config import AlgorithmConfig, RunConfig
 from lora_rl_core.config.algorithm import KeepTruncated, MaskTruncated, OverlongPenalty
 from lora_rl_core.data import Problem
@@ -34,10 +34,6 @@ def test_overlong_penalty_is_dapo_eq13():
         overlong_penalty(lengths, max_new_tokens=LIMIT, buffer=49, penalty=1.0)
     with pytest.raises(ValueError, match="penalty"):
         overlong_penalty(lengths, max_new_tokens=LIMIT, buffer=8, penalty=0.0)
-
-
-def test_only_length_is_truncated():
-    assert truncated_mask(["length", "eos", "stop", "length"]).tolist() == [True, False, False, True]
 
 
 # One group of four: right and cut at the limit, right and short, wrong and long (40 tokens, ended), wrong and short.

@@ -92,6 +92,3 @@ SERVER = Dialect(
     tensor_upload="safetensors",
 )
 """Our engine server, `lora-rl serve` (`lora_rl_core.engines.serve`)."""
-
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (SGLANG, SERVER)}
-"""Dialects by `engine.type`."""
