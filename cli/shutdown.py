@@ -77,11 +77,6 @@ def stops(what: str) -> Callable[[F], F]:
     return decorate
 
 
-def received() -> int | None:
-    """The signal that interrupted this process, if any."""
-    return _state.signum
-
-
 def signal_of(exc: BaseException) -> int | None:
     """The signal behind `exc`: `Interrupted` or Prefect's `TerminationSignal`, also as the exception that
     `exc` was raised while handling (Prefect's task engine, when SIGTERM lands while it sets up a task run,
