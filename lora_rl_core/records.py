@@ -100,7 +100,8 @@ class ScoredBatch(Record):
 @dataclass(frozen=True)
 class BatchRules:
     """Which scored rows a train step uses (`TrainBatch.from_scored`): the `algorithm` section's rules, made once
-    by the run's plan (`RunPlan.batch`), so the train phase reads these and not the section.
+    by the run's plan (`RunPlan.batch`), so the train phase reads these and not the section. No defaults: the
+    config's are the only ones.
 
     Attributes:
         max_staleness: the most versions a row's policy may lag the trainer's (`algorithm.max_staleness`).
@@ -111,8 +112,8 @@ class BatchRules:
 
     max_staleness: int
     skip_uniform: bool
-    mask_truncated: bool = False
-    critic_sees_truncated: bool = False
+    mask_truncated: bool
+    critic_sees_truncated: bool
 
 
 @dataclass

@@ -104,8 +104,9 @@ def score(run: RunComponents, step: int) -> ScoreStats:
 
 
 def train(run: RunComponents, step: int) -> TrainStats:
-    """One policy update on the scored rollouts of `step` (`TrainBatch.from_scored`: stale rows rejected,
-    uniform groups skipped with `skip_uniform_groups`). Its stats (`trained/step-N.json`) and, every
+    """One policy update on the scored rollouts of `step`, the rows kept by the plan's rules (`run.plan.batch`,
+    `TrainBatch.from_scored`: stale rows rejected, uniform groups skipped, cut completions out of the policy's
+    loss under `truncation: mask`). Its stats (`trained/step-N.json`) and, every
     `checkpoint_every` steps, a checkpoint go to the run's `StoreWriter` (snapshots taken here, written in the
     background with `trainer.background_publish`). Where the memory plan put SGLang's memory saver on, its KV
     cache is released for the update (`RunComponents.engine_memory_released`).

@@ -35,10 +35,18 @@ def scored(version: int | None, *, group: int = 0, advantage: float = 0.5, signa
 def test_from_scored_rejects_rows_more_than_max_staleness_behind():
     # step 5: the trainer holds version 4; max_staleness 1 keeps versions 3 and 4
     rows = [scored(4), scored(3), scored(2), scored(None), scored(5)]
-    batch = TrainBatch.from_scored(rows, step=5, rules=BatchRules(max_staleness=1, skip_uniform=False))
+    batch = TrainBatch.from_scored(
+        rows,
+        step=5,
+        rules=BatchRules(max_staleness=1, skip_uniform=False, mask_truncated=False, critic_sees_truncated=False),
+    )
     assert [c[-1] for c in batch.completion_ids] == [4, 3, 5]  # 5 is newer than the trainer: not stale
     assert batch.stale_rejected == 2 and batch.uniform_skipped == 0
-    strict = TrainBatch.from_scored(rows, step=5, rules=BatchRules(max_staleness=0, skip_uniform=False))
+    strict = TrainBatch.from_scored(
+        rows,
+        step=5,
+        rules=BatchRules(max_staleness=0, skip_uniform=False, mask_truncated=False, critic_sees_truncated=False),
+    )
     assert [c[-1] for c in strict.completion_ids] == [4, 5] and strict.stale_rejected == 3
     # the lag histogram counts every versioned row, the rejected ones too (base-model rows have no version)
     assert batch.version_lag == {-1: 1, 0: 1, 1: 1, 2: 1}
@@ -46,16 +54,28 @@ def test_from_scored_rejects_rows_more_than_max_staleness_behind():
 
 def test_from_scored_skips_groups_without_signal_only_when_asked():
     rows = [scored(1, group=0, advantage=1.0), scored(1, group=1, advantage=0.0, signal=False)]
-    kept = TrainBatch.from_scored(rows, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True))
+    kept = TrainBatch.from_scored(
+        rows,
+        step=2,
+        rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=False, critic_sees_truncated=False),
+    )
     assert kept.advantages == [1.0] and kept.uniform_skipped == 1 and kept.stale_rejected == 0
-    everything = TrainBatch.from_scored(rows, step=2, rules=BatchRules(max_staleness=1, skip_uniform=False))
+    everything = TrainBatch.from_scored(
+        rows,
+        step=2,
+        rules=BatchRules(max_staleness=1, skip_uniform=False, mask_truncated=False, critic_sees_truncated=False),
+    )
     assert everything.advantages == [1.0, 0.0] and everything.uniform_skipped == 0
     assert everything.prompt_ids == [[1, 2], [1, 2]] and everything.inference_logprobs[0] == [-0.1, -0.2, -0.3]
 
 
 def test_from_scored_counts_stale_before_uniform():
     rows = [scored(0, signal=False), scored(3, signal=False), scored(3)]
-    batch = TrainBatch.from_scored(rows, step=4, rules=BatchRules(max_staleness=1, skip_uniform=True))
+    batch = TrainBatch.from_scored(
+        rows,
+        step=4,
+        rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=False, critic_sees_truncated=False),
+    )
     assert len(batch) == 1 and batch.stale_rejected == 1 and batch.uniform_skipped == 1
 
 

@@ -98,7 +98,11 @@ def test_keep_trains_on_every_row_with_its_reward():
     scored = _score(KeepTruncated())
     a = 1 / math.sqrt(1 / 3)  # GRPO of [1, 1, 0, 0]: mean 0.5, unbiased std sqrt(1/3)
     assert [r.advantage for r in scored.rows] == pytest.approx([a / 2, a / 2, -a / 2, -a / 2], rel=1e-5)
-    batch = TrainBatch.from_scored(scored.rows, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True))
+    batch = TrainBatch.from_scored(
+        scored.rows,
+        step=2,
+        rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=False, critic_sees_truncated=False),
+    )
     assert len(batch) == 4 and batch.truncated_masked == 0
     # token-mean: the cut row's 48 tokens dominate: -(0.866 * 48 + 0.866 * 20 - 0.866 * 40 - 0.866 * 10) / 118
     assert _loss(batch) == pytest.approx(-(a / 2) * (48 + 20 - 40 - 10) / 118, rel=1e-5)
@@ -110,7 +114,9 @@ def test_mask_keeps_the_cut_row_in_its_group_statistics_and_out_of_the_loss():
     # advantages first, over the whole group (TRL): the same numbers as `keep`, the cut row included
     assert [r.advantage for r in scored.rows] == pytest.approx([a / 2, a / 2, -a / 2, -a / 2], rel=1e-5)
     batch = TrainBatch.from_scored(
-        scored.rows, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=True)
+        scored.rows,
+        step=2,
+        rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=True, critic_sees_truncated=False),
     )
     assert batch.truncated_masked == 1 and [len(c) for c in batch.completion_ids] == [20, 40, 10]
     # the token mean runs over the other rows' 70 tokens alone
@@ -118,7 +124,9 @@ def test_mask_keeps_the_cut_row_in_its_group_statistics_and_out_of_the_loss():
     # a truncated row of a group without signal is counted as uniform, not as masked
     flat = [r.model_copy(update={"has_signal": False}) for r in scored.rows]
     none = TrainBatch.from_scored(
-        flat, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=True)
+        flat,
+        step=2,
+        rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=True, critic_sees_truncated=False),
     )
     assert len(none) == 0 and none.uniform_skipped == 4 and none.truncated_masked == 0
 
@@ -134,7 +142,9 @@ def test_under_gae_the_cut_row_stays_for_the_critic_alone():
     assert batch.truncated_masked == 1 and batch.policy_rows() == 3 and not batch.trains_policy(0)
     assert batch.select([2, 0]).value_only == [False, True]
     kept = TrainBatch.from_scored(
-        scored.rows, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True, critic_sees_truncated=True)
+        scored.rows,
+        step=2,
+        rules=BatchRules(max_staleness=1, skip_uniform=True, critic_sees_truncated=True, mask_truncated=False),
     )
     assert kept.value_only == [] and kept.policy_rows() == 4  # `keep`: nothing is the critic's alone
 
@@ -150,7 +160,11 @@ def test_overlong_penalty_moves_rewards_and_advantages():
     assert scored.rows[0].advantage < scored.rows[1].advantage
     assert scored.rows[0].advantage == pytest.approx(scored.rows[3].advantage)
     # every row is still trained on; the rollout accuracy grades the task, not the length
-    batch = TrainBatch.from_scored(scored.rows, step=2, rules=BatchRules(max_staleness=1, skip_uniform=True))
+    batch = TrainBatch.from_scored(
+        scored.rows,
+        step=2,
+        rules=BatchRules(max_staleness=1, skip_uniform=True, mask_truncated=False, critic_sees_truncated=False),
+    )
     assert len(batch) == 4
     stats = score_stats(scored, 1.0, 0.0)
     assert stats.accuracy == 0.5 and stats.reward_terms[OVERLONG_TERM] == pytest.approx(-0.375)

@@ -3,8 +3,8 @@
 # into REPO/.gpu-verl/ (ignored by git: '/.gpu-*/'); Ray 2.60 comes from .gpu-ray1/.gpu-ray2 (build_carry.sh).
 # Run where pip reaches PyPI:  bash benchmarks/peers/verl/fetch_wheels.sh [REPO=.]
 # Install on the host with --no-deps (verl's metadata wants transformers<5.11; the host has 5.17, which no import
-# checks): python3 -m venv --system-site-packages /tmp/verlenv && /tmp/verlenv/bin/pip install --no-deps
-# --no-index .gpu-verl/*.whl
+# checks): python3 -m venv --system-site-packages <venv> && <venv>/bin/pip install --no-deps --no-index
+# .gpu-verl/*.whl (or pip install --no-deps --target <dir>, put first on PYTHONPATH, as the first attempt did)
 set -euo pipefail
 OUT=$(cd "${1:-.}" && pwd)/.gpu-verl
 mkdir -p "$OUT"

@@ -1,4 +1,4 @@
-"""Prepare an offline verl 0.9.1 GRPO+LoRA benchmark folder (untested on GPU; tokenizer+parquet parts tested on CPU).
+"""Prepare an offline verl 0.9.1 GRPO+LoRA benchmark folder (benchmarks/peers/README.md: ran once on an H200).
 
 Makes, under OUT/:
   model/            config.json (copied), generation_config.json, and with --weights random bf16 safetensors
@@ -26,6 +26,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def make_tokenizer(model_dir: str) -> None:
+    """A WordLevel fast tokenizer with Qwen's special ids and a content-only chat template, saved to `model_dir`."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,6 +46,7 @@ def make_tokenizer(model_dir: str) -> None:
 
 
 def make_parquet(path: str, n: int, prompt_len: int, seed: int = 0) -> None:
+    """`n` verl RL rows (`data_source`, `prompt`, `ability`, `reward_model`, `extra_info`) of `prompt_len` tokens."""
     import pandas as pd
 
     rng = random.Random(seed)
@@ -65,6 +67,7 @@ def make_parquet(path: str, n: int, prompt_len: int, seed: int = 0) -> None:
 
 
 def make_weights(model_dir: str) -> None:
+    """Random bfloat16 weights for the `config.json` in `model_dir`, made on the GPU and saved beside it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -75,28 +78,29 @@ def make_weights(model_dir: str) -> None:
 
 
 def main() -> None:
+    """Make the folder from the command line (module docstring)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--weights", action="store_true")
-    a = ap.parse_args()
-    model_dir = os.path.join(a.out, "model")
+    args = ap.parse_args()
+    model_dir = os.path.join(args.out, "model")
     os.makedirs(model_dir, exist_ok=True)
-    shutil.copy(a.config, os.path.join(model_dir, "config.json"))
+    shutil.copy(args.config, os.path.join(model_dir, "config.json"))
     with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 151643, "eos_token_id": 151645}, f)
-    tok_dir = os.path.join(a.out, "tok")
+    tok_dir = os.path.join(args.out, "tok")
     os.makedirs(tok_dir, exist_ok=True)
     make_tokenizer(tok_dir)
-    make_parquet(os.path.join(a.out, "train.parquet"), a.prompts, a.prompt_len)
-    with open(os.path.join(a.out, "reward.py"), "w") as f:
+    make_parquet(os.path.join(args.out, "train.parquet"), args.prompts, args.prompt_len)
+    with open(os.path.join(args.out, "reward.py"), "w") as f:
         f.write(
             "import random\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
             "    return random.random()\n"
         )
-    if a.weights:
+    if args.weights:
         make_weights(model_dir)
 
 

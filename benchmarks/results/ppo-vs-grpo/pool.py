@@ -1,5 +1,7 @@
-"""PPO against GRPO over every GPU run of this folder on the default task: the mean gain over the base model
-(held-out greedy accuracy under the fixed grader, strict and flexible, points) per set of runs and pooled.
+"""PPO against GRPO over this folder's GPU runs on the current rules (`SETS`) on the default task: the mean gain
+over the base model (held-out greedy accuracy under the fixed grader, strict and flexible, points) per set of
+runs and pooled. Left out: the first four-seed runs at the folder's root (85cfebf), `critic-epochs4/`, and
+`value-only/`'s PPO runs (before the whitening rule of `policy-scale/`).
 
     python3 benchmarks/results/ppo-vs-grpo/pool.py
 
@@ -42,6 +44,7 @@ def gains(records: list[dict], grader: str) -> list[float]:
 
 
 def main() -> None:
+    """Print the table of sets and the pooled gains with their standard errors."""
     pooled: dict[str, list[dict]] = {"GRPO": [], "PPO": []}
     print("| runs | n | strict gain | flexible gain | collapsed |")
     print("|---|---|---|---|---|")
