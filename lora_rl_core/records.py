@@ -178,7 +178,7 @@ class TrainBatch:
 
     @classmethod
     def from_scored(cls, rows: list[ScoredRollout], *, step: int, rules: BatchRules) -> TrainBatch:
-        """The rows of step `step` that the update may use, by `rules`.
+        """The rows of step `step` that the update may use, by `rules` (its fields are named below).
 
         The trainer holds version `step - 1` when it trains step `step`. A row is stale, and rejected, when its
         policy version is more than `max_staleness` behind that (`step - 1 - adapter_version > max_staleness`),

@@ -3,8 +3,11 @@ plan (`lora_rl_core.plan.make_plan`) of a config made of the given sections, on 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any
 
+from lora_rl_core.algorithm import ppo_clip_loss
 from lora_rl_core.config import AlgorithmConfig, ModelConfig, RunConfig, TrainerConfig
 from lora_rl_core.plan import make_plan
 from lora_rl_core.trainer.plan import TrainerPlan
@@ -34,12 +37,14 @@ def trainer_plan(
 
 
 def loss_kwargs(algorithm: AlgorithmConfig | None = None) -> dict[str, Any]:
-    """`ppo_clip_loss`'s keyword arguments as the run's plan sets them (`TrainerPlan.loss`) for `algorithm`,
-    for tests and benchmarks that call the loss on their own tensors."""
+    """`ppo_clip_loss`'s keyword arguments as the run's plan sets them for `algorithm` (default: the config's
+    defaults): the fields of `TrainerPlan.loss` (`PolicyLoss`) that the loss takes by name, as `PolicyTrainer`
+    passes them, for tests and benchmarks that call the loss on their own tensors. Read from the two
+    definitions, so a field renamed in one and not the other drops out here and the loss call fails.
+
+    Raises:
+        ConfigError: as `make_plan`.
+    """
     loss = trainer_plan(algorithm=algorithm).loss
-    return {
-        "clip_eps_low": loss.clip_eps_low,
-        "clip_eps_high": loss.clip_eps_high,
-        "aggregation": loss.aggregation,
-        "kl_coef": loss.kl_coef,
-    }
+    taken = inspect.signature(ppo_clip_loss).parameters
+    return {f.name: getattr(loss, f.name) for f in dataclasses.fields(loss) if f.name in taken}

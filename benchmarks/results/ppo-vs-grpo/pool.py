@@ -3,22 +3,25 @@ over the base model (held-out greedy accuracy under the fixed grader, strict and
 runs and pooled. Left out: the first four-seed runs at the folder's root (85cfebf), `critic-epochs4/`, and
 `value-only/`'s PPO runs (before the whitening rule of `policy-scale/`).
 
-    python3 benchmarks/results/ppo-vs-grpo/pool.py
+    .venv/bin/python benchmarks/results/ppo-vs-grpo/pool.py
 
 Sets: GRPO's first run (`value-only/`, seeds 0-7) and its repeat (`grpo-repeat/`), PPO's two runs with the
-policy rows' whitening scale (`policy-scale/`, seeds 0-7 twice), and both at bde04be in one call
+policy rows' whitening scale (`policy-scale/`, seeds 0-7 twice), and both at bde04be side by side
 (`seeds8-23/`, seeds 8-23). A run "collapsed" where its strict gain is below 20 points.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # benchmarks/: the parity report's loader
+
+from async_parity_report import load_records  # noqa: E402
+
 SETS = {
     "GRPO, value-only/ (seeds 0-7)": ("value-only/seeds*/parity*_p*.json", "grpo"),
     "GRPO, grpo-repeat/ (seeds 0-7)": ("grpo-repeat/seeds*/parity*_p*.json", "grpo"),
@@ -30,11 +33,9 @@ SETS = {
 
 
 def runs(pattern: str, variant: str) -> list[dict]:
-    """The records of `variant` in the files matching `pattern` (relative to this folder)."""
-    out = []
-    for path in sorted(glob.glob(str(HERE / pattern))):
-        out += [r for r in json.loads(Path(path).read_text())["results"] if r["variant"] == variant]
-    return out
+    """The runs of `variant` in the `async_rollouts.py` files matching `pattern` (relative to this folder)."""
+    files = load_records(sorted(HERE.glob(pattern)))
+    return [r for f in files for r in f["results"] if r["variant"] == variant]
 
 
 def gains(records: list[dict], grader: str) -> list[float]:
