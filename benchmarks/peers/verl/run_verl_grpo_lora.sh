@@ -10,7 +10,7 @@ python3 -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo \
   algorithm.use_kl_in_reward=False \
   data.train_files=${OUT}/train.parquet data.val_files=${OUT}/train.parquet \
-  data.train_batch_size=16 data.max_prompt_length=256 data.max_response_length=256 \
+  data.train_batch_size=16 data.max_prompt_length=${PROMPT_LEN:-256} data.max_response_length=${RESPONSE_LEN:-256} \
   data.filter_overlong_prompts=False data.truncation=error data.shuffle=False data.dataloader_num_workers=2 \
   actor_rollout_ref.model.path=${OUT}/model actor_rollout_ref.model.tokenizer_path=${OUT}/tok \
   actor_rollout_ref.model.lora_rank=${LORA_RANK:-16} actor_rollout_ref.model.lora_alpha=${LORA_ALPHA:-32} \

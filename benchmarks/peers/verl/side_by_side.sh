@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# verl 0.9.1 and lora-rl in one call on one GPU, the same shape, batch and lengths (issue 46, item 5).
+# After the carry calls of docs/SGLANG.md ("GPU host": the site, `.gpu-data` with the site's second part, Ray),
+# carry `.gpu-ours` and `.gpu-verl`:  SHAPE=1.5b STEPS=8 bash benchmarks/peers/verl/side_by_side.sh
+# Ours: benchmarks/gpu_scale.py (16 prompts x 8 samples x 256 new tokens; random weights never end a
+# completion). verl: run_verl_grpo_lora.sh with prompts of our prompts' mean length (48 tokens, SmolLM2's
+# tokenizer on the default task) and ignore_eos. Leaves in $OUT: ours.json, verl-metrics.jsonl,
+# verl-config.yaml (verl's whole resolved config) and the logs packed in logs.tgz.
+set -uo pipefail
+R=$PWD; OUT=${OUT:?}; SHAPE=${SHAPE:-1.5b}; STEPS=${STEPS:-8}; PROMPT_LEN=${PROMPT_LEN:-48}
+VERL_TIMEOUT_S=${VERL_TIMEOUT_S:-330}; OURS_TIMEOUT_S=${OURS_TIMEOUT_S:-240}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ -d .gpu-ours ] && [ ! -f /tmp/ours/.complete ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ours .gpu-ours/*.whl
+  touch /tmp/ours/.complete
+fi
+if [ -d .gpu-verl ] && [ ! -f /tmp/verlsite/.complete ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/verlsite .gpu-verl/*.whl
+  touch /tmp/verlsite/.complete
+fi
+clean() { python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1; pkill -f "[s]glang" ; sleep 3; nvidia-smi --query-gpu=memory.used --format=csv,noheader; }
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+mkdir -p /tmp/side/logs
+V=/tmp/side/verl-$SHAPE
+if [ ! -f "$V/model/config.json" ] || ! ls "$V"/model/*.safetensors >/dev/null 2>&1; then
+  PYTHONPATH=/tmp/ours python3 benchmarks/peers/verl/prep_verl_bench.py --config "benchmarks/model_configs/qwen2.5-$SHAPE.json" \
+    --out "$V" --prompts $((16 * (STEPS + 1))) --prompt-len "$PROMPT_LEN" --weights
+fi
+echo "[side] ours $(date +%T)"
+PYTHONPATH=/tmp/ours:$R timeout -s TERM "$OURS_TIMEOUT_S" python3 benchmarks/gpu_scale.py --shape "$SHAPE" --steps "$STEPS" \
+  --sglang-pythonpath /tmp/sglsite --out "$OUT/ours.json" "${@}" > /tmp/side/logs/ours.log 2>&1
+echo "[side] ours rc=$? $(date +%T)"; clean
+echo "[side] verl $(date +%T)"
+mkdir -p /tmp/side/verlrun && cd /tmp/side/verlrun && rm -f "$V/metrics.jsonl"
+PYTHONPATH=/tmp/verlsite:/tmp/raysite:/tmp/ours:/tmp/sglsite OUT="$V" STEPS="$STEPS" PROMPT_LEN="$PROMPT_LEN" \
+  timeout -s TERM "$VERL_TIMEOUT_S" bash "$R/benchmarks/peers/verl/run_verl_grpo_lora.sh" ${VERL_ARGS:-} > /tmp/side/logs/verl.log 2>&1
+echo "[side] verl rc=$? $(date +%T)"; clean; cd "$R"
+cp "$V/metrics.jsonl" "$OUT/verl-metrics.jsonl" 2>/dev/null
+cp "$(ls -t /tmp/side/verlrun/outputs/*/*/.hydra/config.yaml 2>/dev/null | head -1)" "$OUT/verl-config.yaml" 2>/dev/null
+tar -C /tmp/side -czf "$OUT/logs.tgz" logs
+tail -5 /tmp/side/logs/ours.log; grep -E "Error|error:|Traceback|step:" /tmp/side/logs/verl.log | tail -25
