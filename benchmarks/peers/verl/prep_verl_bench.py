@@ -1,4 +1,4 @@
-"""Prepare an offline verl 0.9.1 GRPO+LoRA benchmark folder (benchmarks/peers/README.md: ran once on an H200).
+"""Prepare an offline verl 0.9.1 GRPO+LoRA benchmark folder (benchmarks/peers/README.md).
 
 Makes, under OUT/:
   model/            config.json (copied), generation_config.json, and with --weights random bf16 safetensors

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# verl 0.9.1 GRPO + LoRA + SGLang (colocated, 1 GPU) timing run. No step has run yet (benchmarks/peers/README.md):
+# verl 0.9.1 GRPO + LoRA + SGLang (colocated, 1 GPU) timing run; ran 10 steps on one H200 (benchmarks/peers/README.md):
 # every key checked against the 0.9.1 wheel's verl/trainer/config/_generated_ppo_trainer.yaml.
 # usage: OUT=/data/verl_q7 STEPS=8 bash run_verl_grpo_lora.sh   (OUT from prep_verl_bench.py --weights)
 set -euo pipefail
