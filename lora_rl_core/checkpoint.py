@@ -235,25 +235,53 @@ class CheckpointStore:
 
     def _assemble(self, folder: str, files: dict[str, Any], ranks: list[str]) -> dict[str, Any]:
         """The whole trainer state (`trainer.state.gather_state` format) from the ranks' files: each tensor put
-        together from its pieces, which must cover it."""
+        together from its pieces, which must fit in it, agree on its shape and dtype, and cover it once. This is
+        what lets N ranks' checkpoint load on M ranks.
+
+        Raises:
+            StoreError: pieces that cannot be put back together (naming the folder, the rank's file, the tensor
+                and the fix: delete this checkpoint's manifest to resume from the one before it).
+        """
         whole: dict[str, torch.Tensor] = {}
         covered: dict[str, int] = {}
         meta = None
+
+        def refuse(why: str) -> StoreError:
+            return StoreError(
+                f"checkpoint {folder} cannot be put back together from its {len(ranks)} ranks' files: {why}; "
+                f"delete {folder}/manifest.json to resume from the checkpoint before it"
+            )
+
         for rank in ranks:
             index = json.loads(self._verified(folder, f"{rank}.json", files.get(f"{rank}.json")))
             data = load_safetensors(self._verified(folder, f"{rank}.safetensors", files.get(f"{rank}.safetensors")))
             meta = index["trainer"] if index["trainer"] is not None else meta
             for key, place in index["pieces"].items():
-                piece = data[key]
-                full = whole.setdefault(key, torch.empty(place["shape"], dtype=piece.dtype))
-                full[tuple(slice(o, o + n) for o, n in zip(place["offset"], piece.shape, strict=True))].copy_(piece)
+                piece, shape, offset = data.get(key), list(place["shape"]), list(place["offset"])
+                if piece is None:
+                    raise refuse(f"{rank}.json places {key} but {rank}.safetensors does not hold it")
+                full = whole.setdefault(key, torch.empty(shape, dtype=piece.dtype))
+                if list(full.shape) != shape or full.dtype != piece.dtype:
+                    raise refuse(
+                        f"{rank} says {key} is {shape} {piece.dtype}, an earlier rank {list(full.shape)} {full.dtype}"
+                    )
+                if (
+                    len(offset) != len(shape)
+                    or piece.dim() != len(shape)
+                    or any(o < 0 or o + n > s for o, n, s in zip(offset, piece.shape, shape, strict=True))
+                ):
+                    raise refuse(f"{rank}'s piece of {key} ({list(piece.shape)} at {offset}) lies outside {shape}")
+                full[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))].copy_(piece)
                 covered[key] = covered.get(key, 0) + piece.numel()
-        gaps = sorted(k for k, t in whole.items() if covered[k] != t.numel())
+        over = sorted(k for k, t in whole.items() if covered[k] > t.numel())
+        gaps = sorted(k for k, t in whole.items() if covered[k] < t.numel())
+        if over:
+            raise refuse(f"pieces of {over[:3]} overlap")
         if meta is None or gaps:
-            raise StoreError(
-                f"checkpoint {folder} is incomplete: its ranks' files ({len(ranks)}) "
-                + (f"do not cover {gaps[:3]}" if gaps else "hold no trainer meta (rank 0's file)")
-            )
+            raise refuse(f"they do not cover {gaps[:3]}" if gaps else "none holds the trainer meta (rank 0's file)")
+        saved = meta.get("world_size")
+        if isinstance(saved, int) and saved != len(ranks):
+            raise refuse(f"it was written by {saved} ranks")
         return {"tensors": whole, "meta": meta}
 
     def _verified(self, folder: str, name: str, entry: dict[str, Any] | None) -> bytes:

@@ -15,6 +15,7 @@ error bodies; where its answers carry more than SGLang's, this fake answers as S
   SGLang, a completion whose last allowed token (`max_new_tokens`) ended it is `{"type": "length", ...}`:
   `Req.update_finish_state` checks the limit first. Without a tokenizer (`tokenizer=` not given) the matched
   string is the request's first stop string.
+* `/server_info` (and `/get_server_info`) says `{"version": "0.5.17"}` (`version=` another, or None for none).
 * `meta_info.weight_version` is `"default"` (the base weights' version, not the adapter's), and there
   is no `lora_path` in `meta_info`.
 * `/v1/models` adapter cards are `{id, object, created, owned_by, root, parent, max_model_len}` only.
@@ -165,6 +166,10 @@ class _SafeUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+FAKE_SGLANG_VERSION = "0.5.17"
+"""The version the fake says it is: the one seen on the GPU host."""
+
+
 class SGLangFakeServer(EngineServer):
     """`EngineServer` with SGLang's answers where ours differ (see the module docstring)."""
 
@@ -174,10 +179,13 @@ class SGLangFakeServer(EngineServer):
         *,
         health_check_timeout_s: float = 20.0,
         unload_wait_s: float = 5.0,
+        version: str | None = FAKE_SGLANG_VERSION,
         **options: Any,
     ) -> None:
         super().__init__(engine, **options)
         self.health_check_timeout_s = health_check_timeout_s
+        self.version = version
+        """What `/server_info` says the version is (None: a server that says none)."""
         self.refs: Counter[str] = Counter()
         """Adapter name -> SGLang's reference count (`LoRARegistry._counters`), as 0.5.17 keeps it."""
         self.adapters = self.remembering = _RememberingRoutes(
@@ -189,6 +197,17 @@ class SGLangFakeServer(EngineServer):
             unload_wait_s=unload_wait_s,
         )
         self.reloaded: list[str] = []
+
+    def app(self) -> FastAPI:
+        """Our server's app with SGLang's `/server_info` and its older name `/get_server_info` (the version)."""
+        app = super().app()
+        for path in ("/server_info", "/get_server_info"):
+            app.add_api_route(path, self.server_info, methods=["GET"], response_model=None)
+        return app
+
+    async def server_info(self) -> dict[str, Any]:
+        """SGLang's `/server_info`, of which the client reads `version` only."""
+        return {} if self.version is None else {"version": self.version}
 
     @property
     def hung_unloads(self) -> list[tuple[str, int]]:

@@ -25,8 +25,10 @@ def ours(path: Path) -> dict[str, Any]:
     d = json.loads(path.read_text())
     steps = [s for s in d["steps"] if s["step"] >= 2 and not s["profiled"]]
     med = lambda f: statistics.median(f(s) for s in steps)  # noqa: E731
-    step, trained, completion = med(lambda s: s["step_seconds"]), med(lambda s: s["trained_tokens"]), med(
-        lambda s: s["completion_tokens"]
+    step, trained, completion = (
+        med(lambda s: s["step_seconds"]),
+        med(lambda s: s["trained_tokens"]),
+        med(lambda s: s["completion_tokens"]),
     )
     rollout = med(lambda s: s["seconds"]["rollout"])
     return {

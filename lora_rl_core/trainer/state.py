@@ -97,8 +97,8 @@ def load_state(policy: Optimized, critic: HasUpdates | None, state: dict[str, An
     RNG: each rank restores its own saved stream when the checkpoint has one for its rank.
 
     Raises:
-        ValueError: not a trainer state, or its parameters differ (another LoRA rank or target set), or it has
-            no critic or another one.
+        ValueError: not a trainer state, or its parameters differ (another target set: their names; another
+            LoRA rank: their shapes, naming the first), or it has no critic or another one.
     """
     tensors, meta = state["tensors"], state["meta"]
     if meta.get("format") != STATE_FORMAT:
@@ -160,6 +160,14 @@ def _gather_tensors(prefix: str, parts: Optimized) -> dict[str, torch.Tensor]:
 
 def _load(parts: Optimized, tensors: dict[str, torch.Tensor], meta: dict[str, Any], prefix: str) -> None:
     """Copy the saved weights, AdamW state (each tensor laid out like its parameter) and scheduler into `parts`."""
+    for name, p in zip(parts.param_names, parts.params, strict=True):  # all checked before any is copied
+        saved = tensors[f"{prefix}params/{name}"]
+        if saved.shape != p.shape:  # the same names with another `lora.rank`
+            raise ValueError(
+                f"trainer state's {prefix}params/{name} is {list(saved.shape)}, this model's {list(p.shape)}: the "
+                "checkpoint was written with other LoRA settings (lora.rank); resume with the run's own config, or "
+                "start a new run (another run.id)"
+            )
     for name, p in zip(parts.param_names, parts.params, strict=True):
         distributed.copy_full_(p, tensors[f"{prefix}params/{name}"])
     groups = meta["param_groups"]

@@ -106,8 +106,47 @@ def test_a_rank_file_corrupt_unlisted_or_short_is_named(tmp_path):
         store.load("run", 2)
     files = _two_ranks(store, 3)
     store.save("run", 3, {"trainer": SHARDED}, shards={k: v for k, v in files.items() if "00001" not in k})
-    with pytest.raises(StoreError, match=r"incomplete: its ranks' files \(1\) do not cover \['params/w'\]"):
+    with pytest.raises(
+        StoreError,
+        match=r"from its 1 ranks' files: they do not cover \['params/w'\]; delete .*"
+        r"step-000003/manifest.json to resume from the checkpoint before it",
+    ):
         store.load("run", 3)
+
+
+@pytest.mark.parametrize(
+    ("rank1", "meta", "why"),
+    [
+        ({"params/w": Piece(torch.zeros(3, 3), [5, 3], [2, 0])}, 2, r"pieces of \['params/w'\] overlap"),
+        (
+            {"params/w": Piece(torch.zeros(2, 3), [5, 3], [4, 0])},
+            2,
+            r"rank-00001's piece of params/w \(\[2, 3\] at "
+            r"\[4, 0\]\) lies outside \[5, 3\]",
+        ),
+        (
+            {"params/w": Piece(torch.zeros(2, 3), [6, 3], [3, 0])},
+            2,
+            r"rank-00001 says params/w is \[6, 3\] "
+            r"torch.float32, an earlier rank \[5, 3\]",
+        ),
+        ({"params/w": Piece(torch.zeros(2, 3, dtype=torch.float16), [5, 3], [3, 0])}, 2, "torch.float16, an earlier"),
+        ({"params/w": Piece(torch.zeros(2, 3), [5, 3], [3, 0])}, 4, "it was written by 4 ranks"),
+    ],
+)
+def test_rank_files_that_cannot_be_put_back_together_are_refused_in_one_line(tmp_path, rank1, meta, why):
+    """Bad input: a checkpoint whose ranks' pieces overlap, stick out of their tensor, disagree on its shape or
+    dtype, or whose meta names another number of ranks than wrote files, is refused naming the folder, the rank
+    and the tensor, with the fix; the store is left as it was."""
+    store = CheckpointStore(f"file://{tmp_path}")
+    w = torch.arange(15.0).view(5, 3)
+    files = store.write_shard("run", 1, 0, {"params/w": Piece(w[:3].clone(), [5, 3], [0, 0])}, {"world_size": meta})
+    files.update(store.write_shard("run", 1, 1, rank1, None))
+    store.save("run", 1, {"trainer": SHARDED}, shards=files)
+    with pytest.raises(StoreError, match=why) as err:
+        store.load("run", 1)
+    assert "\n" not in str(err.value) and "step-000001/manifest.json to resume" in str(err.value)
+    assert store.steps("run") == [1]  # nothing deleted or rewritten
 
 
 def test_a_rank_keeps_at_most_two_snapshots_while_the_store_is_slow(tmp_path, monkeypatch):

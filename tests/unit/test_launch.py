@@ -9,7 +9,7 @@ import pytest
 
 from lora_rl_core.config import config_from_dict, sglang_section
 from lora_rl_core.engines.launch.command import render, sglang_launch_command, sglang_launch_command_from_config
-from lora_rl_core.errors import ConfigError
+from lora_rl_core.errors import ConfigError, EngineError
 
 
 def flag(argv: list[str], name: str) -> list[str]:
@@ -203,3 +203,29 @@ def test_server_command_runs_the_launch_interpreter_on_the_local_folder():
 def test_launch_needs_an_sglang_engine_without_urls(engine, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict({"engine": engine})
+
+
+@pytest.mark.parametrize(("version", "refused"), [("0.6.0", True), ("0.5.23", False)])
+def test_the_probe_refuses_an_sglang_version_the_client_does_not_know_before_launching(tmp_path, version, refused):
+    """The interpreter that would run SGLang has a package of another version: one line naming the version, the
+    interpreter and the versions known, before minutes of start-up; a known version passes."""
+    import sys
+
+    from lora_rl_core.config import SGLangLaunchConfig
+    from lora_rl_core.engines.launch.probe import probe_sglang
+
+    site = tmp_path / "site"
+    (site / "sglang").mkdir(parents=True)
+    (site / "sglang" / "__init__.py").write_text("")
+    meta = site / f"sglang-{version}.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    launch = SGLangLaunchConfig(python=sys.executable, env={"PYTHONPATH": str(site)})
+    if not refused:
+        assert probe_sglang(launch).version == version
+        return
+    with pytest.raises(EngineError) as err:
+        probe_sglang(launch)
+    message = str(err.value)
+    assert message.startswith(f"SGLang {version} at engine.launch.python={sys.executable!r}")
+    assert "is not a version this client knows (>=0.5.17,<0.5.24" in message and "\n" not in message

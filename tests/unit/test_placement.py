@@ -164,6 +164,10 @@ def test_one_sglang_server_per_gpu_each_on_its_port(monkeypatch, tmp_path):
         return Server(index)
 
     monkeypatch.setattr(sglang_kind, "launch_sglang", launch)
+    from lora_rl_core.engines.remote import HTTPEngine
+
+    asked: list[str] = []  # no server listens here: the version each client asks for at connect is answered here
+    monkeypatch.setattr(HTTPEngine, "server_version", lambda self: asked.append(self.url) or "0.5.17")
     cfg = load_config(None, SGLANG_LAUNCHED)
     resolved = dataclasses.replace(resolve_launch(SGLangLaunchConfig(), SGLangEnvironment()), gpus=("4", "5"))
     assert resolved.servers == 2 and "--dp-size" not in launch_flags(resolved)
@@ -174,6 +178,7 @@ def test_one_sglang_server_per_gpu_each_on_its_port(monkeypatch, tmp_path):
             "http://127.0.0.1:30000",
             "http://127.0.0.1:30001",
         ]
+        assert sorted(asked) == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
     assert sorted(stopped) == [0, 1]
     started.clear(), stopped.clear()
     three = EngineInputs(

@@ -247,6 +247,19 @@ def test_load_state_dict_rejects_another_adapter_shape(make_trainer, tiny_model_
         other.load_state_dict(saved)
 
 
+def test_load_state_dict_rejects_another_lora_rank_naming_the_parameter(make_trainer, tiny_model_dir, pad_id):
+    """The same parameter names with another `lora.rank`: one line naming the parameter, both shapes and the fix,
+    and the trainer's own weights untouched."""
+    saved = make_trainer().state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    other = PolicyTrainer(apply_lora(base, LoRAConfig(rank=8)), trainer_plan(), pad_id=pad_id)
+    before = {k: v.clone() for k, v in lora_weights(other).items()}
+    with pytest.raises(ValueError, match=r"params/\S+lora_A\S* is \[4, \d+\], this model's \[8, \d+\]: .*lora.rank"):
+        other.load_state_dict(saved)
+    for name, w in lora_weights(other).items():
+        assert torch.equal(w, before[name]), name
+
+
 def test_adapter_state_method_matches_lora_adapter_state(make_trainer):
     trainer = make_trainer()
     trainer.train_step(random_batch([1.0, -1.0]))

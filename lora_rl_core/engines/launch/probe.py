@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from lora_rl_core.engines.remote.dialect import SGLANG
 from lora_rl_core.errors import EngineError
 
 if TYPE_CHECKING:
@@ -122,7 +123,8 @@ def probe_sglang(launch: SGLangLaunchConfig, timeout_s: float = 180.0) -> SGLang
 
     Raises:
         EngineError: the interpreter cannot be run, or has no `sglang` (naming `engine.launch.python` and
-            `engine.launch.env`, which say where SGLang lives).
+            `engine.launch.env`, which say where SGLang lives), or an SGLang of a version the client does not
+            know (`SGLANG.versions`).
     """
     return _probe(launch.interpreter(), tuple(sorted(launch.env.items())), timeout_s)
 
@@ -151,4 +153,7 @@ def _probe(python: str, env: tuple[tuple[str, str], ...], timeout_s: float) -> S
             f"no `sglang` package for {where}: install the GPU extra (`pip install 'lora-rl[gpu]'`, docs/SGLANG.md) "
             "or point engine.launch.python / engine.launch.env at an environment that has it"
         )
-    return SGLangEnvironment.from_json(data)
+    found = SGLangEnvironment.from_json(data)
+    if found.version is not None:  # refused before minutes of start-up; a server that runs is asked again
+        SGLANG.check_version(found.version, where)
+    return found

@@ -22,7 +22,9 @@ def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = Non
     `engine.sglang_abort` say (our server unloads without hanging).
 
     Raises:
-        EngineError: no URLs, or a malformed URL.
+        EngineError: no URLs, or a malformed URL; a server of a version the dialect does not know
+            (`Dialect.versions`: asked here, once per URL).
+        EngineUnavailable: a server of such a dialect cannot be reached to ask its version.
     """
     cfg = inputs.engine
     if not isinstance(cfg, RemoteEngine):
@@ -31,7 +33,7 @@ def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = Non
     urls = list(urls if urls is not None else cfg.urls)
     if not urls:
         raise EngineError("give at least one engine URL, e.g. http://127.0.0.1:30000")
-    clients: list[ServingEngine] = [
+    clients = [
         HTTPEngine(
             dialect,
             url,
@@ -45,4 +47,12 @@ def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = Non
         )
         for url in urls
     ]
-    return BuiltEngine(clients[0] if len(clients) == 1 else MultiEngine(clients))
+    try:
+        for client in clients:  # a server of a version this client does not speak fails here, not mid-run
+            dialect.check_version(client.server_version() if dialect.versions else None, client.url)
+    except BaseException:
+        for client in clients:
+            client.close()
+        raise
+    members: list[ServingEngine] = [*clients]
+    return BuiltEngine(clients[0] if len(clients) == 1 else MultiEngine(members))

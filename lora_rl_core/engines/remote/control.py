@@ -1,4 +1,4 @@
-"""The control calls of `HTTPEngine` (pause, resume, flush, paused state, health, metrics), as a mixin of it:
+"""The control calls of `HTTPEngine` (pause, resume, flush, paused state, health, version, metrics), as a mixin of it:
 what differs between a real SGLang server and ours is the dialect's (`reports_state`: ours reports its paused
 state and Prometheus metrics; for SGLang the client answers from its own calls and counters)."""
 
@@ -23,8 +23,8 @@ requests, whose adapter references 0.5.17 never releases; `retract` keeps them t
 
 
 class ControlCalls:
-    """`pause`, `resume`, `flush_cache`, `is_paused`, `health` and `metrics` of `HTTPEngine` (which sets the
-    attributes declared here)."""
+    """`pause`, `resume`, `flush_cache`, `is_paused`, `health`, `server_version` and `metrics` of `HTTPEngine`
+    (which sets the attributes declared here)."""
 
     url: str
     dialect: Dialect
@@ -97,6 +97,20 @@ class ControlCalls:
             return {"ok": response.status_code == 200, "paused": self._paused, "url": self.url}
         facts = json_or_empty(response)
         return {**facts, "ok": response.status_code == 200 and facts.get("ok", True), "url": self.url}
+
+    def server_version(self) -> str | None:
+        """The server's version as its `/server_info` says it (SGLang's; `/get_server_info` where a server has
+        only that), or None where it says none.
+
+        Raises:
+            EngineUnavailable / EngineError: as every call (unreachable, an error status other than 404).
+        """
+        for path in ("/server_info", "/get_server_info"):
+            response = self._call("GET", path, accept=(404,))
+            if response.status_code != 404:
+                version = json_or_empty(response).get("version")
+                return version if isinstance(version, str) else None
+        return None
 
     def metrics(self) -> dict[str, Any]:
         """Our server's `/metrics`, read back into `{"adapters": {name: {field: value}}, ...}`. For SGLang this

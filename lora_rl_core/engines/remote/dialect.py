@@ -12,8 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 from lora_rl_core.engines.base import SamplingParams
 from lora_rl_core.engines.remote.wire import local_peft_folder, sampling_body
+from lora_rl_core.errors import EngineError
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,8 @@ class Dialect:
             text (ours); for SGLang the client answers both from what it did itself.
         tensor_upload: how adapter tensors are sent (`transport.tensor_loader`): `safetensors` bytes (ours) or
             SGLang's torch-multiprocessing payloads (`sglang`: CUDA IPC, inline, or the published folder).
+        versions: the server versions this client knows (a PEP 440 specifier; `connect` asks each server its
+            version and refuses another), or None for any (ours: the client and server ship together).
     """
 
     name: str
@@ -46,6 +52,29 @@ class Dialect:
     seeds_per_call: bool
     reports_state: bool
     tensor_upload: Literal["safetensors", "sglang"]
+    versions: str | None = None
+
+    def check_version(self, version: str | None, where: str) -> None:
+        """Refuse a server version outside `versions` in one line naming it, where it runs (`where`: a URL or
+        the interpreter that would launch it) and the versions known; `version` None (the server did not say
+        one) is refused too.
+
+        Raises:
+            EngineError: the version is not one this client knows, or is not a version at all.
+        """
+        if self.versions is None:
+            return
+        known = SpecifierSet(self.versions)
+        try:
+            ok = version is not None and known.contains(Version(version), prereleases=True)
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            said = f"SGLang {version}" if version is not None else "an SGLang that does not say its version"
+            raise EngineError(
+                f"{said} at {where} is not a version this client knows ({self.versions}, docs/SGLANG.md): "
+                f"install one of them, e.g. pip install 'sglang{self.versions}'"
+            )
 
     def server_path(self, path: str, url: str) -> str:
         """The adapter path as the server can read it.
@@ -78,8 +107,9 @@ SGLANG = Dialect(
     seeds_per_call=False,
     reports_state=False,
     tensor_upload="sglang",
+    versions=">=0.5.17,<0.5.24",
 )
-"""A real SGLang server (0.5.17 to 0.5.23, docs/SGLANG.md)."""
+"""A real SGLang server (0.5.17 to 0.5.23, docs/SGLANG.md; `pyproject.toml`'s `gpu` extra pins the same)."""
 
 SERVER = Dialect(
     name="server",
