@@ -5,7 +5,7 @@ Random weights in the published shapes (`benchmarks/model_configs/qwen2.5-<shape
 need no trained weights), the default config plus only the model path and the batch shape (16 prompts x 8
 samples x 256 new tokens), SGLang launched by the run, 10 steps through the library's step loop
 (`lora_rl_core.run.loop.run_steps` over `RunPhases`, phase by phase as `benchmarks/cpu_step.py` does).
-Random weights score 0 on every problem and never end a completion, so `algorithm.skip_uniform_groups=false`
+Random weights score 0 on every problem and almost never end a completion, so `algorithm.skip_uniform_groups=false`
 and `algorithm.truncation=keep` make every step train on all 128 rows as a learning run would (under the
 default `mask` every row, cut at the limit, would be left out of the loss).
 

@@ -243,7 +243,7 @@ class CheckpointStore:
                 and the fix: delete this checkpoint's manifest to resume from the one before it).
         """
         whole: dict[str, torch.Tensor] = {}
-        covered: dict[str, int] = {}
+        covered: dict[str, torch.Tensor] = {}  # which elements a piece has set (bool, the tensor's shape)
         meta = None
 
         def refuse(why: str) -> StoreError:
@@ -271,17 +271,20 @@ class CheckpointStore:
                     or any(o < 0 or o + n > s for o, n, s in zip(offset, piece.shape, shape, strict=True))
                 ):
                     raise refuse(f"{rank}'s piece of {key} ({list(piece.shape)} at {offset}) lies outside {shape}")
-                full[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))].copy_(piece)
-                covered[key] = covered.get(key, 0) + piece.numel()
-        over = sorted(k for k, t in whole.items() if covered[k] > t.numel())
-        gaps = sorted(k for k, t in whole.items() if covered[k] < t.numel())
-        if over:
-            raise refuse(f"pieces of {over[:3]} overlap")
-        if meta is None or gaps:
-            raise refuse(f"they do not cover {gaps[:3]}" if gaps else "none holds the trainer meta (rank 0's file)")
+                where = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))
+                mask = covered.setdefault(key, torch.zeros(shape, dtype=torch.bool))
+                if mask[where].any():
+                    raise refuse(f"{rank}'s piece of {key} ({list(piece.shape)} at {offset}) overlaps an earlier one")
+                mask[where] = True
+                full[where].copy_(piece)
+        if meta is None:
+            raise refuse("none holds the trainer meta (rank 0's file)")
         saved = meta.get("world_size")
         if isinstance(saved, int) and saved != len(ranks):
-            raise refuse(f"it was written by {saved} ranks")
+            raise refuse(f"it was written by {saved} ranks, and the manifest lists the files of {ranks}")
+        gaps = sorted(k for k, m in covered.items() if not bool(m.all()))
+        if gaps:
+            raise refuse(f"they do not cover {gaps[:3]}")
         return {"tensors": whole, "meta": meta}
 
     def _verified(self, folder: str, name: str, entry: dict[str, Any] | None) -> bytes:

@@ -33,7 +33,7 @@ def ours(path: Path) -> dict[str, Any]:
     rollout = med(lambda s: s["seconds"]["rollout"])
     return {
         "side": "lora-rl",
-        "steps": len(steps) + 1,
+        "steps": len(d["steps"]),
         "step_seconds": step,
         "rollout_seconds": rollout,
         "train_seconds": med(lambda s: s["seconds"]["train"]),

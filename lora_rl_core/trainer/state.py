@@ -103,16 +103,17 @@ def load_state(policy: Optimized, critic: HasUpdates | None, state: dict[str, An
     tensors, meta = state["tensors"], state["meta"]
     if meta.get("format") != STATE_FORMAT:
         raise ValueError(f"not a trainer state: format {meta.get('format')!r}, expected {STATE_FORMAT!r}")
-    _check_names(meta["param_names"], policy.param_names)
-    _load(policy, tensors, meta, "")
-    if critic is not None:
-        saved = meta.get("critic")
+    _check(policy, tensors, meta, "", "model", "lora")
+    saved = meta.get("critic")
+    if critic is not None:  # both checked before any weight is copied
         if saved is None:
             raise ValueError(
                 "the checkpoint has no critic state: it was written by a run without algorithm.advantage=gae; "
                 "resume it with its own algorithm, or start a new run (another run.id)"
             )
-        _check_names(saved["param_names"], critic.param_names, "critic (critic.lora differs from the run's)")
+        _check(critic, tensors, saved, "critic/", "critic", "critic.lora")
+    _load(policy, tensors, meta, "")
+    if critic is not None:
         _load(critic, tensors, saved, "critic/")
         critic.updates = int(saved["updates"])
     prefix = f"rng/rank{rank}/"
@@ -128,13 +129,31 @@ def _meta(parts: Optimized) -> dict[str, Any]:
     }
 
 
-def _check_names(saved: list[str], ours: list[str], what: str = "model") -> None:
+def _check(
+    parts: Optimized, tensors: dict[str, torch.Tensor], meta: dict[str, Any], prefix: str, what: str, section: str
+) -> None:
+    """The saved state fits `parts` (the `what`, set by the config's `section`): the same parameter names (another
+    target set differs here), then the same shapes (another rank keeps the names).
+
+    Raises:
+        ValueError: naming the unknown and missing parameters, or the first parameter of another shape.
+    """
+    saved, ours = meta["param_names"], parts.param_names
     if saved != ours:
         mine, theirs = set(ours), set(saved)
         raise ValueError(
-            f"trainer state does not fit this {what}: {len(theirs - mine)} unknown parameters "
+            f"trainer state does not fit this {what} ({section} differs from the run's): {len(theirs - mine)} unknown "
+            "parameters "
             f"(e.g. {sorted(theirs - mine)[:2]}), {len(mine - theirs)} missing (e.g. {sorted(mine - theirs)[:2]})"
         )
+    for name, p in zip(parts.param_names, parts.params, strict=True):
+        shape = tensors[f"{prefix}params/{name}"].shape
+        if shape != p.shape:  # a DTensor's shape is the whole parameter's, as saved
+            raise ValueError(
+                f"trainer state's {prefix}params/{name} is {list(shape)}, this {what}'s {list(p.shape)}: the "
+                f"checkpoint was written with another {section}.rank; resume with the run's own config, or start a "
+                "new run (another run.id)"
+            )
 
 
 def _named_tensors(prefix: str, parts: Optimized) -> list[tuple[str, torch.Tensor]]:
@@ -160,15 +179,7 @@ def _gather_tensors(prefix: str, parts: Optimized) -> dict[str, torch.Tensor]:
 
 def _load(parts: Optimized, tensors: dict[str, torch.Tensor], meta: dict[str, Any], prefix: str) -> None:
     """Copy the saved weights, AdamW state (each tensor laid out like its parameter) and scheduler into `parts`."""
-    for name, p in zip(parts.param_names, parts.params, strict=True):  # all checked before any is copied
-        saved = tensors[f"{prefix}params/{name}"]
-        if saved.shape != p.shape:  # the same names with another `lora.rank`
-            raise ValueError(
-                f"trainer state's {prefix}params/{name} is {list(saved.shape)}, this model's {list(p.shape)}: the "
-                "checkpoint was written with other LoRA settings (lora.rank); resume with the run's own config, or "
-                "start a new run (another run.id)"
-            )
-    for name, p in zip(parts.param_names, parts.params, strict=True):
+    for name, p in zip(parts.param_names, parts.params, strict=True):  # `_check`ed first
         distributed.copy_full_(p, tensors[f"{prefix}params/{name}"])
     groups = meta["param_groups"]
     if len(groups) != 1:

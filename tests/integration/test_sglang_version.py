@@ -72,3 +72,25 @@ def test_our_server_is_not_asked_its_version(backend):
     with serve_app_in_thread(create_app(backend, served_model_name="tiny")) as url:
         with connect(SERVER, _inputs(url, "server")) as built:
             assert built.engine.server_version() is None  # 404 on both paths: it says none
+
+
+def test_a_server_unreachable_at_connect_is_asked_before_the_first_call(monkeypatch):
+    """A subscriber's engines may be down when it starts: `connect` builds the client, and its first call asks
+    the version first (and refuses an unknown one) instead of sending the call."""
+    from lora_rl_core.errors import EngineUnavailable
+
+    answers: list = [EngineUnavailable("down"), "0.6.0"]
+
+    def version(self):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(HTTPEngine, "server_version", version)
+    sent = []
+    monkeypatch.setattr(HTTPEngine, "list_adapters", lambda self: sent.append(self._call("GET", "/v1/models")))
+    with connect(SGLANG, _inputs("http://127.0.0.1:1")) as built:  # nothing listens: built all the same
+        with pytest.raises(EngineError, match=r"^SGLang 0.6.0 at http://127.0.0.1:1 is not a version this client"):
+            built.engine.list_adapters()
+    assert answers == [] and sent == []

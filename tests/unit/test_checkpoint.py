@@ -108,8 +108,8 @@ def test_a_rank_file_corrupt_unlisted_or_short_is_named(tmp_path):
     store.save("run", 3, {"trainer": SHARDED}, shards={k: v for k, v in files.items() if "00001" not in k})
     with pytest.raises(
         StoreError,
-        match=r"from its 1 ranks' files: they do not cover \['params/w'\]; delete .*"
-        r"step-000003/manifest.json to resume from the checkpoint before it",
+        match=r"from its 1 ranks' files: it was written by 2 ranks, and the manifest lists the files of "
+        r"\['rank-00000'\]; delete .*step-000003/manifest.json to resume from the checkpoint before it",
     ):
         store.load("run", 3)
 
@@ -117,7 +117,14 @@ def test_a_rank_file_corrupt_unlisted_or_short_is_named(tmp_path):
 @pytest.mark.parametrize(
     ("rank1", "meta", "why"),
     [
-        ({"params/w": Piece(torch.zeros(3, 3), [5, 3], [2, 0])}, 2, r"pieces of \['params/w'\] overlap"),
+        (
+            {"params/w": Piece(torch.zeros(3, 3), [5, 3], [2, 0])},
+            2,
+            r"rank-00001's piece of params/w \(\[3, 3\] at \[2, 0\]\) overlaps an earlier one",
+        ),
+        # rows 2-3: row 2 twice and row 4 never, 15 elements in all: counting them would take it as whole
+        ({"params/w": Piece(torch.zeros(2, 3), [5, 3], [2, 0])}, 2, "overlaps an earlier one"),
+        ({"params/w": Piece(torch.zeros(1, 3), [5, 3], [3, 0])}, 2, r"they do not cover \['params/w'\]"),
         (
             {"params/w": Piece(torch.zeros(2, 3), [5, 3], [4, 0])},
             2,

@@ -156,6 +156,21 @@ def test_a_checkpoint_without_a_critic_is_refused(tiny_model_dir):
         build(ppo_config(tiny_model_dir)).load_state_dict(state)
 
 
+def test_a_checkpoint_whose_critic_has_another_rank_is_refused_before_any_weight_is_copied(tiny_model_dir):
+    """The policy's state fits and the critic's names do too, but not its shapes (`critic.lora.rank`): refused
+    naming the critic's parameter, and the policy's weights are not overwritten first."""
+    state = build(ppo_config(tiny_model_dir)).state_dict()
+    other = build(ppo_config(tiny_model_dir, critic={"lora": {"rank": 4, "alpha": 8}}))
+    before = [p.detach().clone() for p in other.params]
+    with pytest.raises(
+        ValueError,
+        match=r"trainer state's critic/params/\S+ is \[2, \d+\], this critic's \[4, \d+\]"
+        r": the checkpoint was written with another critic.lora.rank",
+    ):
+        other.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(other.params, before, strict=True))
+
+
 def test_critic_lora_matching_nothing_names_the_field(tiny_model_dir):
     cfg = ppo_config(tiny_model_dir, critic={"lora": {"rank": 2, "target_modules": ["nonexistent_proj"]}})
     with pytest.raises(ConfigError, match=r"critic\.lora\.target_modules"):

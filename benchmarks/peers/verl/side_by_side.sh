@@ -2,7 +2,7 @@
 # verl 0.9.1 and lora-rl in one call on one GPU, the same shape, batch and lengths (issue 46, item 5).
 # After the carry calls of docs/SGLANG.md ("GPU host": the site, `.gpu-data` with the site's second part, Ray),
 # carry `.gpu-ours` and `.gpu-verl`:  SHAPE=1.5b STEPS=8 bash benchmarks/peers/verl/side_by_side.sh
-# Ours: benchmarks/gpu_scale.py (16 prompts x 8 samples x 256 new tokens; random weights never end a
+# Ours: benchmarks/gpu_scale.py (16 prompts x 8 samples x 256 new tokens; random weights almost never end a
 # completion). verl: run_verl_grpo_lora.sh with prompts of our prompts' mean length (48 tokens, SmolLM2's
 # tokenizer on the default task) and ignore_eos. Leaves in $OUT: ours.json, verl-metrics.jsonl,
 # verl-config.yaml (verl's whole resolved config) and the logs packed in logs.tgz.

@@ -152,7 +152,8 @@ def start_sglang_replicas(inputs: EngineInputs, connect: Callable[[list[str]], B
 
     Raises:
         ConfigError: no model or lora section given.
-        EngineError: a server did not start (the replicas started are stopped; the message names the log).
+        EngineError: a server did not start (the replicas started are stopped; the message names the log), or
+            is of an SGLang version the client does not know (`connect`; the replicas are stopped).
     """
     import ray
 
@@ -166,13 +167,18 @@ def start_sglang_replicas(inputs: EngineInputs, connect: Callable[[list[str]], B
     actors = [actor_cls.remote(inputs, i, log_dir) for i in range(engine.ray_replicas)]
     try:
         resolved = ray.get([a.resolved.remote() for a in actors], timeout=engine.launch.startup_timeout_s + 120)
-        clients = connect([r["url"] for r in resolved])
     except Exception as exc:
         _stop_actors(actors)
         release_ray()
         raise EngineError(
             f"SGLang replicas did not start ({type(exc).__name__}: {exc}); their logs: {log_dir}/sglang-*.log"
         ) from None
+    try:  # the servers started: a refusal here (an SGLang version the client does not know) is said as it is
+        clients = connect([r["url"] for r in resolved])
+    except BaseException:
+        _stop_actors(actors)
+        release_ray()
+        raise
     clients.owned += [release_ray, lambda: _stop_actors(actors)]  # run last first: the actors stop, then Ray
     clients.actors += actors
     from lora_rl_core.engines.remote.ipc import server_transport  # lazy: torch only for tensor loads

@@ -161,6 +161,7 @@ class HTTPEngine(ControlCalls):
         self._lost = LostCalls(self._requests)  # calls SGLang lost (HTTP 499) and requests sent again after one
         self._closed = False
         self._paused = False
+        self._version_checked = dialect.versions is None  # ours ships with the client: nothing to ask
 
     def __repr__(self) -> str:
         return f"HTTPEngine({self.dialect.name}, {self.url!r})"
@@ -197,9 +198,12 @@ class HTTPEngine(ControlCalls):
     ) -> httpx.Response:
         """One HTTP call (`/generate` on the generation connections, the rest on the control ones); statuses
         in `accept` are answers, not errors.
-        Raises EngineUnavailable (transport, timeout) or EngineError (closed client, error status)."""
+        Raises EngineUnavailable (transport, timeout) or EngineError (closed client, error status, a server of a
+        version the dialect does not know: `check_version`, where `connect` could not ask)."""
         if self._closed:
             raise EngineError(f"{self!r} is closed")
+        if not self._version_checked:  # `connect` could not reach the server to ask its version
+            self.check_version()
         timeout = timeout_s if timeout_s is not None else self.control_timeout_s
         http = self._generation_http if path == "/generate" else self._http
         try:

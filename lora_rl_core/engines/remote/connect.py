@@ -11,7 +11,7 @@ from lora_rl_core.engines.multi import MultiEngine
 from lora_rl_core.engines.records import BuiltEngine, EngineInputs
 from lora_rl_core.engines.remote.client import HTTPEngine
 from lora_rl_core.engines.remote.dialect import SGLANG, Dialect
-from lora_rl_core.errors import ConfigError, EngineError
+from lora_rl_core.errors import ConfigError, EngineError, EngineUnavailable
 
 
 def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = None) -> BuiltEngine:
@@ -23,8 +23,8 @@ def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = Non
 
     Raises:
         EngineError: no URLs, or a malformed URL; a server of a version the dialect does not know
-            (`Dialect.versions`: asked here, once per URL).
-        EngineUnavailable: a server of such a dialect cannot be reached to ask its version.
+            (`Dialect.versions`: asked here, once per URL; a server unreachable now is asked before its
+            client's first call).
     """
     cfg = inputs.engine
     if not isinstance(cfg, RemoteEngine):
@@ -49,7 +49,10 @@ def connect(dialect: Dialect, inputs: EngineInputs, urls: list[str] | None = Non
     ]
     try:
         for client in clients:  # a server of a version this client does not speak fails here, not mid-run
-            dialect.check_version(client.server_version() if dialect.versions else None, client.url)
+            try:
+                client.check_version()
+            except EngineUnavailable:  # not up (yet): a subscriber's engines may come later; asked then
+                pass
     except BaseException:
         for client in clients:
             client.close()

@@ -11,7 +11,7 @@ import httpx
 
 from lora_rl_core.engines.base import PAUSE_MODES
 from lora_rl_core.engines.remote.wire import json_or_empty, parse_metrics
-from lora_rl_core.errors import EngineError
+from lora_rl_core.errors import EngineError, EngineUnavailable
 
 if TYPE_CHECKING:
     from lora_rl_core.engines.remote.dialect import Dialect
@@ -33,6 +33,7 @@ class ControlCalls:
     _http: httpx.Client
     _paused: bool
     _closed: bool
+    _version_checked: bool
     _requests: InFlightRequests
     _retired: RetiredAdapters
     _lost: LostCalls
@@ -97,6 +98,23 @@ class ControlCalls:
             return {"ok": response.status_code == 200, "paused": self._paused, "url": self.url}
         facts = json_or_empty(response)
         return {**facts, "ok": response.status_code == 200 and facts.get("ok", True), "url": self.url}
+
+    def check_version(self) -> None:
+        """Refuse a server of a version the dialect does not know (`Dialect.check_version`), once per client:
+        `connect` asks at once; a server unreachable then is asked before this client's next call goes out.
+
+        Raises:
+            EngineError: the version is not one the dialect knows (or the server says none).
+            EngineUnavailable: the server cannot be reached (asked again at the next call).
+        """
+        if self._version_checked:
+            return
+        self._version_checked = True  # first: asking goes through `_call`, which asks while this is False
+        try:
+            self.dialect.check_version(self.server_version(), self.url)
+        except EngineUnavailable:
+            self._version_checked = False
+            raise
 
     def server_version(self) -> str | None:
         """The server's version as its `/server_info` says it (SGLang's; `/get_server_info` where a server has
