@@ -161,7 +161,7 @@ class HTTPEngine(ControlCalls):
         self._lost = LostCalls(self._requests)  # calls SGLang lost (HTTP 499) and requests sent again after one
         self._closed = False
         self._paused = False
-        self._version_checked = dialect.versions is None  # ours ships with the client: nothing to ask
+        self._version_pending = False  # `connect` asks the version (`check_version`); pending if unreachable
 
     def __repr__(self) -> str:
         return f"HTTPEngine({self.dialect.name}, {self.url!r})"
@@ -202,7 +202,7 @@ class HTTPEngine(ControlCalls):
         version the dialect does not know: `check_version`, where `connect` could not ask)."""
         if self._closed:
             raise EngineError(f"{self!r} is closed")
-        if not self._version_checked:  # `connect` could not reach the server to ask its version
+        if self._version_pending:  # `connect` could not reach the server to ask its version
             self.check_version()
         timeout = timeout_s if timeout_s is not None else self.control_timeout_s
         http = self._generation_http if path == "/generate" else self._http

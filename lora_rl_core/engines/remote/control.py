@@ -33,7 +33,7 @@ class ControlCalls:
     _http: httpx.Client
     _paused: bool
     _closed: bool
-    _version_checked: bool
+    _version_pending: bool
     _requests: InFlightRequests
     _retired: RetiredAdapters
     _lost: LostCalls
@@ -100,20 +100,21 @@ class ControlCalls:
         return {**facts, "ok": response.status_code == 200 and facts.get("ok", True), "url": self.url}
 
     def check_version(self) -> None:
-        """Refuse a server of a version the dialect does not know (`Dialect.check_version`), once per client:
-        `connect` asks at once; a server unreachable then is asked before this client's next call goes out.
+        """Refuse a server of a version the dialect does not know (`Dialect.check_version`). `connect` asks
+        once; where the server could not be reached then, the question is pending and asked before this
+        client's next call goes out.
 
         Raises:
             EngineError: the version is not one the dialect knows (or the server says none).
-            EngineUnavailable: the server cannot be reached (asked again at the next call).
+            EngineUnavailable: the server cannot be reached (still pending).
         """
-        if self._version_checked:
+        if self.dialect.versions is None:
             return
-        self._version_checked = True  # first: asking goes through `_call`, which asks while this is False
+        self._version_pending = False  # first: asking goes through `_call`, which asks while it is pending
         try:
             self.dialect.check_version(self.server_version(), self.url)
         except EngineUnavailable:
-            self._version_checked = False
+            self._version_pending = True
             raise
 
     def server_version(self) -> str | None:
