@@ -176,3 +176,21 @@ def test_abort_and_pause(url, store):
         engine.resume()
         [after] = engine.generate([GenerationRequest([1, 2, 3], _name(2), GREEDY)])
         assert after.finish_reason in ("stop", "length")
+
+
+def test_connect_asks_a_real_sglang_its_version_and_refuses_one_it_does_not_know(url):
+    """`connect` reads `version` from the real server's `/server_info`: the carried SGLang is in the client's
+    range, and a dialect that knows another range refuses it in one line naming it."""
+    import dataclasses
+
+    from lora_rl_core.engines.records import EngineInputs
+    from lora_rl_core.engines.remote.connect import connect
+
+    cfg = config_from_dict({"engine": {"type": "sglang", "urls": [url]}})
+    with connect(SGLANG, EngineInputs(cfg.engine)) as built:
+        version = built.engine.server_version()
+    OBSERVED["server_version"] = version
+    assert version is not None
+    SGLANG.check_version(version, url)
+    with pytest.raises(EngineError, match=rf"^SGLang {version} at {url} is not a version this client knows \(>=9"):
+        connect(dataclasses.replace(SGLANG, versions=">=9"), EngineInputs(cfg.engine))
