@@ -260,7 +260,10 @@ class CheckpointStore:
                 piece, shape, offset = data.get(key), list(place["shape"]), list(place["offset"])
                 if piece is None:
                     raise refuse(f"{rank}.json places {key} but {rank}.safetensors does not hold it")
-                full = whole.setdefault(key, torch.empty(shape, dtype=piece.dtype))
+                if key not in whole:  # the first piece of a tensor makes it (and its coverage mask) once
+                    whole[key] = torch.empty(shape, dtype=piece.dtype)
+                    covered[key] = torch.zeros(shape, dtype=torch.bool)
+                full, mask = whole[key], covered[key]
                 if list(full.shape) != shape or full.dtype != piece.dtype:
                     raise refuse(
                         f"{rank} says {key} is {shape} {piece.dtype}, an earlier rank {list(full.shape)} {full.dtype}"
@@ -272,7 +275,6 @@ class CheckpointStore:
                 ):
                     raise refuse(f"{rank}'s piece of {key} ({list(piece.shape)} at {offset}) lies outside {shape}")
                 where = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))
-                mask = covered.setdefault(key, torch.zeros(shape, dtype=torch.bool))
                 if mask[where].any():
                     raise refuse(f"{rank}'s piece of {key} ({list(piece.shape)} at {offset}) overlaps an earlier one")
                 mask[where] = True

@@ -4,11 +4,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_rl_core.config import load_config
-from lora_rl_core.engines import EmbeddedEngine
 from lora_rl_core.engines.records import EngineInputs
 from lora_rl_core.engines.remote import SERVER, SGLANG, HTTPEngine
 from lora_rl_core.engines.remote.connect import connect
@@ -24,13 +21,6 @@ pytestmark = pytest.mark.slow  # uvicorn in a thread
 def prefect_harness():
     """No Prefect server is needed here: overrides the package's session-wide harness for this module."""
     yield
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with EmbeddedEngine(model, AutoTokenizer.from_pretrained(tiny_model_dir), max_batch_size=4) as engine:
-        yield engine
 
 
 def _inputs(url: str, kind: str = "sglang") -> EngineInputs:
@@ -66,11 +56,14 @@ def test_a_known_sglang_version_connects(backend, version):
             assert built.engine.server_version() == version
 
 
-def test_our_server_is_not_asked_its_version(backend):
-    """`lora-rl serve` has no `/server_info`: the `server` kind connects without asking (`SERVER.versions`)."""
-    assert SERVER.versions is None
+def test_our_server_is_not_asked_its_version(backend, monkeypatch):
+    """`lora-rl serve` has no `/server_info`: the `server` kind connects without asking (`SERVER.versions`) and
+    its calls go out."""
+    asked, version = [], HTTPEngine.server_version
+    monkeypatch.setattr(HTTPEngine, "server_version", lambda self: asked.append(self.url) or version(self))
     with serve_app_in_thread(create_app(backend, served_model_name="tiny")) as url:
         with connect(SERVER, _inputs(url, "server")) as built:
+            assert built.engine.list_adapters() == {} and asked == []
             assert built.engine.server_version() is None  # 404 on both paths: it says none
 
 

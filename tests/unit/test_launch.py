@@ -229,3 +229,19 @@ def test_the_probe_refuses_an_sglang_version_the_client_does_not_know_before_lau
     message = str(err.value)
     assert message.startswith(f"SGLang {version} at engine.launch.python={sys.executable!r}")
     assert "is not a version this client knows (>=0.5.17,<0.5.24" in message and "\n" not in message
+
+
+def test_the_gpu_extra_pins_the_sglang_versions_the_client_knows():
+    """One range in two places (the client's `SGLANG.versions`, the `gpu` extra's pin that pip reads): equal."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from lora_rl_core.engines.remote import SGLANG
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    pins = [Requirement(r) for r in extras["project"]["optional-dependencies"]["gpu"]]
+    assert SGLANG.versions is not None
+    assert [r.specifier for r in pins if r.name == "sglang"] == [SpecifierSet(SGLANG.versions)]
