@@ -15,7 +15,7 @@ python3 -m verl.trainer.main_ppo \
   actor_rollout_ref.model.path=${OUT}/model actor_rollout_ref.model.tokenizer_path=${OUT}/tok \
   actor_rollout_ref.model.lora_rank=${LORA_RANK:-16} actor_rollout_ref.model.lora_alpha=${LORA_ALPHA:-32} \
   actor_rollout_ref.model.target_modules=all-linear \
-  actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.model.enable_gradient_checkpointing=True \
+  actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.model.enable_gradient_checkpointing=${GRAD_CKPT:-True} \
   +actor_rollout_ref.model.override_config.attn_implementation=${ATTN:-sdpa} \
   actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.fsdp_config.model_dtype=bf16 \
   actor_rollout_ref.actor.optim.lr=1e-5 \
@@ -39,7 +39,9 @@ python3 -m verl.trainer.main_ppo \
   trainer.total_epochs=1000 trainer.total_training_steps=${STEPS} \
   ray_kwargs.ray_init.num_cpus=16 \
   "$@"
-# Options: merged-weight sync instead of an SGLang adapter: actor_rollout_ref.model.lora.merge=True
+# Options: the trainer tuned (micro-batches by tokens, no recomputation): GRAD_CKPT=False, and
+#            actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=N
+#          merged-weight sync instead of an SGLang adapter: actor_rollout_ref.model.lora.merge=True
 #          skip the old-logprob recompute (use SGLang's logprobs): algorithm.rollout_correction.bypass_mode=True
 #          SGLang attention backend: triton here, as our runs resolve it without the FA3 carry (verl's own pick,
 #            flashinfer, JIT-compiles its sm90 prefill and the carried site has no cutlass headers); SGLANG_ATTN=fa3
