@@ -18,7 +18,13 @@ if [ -d .gpu-verl ] && [ ! -f /tmp/verlsite/.complete ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/verlsite .gpu-verl/*.whl
   touch /tmp/verlsite/.complete
 fi
-clean() { python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1; pkill -f "[s]glang" ; sleep 3; nvidia-smi --query-gpu=memory.used --format=csv,noheader; }
+# verl killed by its time limit left a process holding 4.6 GiB after `ray stop --force` (2026-11-29): whatever still
+# holds the GPU after the polite stop is killed, so that the next side starts on an empty GPU
+clean() {
+  python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1; pkill -f "[s]glang"; sleep 3
+  nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 2>/dev/null; sleep 2
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 mkdir -p /tmp/side/logs
 V=/tmp/side/verl-$SHAPE
@@ -26,15 +32,19 @@ if [ ! -f "$V/model/config.json" ] || ! ls "$V"/model/*.safetensors >/dev/null 2
   PYTHONPATH=/tmp/ours python3 benchmarks/peers/verl/prep_verl_bench.py --config "benchmarks/model_configs/qwen2.5-$SHAPE.json" \
     --out "$V" --prompts $((16 * (STEPS + 1))) --prompt-len "$PROMPT_LEN" --weights
 fi
-echo "[side] ours $(date +%T)"
-PYTHONPATH=/tmp/ours:$R timeout -s TERM "$OURS_TIMEOUT_S" python3 benchmarks/gpu_scale.py --shape "$SHAPE" --steps "$STEPS" \
-  --sglang-pythonpath /tmp/sglsite --out "$OUT/ours.json" "${@}" > /tmp/side/logs/ours.log 2>&1
-echo "[side] ours rc=$? $(date +%T)"; clean
-echo "[side] verl $(date +%T)"
-mkdir -p /tmp/side/verlrun && cd /tmp/side/verlrun && rm -f "$V/metrics.jsonl"
-PYTHONPATH=/tmp/verlsite:/tmp/raysite:/tmp/ours:/tmp/sglsite OUT="$V" STEPS="$STEPS" PROMPT_LEN="$PROMPT_LEN" \
-  timeout -s TERM "$VERL_TIMEOUT_S" bash "$R/benchmarks/peers/verl/run_verl_grpo_lora.sh" ${VERL_ARGS:-} > /tmp/side/logs/verl.log 2>&1
-echo "[side] verl rc=$? $(date +%T)"; clean; cd "$R"
+for side in ${SIDES:-ours verl}; do  # SIDES=verl (or ours) runs one side, where one call cannot hold both
+  echo "[side] $side $(date +%T)"
+  if [ "$side" = ours ]; then
+    PYTHONPATH=/tmp/ours:$R timeout -s TERM "$OURS_TIMEOUT_S" python3 benchmarks/gpu_scale.py --shape "$SHAPE" \
+      --steps "$STEPS" --sglang-pythonpath /tmp/sglsite --out "$OUT/ours.json" "${@}" > /tmp/side/logs/ours.log 2>&1
+  else
+    mkdir -p /tmp/side/verlrun && cd /tmp/side/verlrun && rm -f "$V/metrics.jsonl"
+    PYTHONPATH=/tmp/verlsite:/tmp/raysite:/tmp/ours:/tmp/sglsite OUT="$V" STEPS="$STEPS" PROMPT_LEN="$PROMPT_LEN" \
+      timeout -s TERM "$VERL_TIMEOUT_S" bash "$R/benchmarks/peers/verl/run_verl_grpo_lora.sh" ${VERL_ARGS:-} \
+      > /tmp/side/logs/verl.log 2>&1
+  fi
+  echo "[side] $side rc=$? $(date +%T)"; clean; cd "$R"
+done
 cp "$V/metrics.jsonl" "$OUT/verl-metrics.jsonl" 2>/dev/null
 cp "$(ls -t /tmp/side/verlrun/outputs/*/*/.hydra/config.yaml 2>/dev/null | head -1)" "$OUT/verl-config.yaml" 2>/dev/null
 tar -C /tmp/side -czf "$OUT/logs.tgz" logs
