@@ -12,6 +12,7 @@ default `mask` every row, cut at the limit, would be left out of the loss).
     one GPU, trainer and SGLang colocated:   python benchmarks/gpu_scale.py --shape 7b
     N GPUs, a trainer rank and an SGLang data-parallel worker on each:   ... --gpus N --placement colocated
     N GPUs, SGLang on half, the trainer on the rest, async rollouts:     ... --gpus N --placement split
+    N GPUs, `placement` left at its default (the plan chooses):         ... --gpus N --placement auto
 
 On the offline GPU host (docs/SGLANG.md, "GPU host"): `--sglang-pythonpath /tmp/sglsite` and a tokenizer
 folder `--tokenizer /tmp/models/meta` (SmolLM2's: random weights make any tokenizer right). Writes
@@ -132,7 +133,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=["0.5b", "1.5b", "7b", "14b", "32b"], default="1.5b")
     p.add_argument("--gpus", type=int, default=1, choices=[1, 2, 4, 8])
-    p.add_argument("--placement", choices=["colocated", "split"], default="colocated", help="with --gpus > 1")
+    p.add_argument(
+        "--placement",
+        choices=["colocated", "split", "auto"],
+        default="colocated",
+        help="with --gpus > 1; auto: `placement` left at its default (the plan chooses over every visible GPU)",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--tokenizer", type=Path, default=Path("/tmp/models/meta"))
     p.add_argument("--models", type=Path, default=Path("/tmp/models"))
@@ -160,6 +166,9 @@ def main() -> None:
             p.error(f"{flag} {step} is not one of the {args.steps} steps")
     if args.profile_step and args.profile_step == args.timeline_step:
         p.error("--profile-step and --timeline-step name the same step: one profiler at a time")
+    if args.placement == "auto" and args.gpus > 1 and torch.cuda.device_count() != args.gpus:
+        visible = torch.cuda.device_count()
+        p.error(f"--placement auto places the run on every visible GPU: {visible} visible, not {args.gpus}")
     if args.serialise_in_memory:
         serialise_holding_the_lock()
 
@@ -192,6 +201,8 @@ def main() -> None:
     gpus = list(range(args.gpus))
     if args.gpus == 1:  # one GPU of the machine, trainer and SGLang on it
         overrides += ["placement=manual"]
+    elif args.placement == "auto":  # the config's default (no override): the plan places the run
+        pass
     elif args.placement == "split":  # SGLang on the first half, the trainer on the rest, rollouts one step ahead
         overrides += [f"placement={{type: split, gpus: {gpus}}}"]  # rollout.mode auto: async there
     else:  # a trainer rank and an SGLang data-parallel worker on every GPU
