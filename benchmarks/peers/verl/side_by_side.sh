@@ -6,6 +6,8 @@
 # completion). verl: run_verl_grpo_lora.sh with prompts of our prompts' mean length (48 tokens, SmolLM2's
 # tokenizer on the default task) and ignore_eos. Leaves in $OUT: ours.json, verl-metrics.jsonl,
 # verl-config.yaml (verl's whole resolved config) and the logs packed in logs.tgz.
+# SIDES=verl or SIDES=ours runs one side (a 7B pair does not fit one 10-minute call); GRAD_CKPT and VERL_ARGS
+# reach run_verl_grpo_lora.sh (its trainer tuned: benchmarks/peers/README.md).
 set -uo pipefail
 R=$PWD; OUT=${OUT:?}; SHAPE=${SHAPE:-1.5b}; STEPS=${STEPS:-8}; PROMPT_LEN=${PROMPT_LEN:-48}
 VERL_TIMEOUT_S=${VERL_TIMEOUT_S:-330}; OURS_TIMEOUT_S=${OURS_TIMEOUT_S:-240}
@@ -26,7 +28,7 @@ clean() {
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 }
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
-mkdir -p /tmp/side/logs
+rm -rf /tmp/side/logs && mkdir -p /tmp/side/logs  # this call's logs only (SIDES may run one side)
 V=/tmp/side/verl-$SHAPE
 if [ ! -f "$V/model/config.json" ] || ! ls "$V"/model/*.safetensors >/dev/null 2>&1; then
   PYTHONPATH=/tmp/ours python3 benchmarks/peers/verl/prep_verl_bench.py --config "benchmarks/model_configs/qwen2.5-$SHAPE.json" \
@@ -45,7 +47,9 @@ for side in ${SIDES:-ours verl}; do  # SIDES=verl (or ours) runs one side, where
   fi
   echo "[side] $side rc=$? $(date +%T)"; clean; cd "$R"
 done
-cp "$V/metrics.jsonl" "$OUT/verl-metrics.jsonl" 2>/dev/null
-cp "$(ls -t /tmp/side/verlrun/outputs/*/*/.hydra/config.yaml 2>/dev/null | head -1)" "$OUT/verl-config.yaml" 2>/dev/null
+if [ -f /tmp/side/logs/verl.log ]; then  # verl ran in this call: its metrics and config, not an earlier call's
+  cp "$V/metrics.jsonl" "$OUT/verl-metrics.jsonl" 2>/dev/null
+  cp "$(ls -t /tmp/side/verlrun/outputs/*/*/.hydra/config.yaml 2>/dev/null | head -1)" "$OUT/verl-config.yaml" 2>/dev/null
+fi
 tar -C /tmp/side -czf "$OUT/logs.tgz" logs
-tail -5 /tmp/side/logs/ours.log; grep -E "Error|error:|Traceback|step:" /tmp/side/logs/verl.log | tail -25
+tail -5 /tmp/side/logs/ours.log 2>/dev/null; grep -E "Error|error:|Traceback|step:" /tmp/side/logs/verl.log 2>/dev/null | tail -25
