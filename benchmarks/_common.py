@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -131,12 +132,21 @@ def write_json(record: dict[str, Any], out: Path) -> None:
     print(f"wrote {out}")
 
 
+_FOLDERS = re.compile(r"(?:(?<![\w.:/<>-])|(?<=file://))/(?:[^\s/'\"]+/)+")
+"""The folders of an absolute path inside a string (a command line, a `file://` URI); not an HTTP URL's path,
+nor a relative path's or a ratio's."""
+
+
 def _no_machine_paths(value: Any) -> Any:
-    """Absolute paths become their file names, so committed results name no machine's folders."""
+    """Absolute paths become their file names, so committed results name no machine's folders: a path on its
+    own, and each path inside a string (an SGLang command line: `/opt/x/bin/python3 ... --model-path
+    /tmp/models/m` -> `python3 ... --model-path m`)."""
     if isinstance(value, dict):
         return {k: _no_machine_paths(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_no_machine_paths(v) for v in value]
     if isinstance(value, Path) or (isinstance(value, str) and value.startswith("/") and "\n" not in value):
         return Path(value).name
+    if isinstance(value, str):
+        return _FOLDERS.sub("", value)
     return value

@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared table and JSON writer
+from _common import print_table, write_json  # noqa: E402
 
 
 def ours(path: Path) -> dict[str, Any]:
@@ -75,18 +76,12 @@ def main() -> None:
     args = p.parse_args()
     sides = [ours(args.folder / "ours.json"), verl(args.folder / "verl-metrics.jsonl")]
     gpu = json.loads((args.folder / "ours.json").read_text())["gpu"]
-    table = Table(title=f"one {gpu}: medians of steps 2..N")
     keys = [k for k in sides[0] if k != "side"]
-    table.add_column("")
-    for s in sides:
-        table.add_column(s["side"], justify="right")
-    for k in keys:
-        table.add_row(k, *("-" if s[k] is None else f"{s[k]:.2f}" for s in sides))
+    rows = [[k, *("-" if s[k] is None else float(s[k]) for s in sides)] for k in keys]
+    print_table(f"one {gpu}: medians of steps 2..N", ["", *(s["side"] for s in sides)], rows)
     ratio = sides[1]["step_seconds"] / sides[0]["step_seconds"]
-    Console().print(table)
     print(f"verl's step / ours: {ratio:.2f}x")
-    out = {"gpu": gpu, "sides": sides, "peer_step_over_ours": ratio}
-    (args.folder / "compare.json").write_text(json.dumps(out, indent=1) + "\n")
+    write_json({"gpu": gpu, "sides": sides, "peer_step_over_ours": ratio}, args.folder / "compare.json")
 
 
 if __name__ == "__main__":

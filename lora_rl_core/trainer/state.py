@@ -136,7 +136,8 @@ def _check(
     target set differs here), then the same shapes (another rank keeps the names).
 
     Raises:
-        ValueError: naming the unknown and missing parameters, or the first parameter of another shape.
+        ValueError: naming the unknown and missing parameters, the first parameter the state lacks, or the first
+            of another shape.
     """
     saved, ours = meta["param_names"], parts.param_names
     if saved != ours:
@@ -147,7 +148,13 @@ def _check(
             f"(e.g. {sorted(theirs - mine)[:2]}), {len(mine - theirs)} missing (e.g. {sorted(mine - theirs)[:2]})"
         )
     for name, p in zip(parts.param_names, parts.params, strict=True):
-        shape = tensors[f"{prefix}params/{name}"].shape
+        saved_tensor = tensors.get(f"{prefix}params/{name}")
+        if saved_tensor is None:  # its meta lists the parameter, but no rank's file held it
+            raise ValueError(
+                f"trainer state has no {prefix}params/{name}, which its meta lists: the checkpoint is incomplete; "
+                "resume from an earlier one"
+            )
+        shape = saved_tensor.shape
         if shape != p.shape:  # a DTensor's shape is the whole parameter's, as saved
             raise ValueError(
                 f"trainer state's {prefix}params/{name} is {list(shape)}, this {what}'s {list(p.shape)}: the "

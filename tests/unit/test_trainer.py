@@ -260,6 +260,20 @@ def test_load_state_dict_rejects_another_lora_rank_naming_the_parameter(make_tra
         assert torch.equal(w, before[name]), name
 
 
+def test_load_state_dict_rejects_a_state_missing_a_parameter_its_meta_lists(make_trainer):
+    """A checkpoint in which no rank's file held one parameter: one line naming it, the weights untouched (not a
+    bare KeyError from the copy)."""
+    trainer = make_trainer()
+    saved = trainer.state_dict()
+    missing = next(k for k in saved["tensors"] if k.startswith("params/"))
+    del saved["tensors"][missing]
+    before = {k: v.clone() for k, v in lora_weights(trainer).items()}
+    with pytest.raises(ValueError, match=rf"^trainer state has no {missing}, which its meta lists: .*incomplete"):
+        trainer.load_state_dict(saved)
+    for name, w in lora_weights(trainer).items():
+        assert torch.equal(w, before[name]), name
+
+
 def test_adapter_state_method_matches_lora_adapter_state(make_trainer):
     trainer = make_trainer()
     trainer.train_step(random_batch([1.0, -1.0]))

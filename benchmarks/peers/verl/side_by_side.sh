@@ -47,9 +47,14 @@ for side in ${SIDES:-ours verl}; do  # SIDES=verl (or ours) runs one side, where
   fi
   echo "[side] $side rc=$? $(date +%T)"; clean; cd "$R"
 done
+# what comes back names no machine's folders (ours.json is scrubbed by gpu_scale.py's writer)
+VENV=$(python3 -c "import sys; print(sys.prefix)")
+scrub() { sed -i -e "s#$R#<repo>#g" -e "s#$VENV#<venv>#g" -e "s#$HOME/#<home>/#g" -e "s#/tmp/#<tmp>/#g" "$@"; }
 if [ -f /tmp/side/logs/verl.log ]; then  # verl ran in this call: its metrics and config, not an earlier call's
   cp "$V/metrics.jsonl" "$OUT/verl-metrics.jsonl" 2>/dev/null
   cp "$(ls -t /tmp/side/verlrun/outputs/*/*/.hydra/config.yaml 2>/dev/null | head -1)" "$OUT/verl-config.yaml" 2>/dev/null
+  scrub "$OUT"/verl-*
 fi
+scrub /tmp/side/logs/*.log
 tar -C /tmp/side -czf "$OUT/logs.tgz" logs
 tail -5 /tmp/side/logs/ours.log 2>/dev/null; grep -E "Error|error:|Traceback|step:" /tmp/side/logs/verl.log 2>/dev/null | tail -25
