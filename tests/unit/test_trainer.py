@@ -253,11 +253,7 @@ def test_load_state_dict_rejects_another_lora_rank_naming_the_parameter(make_tra
     saved = make_trainer().state_dict()
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     other = PolicyTrainer(apply_lora(base, LoRAConfig(rank=8)), trainer_plan(), pad_id=pad_id)
-    before = {k: v.clone() for k, v in lora_weights(other).items()}
-    with pytest.raises(ValueError, match=r"params/\S+lora_A\S* is \[4, \d+\], this model's \[8, \d+\]: .*lora.rank"):
-        other.load_state_dict(saved)
-    for name, w in lora_weights(other).items():
-        assert torch.equal(w, before[name]), name
+    _refused_leaving_weights(other, saved, r"params/\S+lora_A\S* is \[4, \d+\], this model's \[8, \d+\]: .*lora.rank")
 
 
 def test_load_state_dict_rejects_a_state_missing_a_parameter_its_meta_lists(make_trainer):
@@ -267,9 +263,14 @@ def test_load_state_dict_rejects_a_state_missing_a_parameter_its_meta_lists(make
     saved = trainer.state_dict()
     missing = next(k for k in saved["tensors"] if k.startswith("params/"))
     del saved["tensors"][missing]
+    _refused_leaving_weights(trainer, saved, rf"^trainer state has no {missing}, which its meta lists: .*incomplete")
+
+
+def _refused_leaving_weights(trainer: PolicyTrainer, state: dict, match: str) -> None:
+    """`trainer.load_state_dict(state)` raises a ValueError matching `match` and leaves every LoRA weight as it was."""
     before = {k: v.clone() for k, v in lora_weights(trainer).items()}
-    with pytest.raises(ValueError, match=rf"^trainer state has no {missing}, which its meta lists: .*incomplete"):
-        trainer.load_state_dict(saved)
+    with pytest.raises(ValueError, match=match):
+        trainer.load_state_dict(state)
     for name, w in lora_weights(trainer).items():
         assert torch.equal(w, before[name]), name
 
